@@ -1,0 +1,31 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test test-all lint setup clean
+
+$(BIN)/graphpar: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/graphpar
+
+# Compile the bundled example GPT model on the default mesh and print the report.
+run: setup
+	$(BIN)/graphpar compile --example gpt --out graphpar-out
+
+# The fast default suite (slow-marked tests excluded; GPU tests skip without a GPU).
+test: setup
+	$(BIN)/python -m pytest
+
+test-all: setup
+	$(BIN)/python -m pytest -m ''
+
+lint: setup
+	$(BIN)/ruff check graphpar tests tools
+
+clean:
+	rm -rf $(VENV) graphpar-out .pytest_cache

@@ -1,0 +1,1 @@
+"""graphpar.backends.cuda."""

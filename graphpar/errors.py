@@ -1,0 +1,59 @@
+"""Errors a user can cause. The CLI prints their message and exits non-zero, no traceback."""
+
+from __future__ import annotations
+
+
+class GraphparError(Exception):
+    """Base of every error the user can fix; the message says what went wrong and what to do."""
+
+    exit_code = 1
+
+
+class UsageError(GraphparError):
+    """Bad command-line input: a missing file, a file with no model, a bad pipeline string."""
+
+    exit_code = 2
+
+
+class CaptureError(GraphparError):
+    """torch.export / make_fx could not trace the model; carries the user's source line."""
+
+
+class UnsupportedOpError(CaptureError):
+    """An ATen op has no graphpar IR mapping, or an IR op is not in the registry."""
+
+
+class IRParseError(GraphparError):
+    """IR text that does not parse; the message names the file, line and column."""
+
+
+class VerificationError(GraphparError):
+    """An IR graph that breaks an invariant (types, SSA, order); the message names the node."""
+
+
+class PassError(GraphparError):
+    """A pass could not run on the graph it was given."""
+
+
+class ShardingError(GraphparError):
+    """A mesh or layout that does not fit the graph (e.g. a mesh that divides no dimension)."""
+
+
+class MemoryLimitError(ShardingError):
+    """No plan fits the per-device memory limit; says what the best plan needs."""
+
+
+class ClusterSpecError(UsageError):
+    """A malformed cluster description file or an unknown cluster preset."""
+
+
+class KVCacheError(GraphparError):
+    """A request the KV block manager can never hold (e.g. longer than all KV memory)."""
+
+
+class GenerationError(GraphparError):
+    """A request the engine cannot serve (prompt longer than the context, unsupported head size)."""
+
+
+class BackendError(GraphparError):
+    """A device backend that is unavailable or cannot run a program (no GPU, no nvcc)."""

@@ -1,1 +1,18 @@
-"""graphpar.passes."""
+"""Passes over the IR and the pass manager that runs them."""
+
+from graphpar.passes import cleanup  # noqa: F401  (registers the cleanup passes)
+from graphpar.passes.manager import (
+    GraphPass,
+    Pass,
+    PassContext,
+    PassManager,
+    available_passes,
+    make_pass,
+    parse_pipeline,
+    register_alias,
+    register_pass,
+    run_pipeline,
+)
+
+__all__ = ["GraphPass", "Pass", "PassContext", "PassManager", "available_passes", "make_pass",
+           "parse_pipeline", "register_alias", "register_pass", "run_pipeline"]

@@ -1,0 +1,692 @@
+"""The one table from ATen ops to IR ops.
+
+Each entry takes the op's arguments, normalized to the ATen schema's order with defaults filled
+in, and emits IR nodes through an `Emitter`. Most entries are one node; a few ATen ops become
+several (addmm is matmul + add, split is slices) and aliases become nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphpar.ir.graph import Value
+from graphpar.ir.types import dtype_name
+
+aten = torch.ops.aten
+
+# An emitter function: (emit, args) -> a Value, a tuple of Values, or a scalar.
+Lowering = Callable[["Emitter", list[Any]], Any]
+TABLE: dict[Any, Lowering] = {}
+
+
+class Emitter:
+    """What a table entry sees: `emit(op, operands, attrs)` appends an IR node, returning its
+    result (or tuple of results). The capture front end supplies the concrete one."""
+
+    def emit(self, op: str, operands: list[Any], attrs: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError
+
+
+def _on(*targets):
+    def register(fn: Lowering) -> Lowering:
+        for target in targets:
+            TABLE[target] = fn
+        return fn
+    return register
+
+
+def rank(v: Any) -> int:
+    return v.type.rank if isinstance(v, Value) else 0
+
+
+def shape(v: Value) -> tuple[int, ...]:
+    return v.type.shape
+
+
+def pos(dim: int, r: int) -> int:
+    """Dims are stored non-negative, so sharding rules never see -1."""
+    return dim % r if r else 0
+
+
+def dims_of(dims, r: int) -> tuple[int, ...] | None:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return None
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted(pos(d, r) for d in dims))
+
+
+def dt(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else dtype_name(dtype)
+
+
+def scalar(v: Any) -> Any:
+    """An ATen Scalar argument as an inline IR literal."""
+    if isinstance(v, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise TypeError("symbolic scalars are not supported; use static shapes")
+    return v
+
+
+# --- elementwise ------------------------------------------------------------------------------
+
+for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
+              "tanh", "sigmoid", "relu", "silu", "erf", "reciprocal", "sign", "floor", "ceil",
+              "trunc", "logical_not", "bitwise_not", "isnan"):
+    TABLE[getattr(aten, _name).default] = (lambda name: lambda e, a: e.emit(name, [a[0]]))(_name)
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_xor",
+              "remainder", "mul"):
+    for _overload in ("Tensor", "Scalar"):
+        TABLE[getattr(getattr(aten, _name), _overload)] = (
+            lambda name: lambda e, a: e.emit(name, [a[0], scalar(a[1])]))(_name)
+for _name in ("maximum", "minimum", "logical_and", "logical_or"):
+    TABLE[getattr(aten, _name).default] = (lambda name: lambda e, a: e.emit(name, [a[0], a[1]]))(
+        _name)
+
+
+@_on(aten.gelu.default)
+def _gelu(e, a):
+    return e.emit("gelu", [a[0]], {"approximate": a[1]} if a[1] != "none" else {})
+
+
+def _scaled(e, b, alpha):
+    return b if alpha == 1 else e.emit("mul", [b, scalar(alpha)])
+
+
+@_on(aten.add.Tensor, aten.add.Scalar)
+def _add(e, a):
+    return e.emit("add", [a[0], _scaled(e, scalar(a[1]), a[2])])
+
+
+@_on(aten.sub.Tensor, aten.sub.Scalar)
+def _sub(e, a):
+    return e.emit("sub", [a[0], _scaled(e, scalar(a[1]), a[2])])
+
+
+@_on(aten.rsub.Tensor, aten.rsub.Scalar)
+def _rsub(e, a):
+    return e.emit("sub", [scalar(a[1]), _scaled(e, a[0], a[2])])
+
+
+@_on(aten.div.Tensor, aten.div.Scalar)
+def _div(e, a):
+    return e.emit("div", [a[0], scalar(a[1])])
+
+
+@_on(aten.div.Tensor_mode, aten.div.Scalar_mode)
+def _div_mode(e, a):
+    return e.emit("div", [a[0], scalar(a[1])], {"rounding_mode": a[2]} if a[2] else {})
+
+
+@_on(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow(e, a):
+    return e.emit("pow", [scalar(a[0]), scalar(a[1])])
+
+
+@_on(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _where(e, a):
+    return e.emit("where", [a[0], scalar(a[1]), scalar(a[2])])
+
+
+@_on(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(e, a):
+    return e.emit("where", [a[1], scalar(a[2]), a[0]])
+
+
+@_on(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(e, a):
+    return e.emit("clamp", [a[0]], {"min": scalar(a[1]), "max": scalar(a[2])})
+
+
+@_on(aten.clamp_min.default)
+def _clamp_min(e, a):
+    return e.emit("clamp", [a[0]], {"min": scalar(a[1]), "max": None})
+
+
+@_on(aten._to_copy.default)
+def _to_copy(e, a):
+    x, dtype = a[0], a[1] if len(a) > 1 else None
+    if dtype is None or dtype == x.type.dtype:
+        return x
+    return e.emit("convert", [x], {"dtype": dt(dtype)})
+
+
+@_on(aten.to.dtype)
+def _to_dtype(e, a):
+    return a[0] if a[1] == a[0].type.dtype else e.emit("convert", [a[0]], {"dtype": dt(a[1])})
+
+
+@_on(aten.gelu_backward.default)
+def _gelu_backward(e, a):
+    return e.emit("gelu_backward", [a[0], a[1]], {"approximate": a[2]} if a[2] != "none" else {})
+
+
+for _name in ("silu_backward", "sigmoid_backward", "tanh_backward"):
+    TABLE[getattr(aten, _name).default] = (lambda name: lambda e, a: e.emit(name, [a[0], a[1]]))(
+        _name)
+
+
+@_on(aten.threshold_backward.default)
+def _threshold_backward(e, a):
+    return e.emit("threshold_backward", [a[0], a[1]], {"threshold": a[2]})
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+def _reduction(name):
+    def lower(e, a):
+        x = a[0]
+        attrs = {"dims": dims_of(a[1], rank(x)), "keepdim": bool(a[2])}
+        if len(a) > 3 and a[3] is not None:
+            attrs["dtype"] = dt(a[3])
+        return e.emit(name, [x], attrs)
+    return lower
+
+
+def _full_reduction(name):
+    def lower(e, a):
+        attrs = {"dims": None, "keepdim": False}
+        if len(a) > 1 and a[1] is not None:
+            attrs["dtype"] = dt(a[1])
+        return e.emit(name, [a[0]], attrs)
+    return lower
+
+
+TABLE[aten.sum.dim_IntList] = _reduction("sum")
+TABLE[aten.sum.default] = _full_reduction("sum")
+TABLE[aten.mean.dim] = _reduction("mean")
+TABLE[aten.mean.default] = _full_reduction("mean")
+TABLE[aten.amax.default] = _reduction("amax")
+TABLE[aten.amin.default] = _reduction("amin")
+TABLE[aten.any.dims] = _reduction("any")
+TABLE[aten.any.dim] = _reduction("any")
+TABLE[aten.all.dim] = _reduction("all")
+TABLE[aten.any.default] = _full_reduction("any")
+
+
+@_on(aten.var.correction)
+def _var(e, a):
+    x = a[0]
+    correction = 1 if a[2] is None else a[2]
+    return e.emit("var", [x], {"dims": dims_of(a[1], rank(x)), "correction": correction,
+                               "keepdim": bool(a[3])})
+
+
+TABLE[aten.argmax.default] = lambda e, a: e.emit("argmax", [a[0]], {"dim": pos(a[1], rank(a[0])),
+                                                                    "keepdim": bool(a[2])})
+TABLE[aten.argmin.default] = lambda e, a: e.emit("argmin", [a[0]], {"dim": pos(a[1], rank(a[0])),
+                                                                    "keepdim": bool(a[2])})
+
+
+@_on(aten.max.dim)
+def _max_dim(e, a):
+    x, dim, keepdim = a[0], pos(a[1], rank(a[0])), bool(a[2])
+    return (e.emit("amax", [x], {"dims": (dim,), "keepdim": keepdim}),
+            e.emit("argmax", [x], {"dim": dim, "keepdim": keepdim}))
+
+
+@_on(aten.cumsum.default)
+def _cumsum(e, a):
+    attrs = {"dim": pos(a[1], rank(a[0]))}
+    if a[2] is not None:
+        attrs["dtype"] = dt(a[2])
+    return e.emit("cumsum", [a[0]], attrs)
+
+
+@_on(aten.topk.default)
+def _topk(e, a):
+    return e.emit("topk", [a[0]], {"k": a[1], "dim": pos(a[2], rank(a[0])), "largest": a[3],
+                                   "sorted": a[4]})
+
+
+@_on(aten.sort.default)
+def _sort(e, a):
+    return e.emit("sort", [a[0]], {"dim": pos(a[1], rank(a[0])), "descending": a[2]})
+
+
+# --- matmul -----------------------------------------------------------------------------------
+
+@_on(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def _matmul(e, a):
+    return e.emit("matmul", [a[0], a[1]])
+
+
+@_on(aten.addmm.default)
+def _addmm(e, a):
+    bias, x, w, beta, alpha = a
+    product = _scaled(e, e.emit("matmul", [x, w]), alpha)
+    return e.emit("add", [product, _scaled(e, bias, beta)])
+
+
+@_on(aten.linear.default)
+def _linear(e, a):
+    return e.emit("linear", [a[0], a[1], a[2]])
+
+
+# --- shape ------------------------------------------------------------------------------------
+
+def reshape(e, x, new_shape):
+    new_shape = tuple(int(d) for d in new_shape)
+    if -1 in new_shape:
+        known = 1
+        for d in new_shape:
+            known *= d if d != -1 else 1
+        new_shape = tuple(x.type.numel // known if d == -1 else d for d in new_shape)
+    return x if new_shape == shape(x) else e.emit("reshape", [x], {"shape": new_shape})
+
+
+TABLE[aten.view.default] = lambda e, a: reshape(e, a[0], a[1])
+TABLE[aten.reshape.default] = lambda e, a: reshape(e, a[0], a[1])
+TABLE[aten._unsafe_view.default] = lambda e, a: reshape(e, a[0], a[1])
+
+
+@_on(aten.unsqueeze.default)
+def _unsqueeze(e, a):
+    x = a[0]
+    d = pos(a[1], rank(x) + 1)
+    return reshape(e, x, shape(x)[:d] + (1,) + shape(x)[d:])
+
+
+@_on(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(e, a):
+    x = a[0]
+    dims = dims_of(a[1], rank(x)) if len(a) > 1 else None
+    dims = dims if dims is not None else range(rank(x))
+    return reshape(e, x, tuple(s for i, s in enumerate(shape(x)) if not (i in dims and s == 1)))
+
+
+@_on(aten.flatten.using_ints)
+def _flatten(e, a):
+    x = a[0]
+    start, end = pos(a[1], rank(x)), pos(a[2], rank(x))
+    s = shape(x)
+    merged = 1
+    for d in s[start:end + 1]:
+        merged *= d
+    return reshape(e, x, s[:start] + (merged,) + s[end + 1:])
+
+
+def permute(e, x, dims):
+    dims = tuple(pos(d, rank(x)) for d in dims)
+    return x if dims == tuple(range(rank(x))) else e.emit("permute", [x], {"dims": dims})
+
+
+TABLE[aten.permute.default] = lambda e, a: permute(e, a[0], a[1])
+
+
+@_on(aten.transpose.int)
+def _transpose(e, a):
+    x = a[0]
+    dims = list(range(rank(x)))
+    i, j = pos(a[1], rank(x)), pos(a[2], rank(x))
+    dims[i], dims[j] = dims[j], dims[i]
+    return permute(e, x, dims)
+
+
+@_on(aten.t.default, aten.numpy_T.default)
+def _t(e, a):
+    return permute(e, a[0], list(range(rank(a[0])))[::-1])
+
+
+@_on(aten.expand.default)
+def _expand(e, a):
+    x, new = a[0], list(a[1])
+    offset = len(new) - rank(x)
+    new = [shape(x)[i - offset] if d == -1 else d for i, d in enumerate(new)]
+    return x if tuple(new) == shape(x) else e.emit("expand", [x], {"shape": tuple(new)})
+
+
+def slice_(e, x, dim, start, end, step=1):
+    size = shape(x)[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = max(0, min(start, size)), max(0, min(end, size))
+    if (start, end, step) == (0, size, 1):
+        return x
+    return e.emit("slice", [x], {"dim": dim, "start": start, "end": end, "step": step})
+
+
+@_on(aten.slice.Tensor)
+def _slice(e, a):
+    return slice_(e, a[0], pos(a[1], rank(a[0])), a[2], a[3], a[4])
+
+
+@_on(aten.narrow.default)
+def _narrow(e, a):
+    return slice_(e, a[0], pos(a[1], rank(a[0])), a[2], a[2] + a[3])
+
+
+@_on(aten.select.int)
+def _select(e, a):
+    x, dim = a[0], pos(a[1], rank(a[0]))
+    index = a[2] + shape(x)[dim] if a[2] < 0 else a[2]
+    return e.emit("select", [x], {"dim": dim, "index": index})
+
+
+@_on(aten.split.Tensor, aten.split_with_sizes.default)
+def _split(e, a):
+    x, dim = a[0], pos(a[2], rank(a[0]))
+    size = shape(x)[dim]
+    sizes = a[1] if isinstance(a[1], (list, tuple)) else [min(a[1], size - s)
+                                                          for s in range(0, size, a[1])]
+    parts, start = [], 0
+    for s in sizes:
+        parts.append(slice_(e, x, dim, start, start + s))
+        start += s
+    return tuple(parts)
+
+
+@_on(aten.chunk.default)
+def _chunk(e, a):
+    size = shape(a[0])[pos(a[2], rank(a[0]))]
+    return _split(e, [a[0], -(-size // a[1]), a[2]])
+
+
+@_on(aten.unbind.int)
+def _unbind(e, a):
+    x, dim = a[0], pos(a[1], rank(a[0]))
+    return tuple(e.emit("select", [x], {"dim": dim, "index": i}) for i in range(shape(x)[dim]))
+
+
+@_on(aten.cat.default)
+def _cat(e, a):
+    xs = [x for x in a[0] if x.type.numel > 0 or len(a[0]) == 1]
+    if len(xs) == 1:
+        return xs[0]
+    return e.emit("cat", xs, {"dim": pos(a[1], rank(xs[0]))})
+
+
+@_on(aten.stack.default)
+def _stack(e, a):
+    dim = pos(a[1], rank(a[0][0]) + 1)
+    parts = [reshape(e, x, shape(x)[:dim] + (1,) + shape(x)[dim:]) for x in a[0]]
+    return parts[0] if len(parts) == 1 else e.emit("cat", parts, {"dim": dim})
+
+
+@_on(aten.constant_pad_nd.default)
+def _pad(e, a):
+    return e.emit("pad", [a[0]], {"pad": tuple(a[1]), "value": float(a[2])})
+
+
+@_on(aten.flip.default)
+def _flip(e, a):
+    return e.emit("flip", [a[0]], {"dims": dims_of(a[1], rank(a[0]))})
+
+
+TABLE[aten.tril.default] = lambda e, a: e.emit("tril", [a[0]], {"diagonal": a[1]})
+TABLE[aten.triu.default] = lambda e, a: e.emit("triu", [a[0]], {"diagonal": a[1]})
+TABLE[aten.repeat.default] = lambda e, a: e.emit("repeat", [a[0]], {"repeats": tuple(a[1])})
+
+# Copies and aliases carry no computation in a functional IR.
+for _target in (aten.clone.default, aten.contiguous.default, aten.alias.default,
+                aten.detach.default, aten.lift_fresh_copy.default, aten.dropout.default):
+    TABLE[_target] = lambda e, a: a[0]
+
+
+# --- indexing ---------------------------------------------------------------------------------
+
+def _one_index(indices) -> tuple[int, Value]:
+    present = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(present) != 1:
+        raise TypeError("advanced indexing with more than one index tensor is not supported")
+    return present[0]
+
+
+@_on(aten.index.Tensor)
+def _index_tensor(e, a):
+    dim, idx = _one_index(a[1])
+    return e.emit("index", [a[0], idx], {"dim": dim})
+
+
+@_on(aten.index_put.default)
+def _index_put(e, a):
+    dim, idx = _one_index(a[1])
+    return e.emit("index_put", [a[0], idx, a[2]], {"dim": dim, "accumulate": bool(a[3])})
+
+
+@_on(aten.index_select.default)
+def _index_select(e, a):
+    return e.emit("index_select", [a[0], a[2]], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten.gather.default)
+def _gather(e, a):
+    return e.emit("gather", [a[0], a[2]], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten.scatter_add.default)
+def _scatter_add(e, a):
+    return e.emit("scatter_add", [a[0], a[2], a[3]], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten.scatter.src)
+def _scatter(e, a):
+    return e.emit("scatter", [a[0], a[2], a[3]], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten.scatter.value)
+def _scatter_value(e, a):
+    src = full(e, shape(a[2]), a[3], a[0].type.dtype)
+    return e.emit("scatter", [a[0], a[2], src], {"dim": pos(a[1], rank(a[0]))})
+
+
+# --- creation ---------------------------------------------------------------------------------
+
+def full(e, shape_, value, dtype):
+    return e.emit("full", [], {"shape": tuple(shape_), "value": scalar(value),
+                               "dtype": dt(dtype or torch.float32)})
+
+
+def _default_dtype(value) -> torch.dtype:
+    if isinstance(value, bool):
+        return torch.bool
+    return torch.int64 if isinstance(value, int) else torch.float32
+
+
+TABLE[aten.full.default] = lambda e, a: full(e, a[0], a[1], a[2] or _default_dtype(a[1]))
+TABLE[aten.zeros.default] = lambda e, a: full(e, a[0], 0, a[1])
+TABLE[aten.ones.default] = lambda e, a: full(e, a[0], 1, a[1])
+TABLE[aten.empty.memory_format] = lambda e, a: full(e, a[0], 0, a[1])
+TABLE[aten.scalar_tensor.default] = lambda e, a: full(e, (), a[0], a[1])
+TABLE[aten.full_like.default] = lambda e, a: full(e, shape(a[0]), a[1], a[2] or a[0].type.dtype)
+TABLE[aten.zeros_like.default] = lambda e, a: full(e, shape(a[0]), 0, a[1] or a[0].type.dtype)
+TABLE[aten.ones_like.default] = lambda e, a: full(e, shape(a[0]), 1, a[1] or a[0].type.dtype)
+TABLE[aten.empty_like.default] = lambda e, a: full(e, shape(a[0]), 0, a[1] or a[0].type.dtype)
+TABLE[aten.new_zeros.default] = lambda e, a: full(e, a[1], 0, a[2] or a[0].type.dtype)
+TABLE[aten.new_ones.default] = lambda e, a: full(e, a[1], 1, a[2] or a[0].type.dtype)
+TABLE[aten.new_full.default] = lambda e, a: full(e, a[1], a[2], a[3] or a[0].type.dtype)
+TABLE[aten.new_empty.default] = lambda e, a: full(e, a[1], 0, a[2] or a[0].type.dtype)
+
+
+def arange(e, start, end, step, dtype):
+    if dtype is None:
+        dtype = torch.int64 if all(isinstance(v, int) for v in (start, end, step)) else \
+            torch.float32
+    return e.emit("arange", [], {"start": start, "end": end, "step": step, "dtype": dt(dtype)})
+
+
+TABLE[aten.arange.default] = lambda e, a: arange(e, 0, a[0], 1, a[1])
+TABLE[aten.arange.start] = lambda e, a: arange(e, a[0], a[1], 1, a[2])
+TABLE[aten.arange.start_step] = lambda e, a: arange(e, a[0], a[1], a[2], a[3])
+
+
+# --- composites -------------------------------------------------------------------------------
+
+@_on(aten.scaled_dot_product_attention.default)
+def _sdpa(e, a):
+    q, k, v, mask, dropout, causal, scale, gqa = a
+    if dropout:
+        raise TypeError("attention dropout is not supported; capture in eval mode or set p=0")
+    attrs = {"causal": bool(causal), "scale": scale, "gqa": bool(gqa)}
+    return e.emit("attention", [q, k, v, mask], attrs)
+
+
+@_on(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_train(e, a):
+    q, k, v, dropout, causal, mask, scale = a
+    if dropout:
+        raise TypeError("attention dropout is not supported; capture with p=0")
+    return e.emit("attention_with_lse", [q, k, v, mask], {"causal": bool(causal), "scale": scale})
+
+
+@_on(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _sdpa_backward(e, a):
+    grad, q, k, v, out, lse, dropout, causal, mask, scale = a
+    return e.emit("attention_backward", [grad, q, k, v, out, lse, mask],
+                  {"causal": bool(causal), "scale": scale})
+
+
+@_on(aten.layer_norm.default)
+def _layer_norm(e, a):
+    x, shape_, w, b, eps = a[:5]
+    return e.emit("layer_norm", [x, w, b], {"shape": tuple(shape_), "eps": eps})
+
+
+@_on(aten.native_layer_norm.default)
+def _native_layer_norm(e, a):
+    x, shape_, w, b, eps = a
+    return e.emit("layer_norm_with_stats", [x, w, b], {"shape": tuple(shape_), "eps": eps})
+
+
+@_on(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(e, a):
+    grad, x, shape_, mean, rstd, w, b, mask = a
+    mask = tuple(bool(m) for m in mask)
+    results = iter(e.emit("layer_norm_backward", [grad, x, mean, rstd, w, b],
+                          {"shape": tuple(shape_), "mask": mask}))
+    return tuple(next(results) if m else None for m in mask)
+
+
+@_on(aten.rms_norm.default)
+def _rms_norm(e, a):
+    x, shape_, w, eps = a
+    return e.emit("rms_norm", [x, w], {"shape": tuple(shape_), "eps": eps})
+
+
+@_on(aten._softmax.default, aten.softmax.int)
+def _softmax(e, a):
+    x = a[0]
+    if len(a) > 2 and isinstance(a[2], torch.dtype):
+        x = _to_dtype(e, [x, a[2]])
+    return e.emit("softmax", [x], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten._log_softmax.default, aten.log_softmax.int)
+def _log_softmax(e, a):
+    x = a[0]
+    if len(a) > 2 and isinstance(a[2], torch.dtype):
+        x = _to_dtype(e, [x, a[2]])
+    return e.emit("log_softmax", [x], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten._softmax_backward_data.default)
+def _softmax_backward(e, a):
+    return e.emit("softmax_backward", [a[0], a[1]], {"dim": pos(a[2], rank(a[1]))})
+
+
+@_on(aten._log_softmax_backward_data.default)
+def _log_softmax_backward(e, a):
+    return e.emit("log_softmax_backward", [a[0], a[1]], {"dim": pos(a[2], rank(a[1]))})
+
+
+@_on(aten.embedding.default)
+def _embedding(e, a):
+    return e.emit("embedding", [a[0], a[1]])
+
+
+@_on(aten.embedding_dense_backward.default)
+def _embedding_backward(e, a):
+    grad, idx, num_weights, padding_idx, scale_grad = a
+    if scale_grad:
+        raise TypeError("embedding with scale_grad_by_freq is not supported")
+    return e.emit("embedding_backward", [grad, idx], {"num_weights": num_weights,
+                                                       "padding_idx": padding_idx})
+
+
+def _conv_attrs(stride, padding, dilation, groups):
+    return {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation),
+            "groups": groups}
+
+
+@_on(aten.convolution.default)
+def _convolution(e, a):
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = a
+    if transposed or rank(x) != 4:
+        raise TypeError("only 2-D, non-transposed convolution is supported")
+    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+
+
+@_on(aten.conv2d.default)
+def _conv2d(e, a):
+    x, w, b, stride, padding, dilation, groups = a
+    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+
+
+@_on(aten.convolution_backward.default)
+def _conv_backward(e, a):
+    grad, x, w, bias_sizes, stride, padding, dilation, transposed, _, groups, mask = a
+    if transposed:
+        raise TypeError("transposed convolution is not supported")
+    mask = tuple(bool(m) for m in mask)
+    attrs = _conv_attrs(stride, padding, dilation, groups)
+    attrs.update(bias=bias_sizes is not None, mask=mask)
+    results = iter(e.emit("conv2d_backward", [grad, x, w], attrs))
+    return tuple(next(results) if m else None for m in mask)
+
+
+@_on(aten._native_batch_norm_legit_no_training.default)
+def _batch_norm_eval(e, a):
+    x, w, b, mean, var, momentum, eps = a
+    out = e.emit("batch_norm", [x, w, b, mean, var], {"momentum": momentum, "eps": eps})
+    return out, None, None
+
+
+@_on(aten._native_batch_norm_legit_functional.default)
+def _batch_norm_train(e, a):
+    x, w, b, mean, var, training, momentum, eps = a
+    if not training:
+        return _batch_norm_eval(e, [x, w, b, mean, var, momentum, eps])
+    return e.emit("batch_norm_train", [x, w, b, mean, var], {"momentum": momentum, "eps": eps})
+
+
+@_on(aten.native_batch_norm_backward.default)
+def _batch_norm_backward(e, a):
+    grad, x, w, mean, var, save_mean, save_rstd, train, eps, mask = a
+    if not train:
+        raise TypeError("batch norm backward in eval mode is not supported")
+    mask = tuple(bool(m) for m in mask)
+    results = iter(e.emit("batch_norm_backward", [grad, x, w, mean, var, save_mean, save_rstd],
+                          {"eps": eps, "mask": mask}))
+    return tuple(next(results) if m else None for m in mask)
+
+
+@_on(aten.nll_loss_forward.default)
+def _nll_loss(e, a):
+    x, target, weight, reduction, ignore_index = a
+    return e.emit("nll_loss", [x, target, weight], {"reduction": reduction,
+                                                    "ignore_index": ignore_index})
+
+
+@_on(aten.nll_loss_backward.default)
+def _nll_loss_backward(e, a):
+    grad, x, target, weight, reduction, ignore_index, total_weight = a
+    return e.emit("nll_loss_backward", [grad, x, target, total_weight, weight],
+                  {"reduction": reduction, "ignore_index": ignore_index})
+
+
+# Composite ATen ops kept whole at capture (not decomposed), because IR ops stand for them.
+PRESERVED = [
+    aten.linear.default, aten.layer_norm.default, aten.rms_norm.default,
+    aten.scaled_dot_product_attention.default, aten.softmax.int, aten.log_softmax.int,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten.native_layer_norm_backward.default, aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default, aten.gelu_backward.default,
+    aten.embedding_dense_backward.default, aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default, aten.native_batch_norm_backward.default,
+    aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
+    aten.threshold_backward.default, aten.conv2d.default,
+]

@@ -1,0 +1,146 @@
+"""Capture: a torch.nn.Module and example inputs become an IR graph (inference or training step)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch._decomp import core_aten_decompositions
+
+from graphpar.backends import reference
+from graphpar.capture.aten_table import PRESERVED
+from graphpar.capture.fx_import import import_exported, short_location
+from graphpar.capture.optim import Optimizer, append_optimizer
+from graphpar.errors import CaptureError, GraphparError
+from graphpar.ir.graph import Graph, OutputRole, Role
+
+
+@dataclass
+class Captured:
+    """A captured graph with the tensors its non-user inputs start from."""
+
+    graph: Graph
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def user_inputs(self) -> list[str]:
+        return [v.name for v in self.graph.inputs_with_role(Role.INPUT)]
+
+    def bind(self, *args: torch.Tensor) -> dict[str, torch.Tensor]:
+        """All graph inputs by name: the user's tensors in call order, then the state."""
+        names = self.user_inputs
+        if len(args) != len(names):
+            raise GraphparError(f"graph @{self.graph.name} takes {len(names)} user inputs "
+                                f"({', '.join(names)}), got {len(args)}")
+        return {**self.state, **dict(zip(names, args))}
+
+    def run(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        """Execute on the CPU reference executor."""
+        return reference.run(self.graph, self.bind(*args))
+
+    def apply_updates(self, outputs: Sequence[torch.Tensor]) -> None:
+        """Write `update` outputs of a run back into the state, ready for the next step."""
+        for out, tensor in zip(self.graph.outputs, outputs):
+            if out.role is OutputRole.UPDATE:
+                self.state[out.target] = tensor
+
+
+def _decompositions(table: dict) -> dict:
+    for op in PRESERVED:
+        table.pop(op, None)
+    return table
+
+
+def _export(module: torch.nn.Module, args: tuple, what: str):
+    try:
+        return torch.export.export(module, args, strict=False)
+    except GraphparError:
+        raise
+    except Exception as exc:
+        raise CaptureError(_capture_message(exc, what)) from None
+
+
+def _capture_message(exc: Exception, what: str) -> str:
+    """The torch error, shortened, with the innermost user source line it came from."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(os.path.dirname(torch.__file__))
+              and "graphpar" + os.sep + "capture" not in f.filename and "<" not in f.filename]
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    message = f"cannot capture {what}: {type(exc).__name__}: {first_line}"
+    if frames:
+        f = frames[-1]
+        message += f"\n  at {short_location(f.filename, f.lineno)}: {(f.line or '').strip()}"
+    return message + ("\n  graphpar captures with torch.export: the model must trace with static "
+                      "shapes and no data-dependent Python control flow.")
+
+
+def capture_inference(module: torch.nn.Module, args: Sequence[torch.Tensor],
+                      name: str = "main") -> Captured:
+    """The forward pass of `module` on `args` as one graph with global shapes.
+
+    Parameters and buffers become graph inputs with their roles; the module is captured as it
+    is (call `.eval()` first for inference behaviour of dropout and batch norm).
+    """
+    ep = _export(module, tuple(args), f"{type(module).__name__}.forward")
+    try:
+        ep = ep.run_decompositions(_decompositions(torch.export.default_decompositions()))
+    except Exception as exc:
+        raise CaptureError(_capture_message(exc, "the exported graph (decomposition)")) from None
+    graph, state = import_exported(ep, name)
+    return Captured(graph, state)
+
+
+class _TrainingStep(torch.nn.Module):
+    """forward(*inputs, *targets) -> loss: the module and its loss as one exportable module."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Callable, num_inputs: int):
+        super().__init__()
+        self.module = module
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def forward(self, *args):
+        out = self.module(*args[:self.num_inputs])
+        return (self.loss_fn(out, *args[self.num_inputs:]),)
+
+
+def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
+                     loss_fn: Callable, targets: Sequence[torch.Tensor] = (),
+                     optimizer: Optimizer | None = None, name: str = "train_step",
+                     keep_grads: bool = False) -> Captured:
+    """One whole training step as one graph: forward, loss, backward and optimizer update.
+
+    Outputs: the loss, then `update` outputs for each parameter and optimizer-state tensor
+    (and buffers the forward mutates, e.g. batch-norm statistics). Without an optimizer the
+    graph returns the gradients instead (`grad` outputs).
+    """
+    step = _TrainingStep(module, loss_fn, len(args))
+    ep = _export(step, tuple(args) + tuple(targets), f"{type(module).__name__} training step")
+    from torch.export.experimental import (
+        _copy_graph_module_and_signature,
+        _decompose_exported_program,
+        _remove_detach_pass,
+    )
+
+    try:
+        ep = _decompose_exported_program(
+            ep, cia_to_decomp={}, python_decomp_table=_decompositions(core_aten_decompositions()),
+            joint_loss_index=0, decompose_custom_triton_ops=False)
+        gm, signature = _copy_graph_module_and_signature(ep)
+        _remove_detach_pass(gm, signature)
+        ep = ep._update(gm, signature)
+    except Exception as exc:
+        raise CaptureError(_capture_message(exc, "the backward pass")) from None
+    # The wrapper adds a "module." prefix; names stay those of the user's module.
+    names = {spec.target: spec.target.removeprefix("module.")
+             for spec in ep.graph_signature.input_specs if spec.target}
+    graph, state = import_exported(ep, name, input_names=names)
+    for out in graph.outputs:
+        if out.target is not None:
+            out.target = out.target.removeprefix("module.")
+    if optimizer is not None:
+        append_optimizer(graph, optimizer, state, keep_grads=keep_grads)
+    return Captured(graph, state)

@@ -1,0 +1,335 @@
+"""The IR: SSA `Value`s produced by `Node`s, ordered in a `Graph`; several graphs in a `Program`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from graphpar.ir.types import TensorType
+
+# A node operand is an SSA value or a plain scalar written inline (`mul(%3, 0.125)`), as in fx.
+Scalar = Union[int, float, bool, None]  # noqa: UP007 (a runtime alias)
+Operand = Union["Value", Scalar]  # noqa: UP007
+
+
+class Role(str, enum.Enum):
+    """What a graph input is: it decides how it is sharded, saved and updated."""
+
+    INPUT = "input"  # an activation fed by the user (token ids, images, targets)
+    PARAM = "param"
+    BUFFER = "buffer"  # non-trainable state (batch-norm running stats, rotary tables)
+    OPTIM_STATE = "optim_state"  # optimizer moments, step counters
+    CONST = "const"  # a tensor constant lifted out of the model
+
+
+class OutputRole(str, enum.Enum):
+    """What a graph output is."""
+
+    OUTPUT = "output"  # a user-visible result
+    LOSS = "loss"
+    GRAD = "grad"  # the gradient of the input named by `Output.target`
+    UPDATE = "update"  # the new value of the param/buffer/optim_state named by `Output.target`
+
+
+class Value:
+    """An SSA value: its type, the node that produces it (None for graph inputs) and its users."""
+
+    __slots__ = ("type", "producer", "index", "users", "name", "role", "layout")
+
+    def __init__(
+        self,
+        type: TensorType,
+        producer: Node | None = None,
+        index: int = 0,
+        name: str | None = None,
+        role: Role | None = None,
+    ):
+        self.type = type
+        self.producer = producer
+        self.index = index  # which output of the producer this is
+        self.users: dict[Node, None] = {}  # ordered set of consuming nodes
+        self.name = name  # graph inputs keep their names; node outputs are numbered when printed
+        self.role = role
+        self.layout: Any = None  # a graphpar.ir.layout.Layout once a sharding pass has run
+
+    @property
+    def is_input(self) -> bool:
+        return self.producer is None
+
+    def __repr__(self) -> str:
+        where = (f"input {self.name}" if self.producer is None
+                 else f"{self.producer.op}#{self.index}")
+        return f"Value({where}: {self.type})"
+
+
+def plain(value: Any) -> Any:
+    """Attributes are plain, hashable data: lists become tuples, so printing and parsing agree."""
+    if isinstance(value, (list, tuple)):
+        return tuple(plain(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"attribute value {value!r} is not plain data (int, float, bool, str, "
+                    "None or a tuple of them)")
+
+
+class Node:
+    """One operation: an op name from the registry, operands, result values and plain attributes."""
+
+    __slots__ = ("op", "inputs", "outputs", "attrs", "module", "loc", "graph")
+
+    def __init__(
+        self,
+        op: str,
+        inputs: Sequence[Operand],
+        output_types: Sequence[TensorType],
+        attrs: dict[str, Any] | None = None,
+        module: str | None = None,
+        loc: str | None = None,
+    ):
+        self.op = op
+        self.inputs: tuple[Operand, ...] = tuple(inputs)
+        self.outputs = tuple(Value(t, self, i) for i, t in enumerate(output_types))
+        self.attrs: dict[str, Any] = {k: plain(v) for k, v in (attrs or {}).items()}
+        self.module = module  # the nn.Module path the node came from, e.g. "blocks.0.attn"
+        self.loc = loc  # the user's source line, e.g. "gpt.py:42"
+        self.graph: Graph | None = None
+
+    @property
+    def output(self) -> Value:
+        """The single result of a one-output node."""
+        if len(self.outputs) != 1:
+            raise ValueError(f"{self.op} has {len(self.outputs)} outputs, not one")
+        return self.outputs[0]
+
+    @property
+    def input_values(self) -> list[Value]:
+        return [v for v in self.inputs if isinstance(v, Value)]
+
+    @property
+    def users(self) -> list[Node]:
+        seen: dict[Node, None] = {}
+        for out in self.outputs:
+            seen.update(out.users)
+        return list(seen)
+
+    def replace_input(self, old: Value, new: Operand) -> None:
+        self.inputs = tuple(new if v is old else v for v in self.inputs)
+        old.users.pop(self, None)
+        if isinstance(new, Value):
+            new.users[self] = None
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
+
+
+@dataclass
+class Output:
+    """A graph result, with what it is (and for grads/updates, which input it belongs to)."""
+
+    value: Value
+    role: OutputRole = OutputRole.OUTPUT
+    target: str | None = None
+
+
+@dataclass(eq=False)
+class Graph:
+    """Nodes in topological order between named, role-tagged inputs and tagged outputs."""
+
+    name: str = "main"
+    inputs: list[Value] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    # --- building -----------------------------------------------------------------------------
+
+    def add_input(self, name: str, type: TensorType, role: Role = Role.INPUT) -> Value:
+        if any(v.name == name for v in self.inputs):
+            raise ValueError(f"graph @{self.name} already has an input %{name}")
+        value = Value(type, None, 0, name=name, role=Role(role))
+        self.inputs.append(value)
+        return value
+
+    def add_node(self, node: Node, before: Node | None = None) -> Node:
+        """Append `node` (or insert it before `before`) and record it as a user of its operands."""
+        node.graph = self
+        for v in node.input_values:
+            v.users[node] = None
+        if before is None:
+            self.nodes.append(node)
+        else:
+            self.nodes.insert(self.nodes.index(before), node)
+        return node
+
+    def create(
+        self,
+        op: str,
+        inputs: Sequence[Operand],
+        attrs: dict[str, Any] | None = None,
+        *,
+        output_types: Sequence[TensorType] | None = None,
+        module: str | None = None,
+        loc: str | None = None,
+        before: Node | None = None,
+    ) -> Node:
+        """Make a node of a registered op; its output types come from the op's type rule."""
+        from graphpar.ir.ops import infer_types  # registers the ops too
+
+        attrs = dict(attrs or {})
+        if output_types is None:
+            output_types = infer_types(op, inputs, attrs)
+        node = Node(op, inputs, output_types, attrs, module=module, loc=loc)
+        return self.add_node(node, before=before)
+
+    def add_output(
+        self, value: Value, role: OutputRole = OutputRole.OUTPUT, target: str | None = None
+    ) -> None:
+        self.outputs.append(Output(value, OutputRole(role), target))
+
+    # --- editing ------------------------------------------------------------------------------
+
+    def erase(self, node: Node) -> None:
+        """Remove a node whose results are unused."""
+        for out in node.outputs:
+            if out.users or any(o.value is out for o in self.outputs):
+                raise ValueError(f"cannot erase {node.op}: its result is still used")
+        for v in node.input_values:
+            v.users.pop(node, None)
+        self.nodes.remove(node)
+        node.graph = None
+
+    def replace_all_uses(self, old: Value, new: Value) -> None:
+        for user in list(old.users):
+            user.replace_input(old, new)
+        for out in self.outputs:
+            if out.value is old:
+                out.value = new
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def input(self, name: str) -> Value:
+        for v in self.inputs:
+            if v.name == name:
+                return v
+        raise KeyError(f"graph @{self.name} has no input %{name}")
+
+    def inputs_with_role(self, *roles: Role) -> list[Value]:
+        return [v for v in self.inputs if v.role in roles]
+
+    def values(self) -> Iterator[Value]:
+        yield from self.inputs
+        for node in self.nodes:
+            yield from node.outputs
+
+    def find(self, op: str) -> list[Node]:
+        return [n for n in self.nodes if n.op == op]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __str__(self) -> str:
+        from graphpar.ir.printer import print_graph
+
+        return print_graph(self)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Graph) and structurally_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def copy(self) -> Graph:
+        """A deep copy of the structure (types, attrs, layouts, metadata), not of tensors."""
+        new = Graph(self.name, attrs=dict(self.attrs))
+        mapping: dict[Value, Value] = {}
+        for v in self.inputs:
+            mapping[v] = new.add_input(v.name, v.type, v.role)
+            mapping[v].layout = v.layout
+        for node in self.nodes:
+            operands = [mapping[v] if isinstance(v, Value) else v for v in node.inputs]
+            copy = Node(node.op, operands, [o.type for o in node.outputs], node.attrs,
+                        node.module, node.loc)
+            new.add_node(copy)
+            for old, fresh in zip(node.outputs, copy.outputs):
+                fresh.layout = old.layout
+                mapping[old] = fresh
+        for out in self.outputs:
+            new.add_output(mapping[out.value], out.role, out.target)
+        return new
+
+
+def structurally_equal(a: Graph, b: Graph) -> bool:
+    """Equal up to the numbering of intermediate values: what `parse(print(g)) == g` means.
+
+    Source locations and module paths are metadata, like torch.fx's `node.meta`, and not compared.
+    """
+    if a.name != b.name or a.attrs != b.attrs or len(a.inputs) != len(b.inputs):
+        return False
+    if len(a.nodes) != len(b.nodes) or len(a.outputs) != len(b.outputs):
+        return False
+    mapping: dict[Value, Value] = {}
+    for va, vb in zip(a.inputs, b.inputs):
+        if (va.name, va.type, va.role, va.layout) != (vb.name, vb.type, vb.role, vb.layout):
+            return False
+        mapping[va] = vb
+    for na, nb in zip(a.nodes, b.nodes):
+        if na.op != nb.op or na.attrs != nb.attrs or len(na.inputs) != len(nb.inputs):
+            return False
+        for x, y in zip(na.inputs, nb.inputs):
+            if isinstance(x, Value):
+                if mapping.get(x) is not y:
+                    return False
+            elif isinstance(y, Value) or type(x) is not type(y) or not _same_scalar(x, y):
+                return False
+        if len(na.outputs) != len(nb.outputs):
+            return False
+        for oa, ob in zip(na.outputs, nb.outputs):
+            if oa.type != ob.type or oa.layout != ob.layout:
+                return False
+            mapping[oa] = ob
+    return all(
+        mapping.get(oa.value) is ob.value and (oa.role, oa.target) == (ob.role, ob.target)
+        for oa, ob in zip(a.outputs, b.outputs)
+    )
+
+
+def _same_scalar(x: Scalar, y: Scalar) -> bool:
+    if isinstance(x, float) and x != x:  # nan
+        return isinstance(y, float) and y != y
+    return x == y
+
+
+@dataclass(eq=False)
+class Program:
+    """Several graphs by name: what a pass produces when it splits one graph (stages, devices)."""
+
+    graphs: dict[str, Graph] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, graphs: Iterable[Graph]) -> Program:
+        return cls({g.name: g for g in graphs})
+
+    def __getitem__(self, name: str) -> Graph:
+        return self.graphs[name]
+
+    def __iter__(self) -> Iterator[Graph]:
+        return iter(self.graphs.values())
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __str__(self) -> str:
+        return "\n".join(str(g) for g in self.graphs.values())
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Program)
+            and list(self.graphs) == list(other.graphs)
+            and all(structurally_equal(self.graphs[k], other.graphs[k]) for k in self.graphs)
+        )
+
+    __hash__ = None  # type: ignore[assignment]

@@ -1,0 +1,317 @@
+"""The core op set, at the level of PyTorch's core ATen decomposition plus composites.
+
+Each op is one `register` call. A reference is the torch computation the CPU executor runs,
+and by default also the op's type rule (run on meta tensors). Attributes are plain data: dims and
+shapes as tuples, dtypes by IR name ("f32").
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from graphpar.ir.registry import (
+    OpDef,
+    OpKind,
+    all_ops,
+    get_op,
+    infer_types,
+    matmul_flops,
+    register,
+)
+from graphpar.ir.registry import dtype as torch_dtype
+from graphpar.ir.types import TensorType
+
+__all__ = ["OpDef", "OpKind", "all_ops", "get_op", "infer_types", "register"]
+
+aten = torch.ops.aten
+E, R, S, C, X, IX = (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.SHAPE, OpKind.COMPOSITE,
+                     OpKind.CREATION, OpKind.INDEXING)
+
+
+def _op(name, kind, reference, doc="", **kw):
+    register(OpDef(name, kind, reference, doc=doc, **kw))
+
+
+# --- elementwise ------------------------------------------------------------------------------
+
+_UNARY = {
+    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "log": torch.log,
+    "log1p": torch.log1p, "expm1": torch.expm1, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
+    "sin": torch.sin, "cos": torch.cos, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "relu": torch.relu, "silu": F.silu, "erf": torch.erf, "reciprocal": torch.reciprocal,
+    "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
+    "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not, "isnan": torch.isnan,
+}
+for _name, _fn in _UNARY.items():
+    _op(_name, E, _fn)
+
+_op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate))
+
+# Binary ops take tensors or inline scalars on either side, with torch's type promotion.
+_BINARY = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "pow": operator.pow,
+    "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,
+    "gt": operator.gt, "ge": operator.ge, "bitwise_and": operator.and_,
+    "bitwise_or": operator.or_, "bitwise_xor": operator.xor, "remainder": operator.mod,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+}
+for _name, _fn in _BINARY.items():
+    _op(_name, E, _fn)
+
+
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is None:
+        return a / b
+    if not isinstance(a, torch.Tensor):
+        a = torch.full_like(b, a)
+    return torch.div(a, b, rounding_mode=rounding_mode)
+
+
+_op("div", E, _div)
+_op("where", E, torch.where, "where(cond, a, b): a where cond holds, else b")
+_op("clamp", E, lambda x, min=None, max=None: torch.clamp(x, min, max))
+_op("convert", E, lambda x, dtype: x.to(dtype=torch_dtype(dtype)),
+    "convert(x) {dtype}: cast elementwise")
+
+# Backward forms of activations, as autograd emits them.
+_op("gelu_backward", E, lambda g, x, approximate="none": aten.gelu_backward(g, x,
+                                                                             approximate=approximate))
+_op("silu_backward", E, aten.silu_backward)
+_op("sigmoid_backward", E, aten.sigmoid_backward)
+_op("tanh_backward", E, aten.tanh_backward)
+_op("threshold_backward", E, lambda g, x, threshold: aten.threshold_backward(g, x, threshold))
+
+
+# --- reductions -------------------------------------------------------------------------------
+
+def _reduce(fn):
+    def reference(x, dims=None, keepdim=False, dtype=None):
+        kw = {} if dtype is None else {"dtype": torch_dtype(dtype)}
+        return fn(x, dims if dims is not None else list(range(x.dim())), keepdim, **kw)
+    return reference
+
+
+_op("sum", R, _reduce(lambda x, d, k, **kw: torch.sum(x, d, k, **kw)))
+_op("mean", R, _reduce(lambda x, d, k, **kw: torch.mean(x, d, k, **kw)))
+_op("amax", R, _reduce(torch.amax))
+_op("amin", R, _reduce(torch.amin))
+_op("prod", R, lambda x, dim, keepdim=False: torch.prod(x, dim, keepdim))
+_op("any", R, _reduce(lambda x, d, k: torch.any(x, d, k)))
+_op("all", R, _reduce(lambda x, d, k: torch.all(x, d, k)))
+_op("var", R, lambda x, dims, correction=1, keepdim=False: torch.var(x, dims,
+                                                                      correction=correction,
+                                                                      keepdim=keepdim))
+_op("argmax", R, lambda x, dim, keepdim=False: torch.argmax(x, dim, keepdim))
+_op("argmin", R, lambda x, dim, keepdim=False: torch.argmin(x, dim, keepdim))
+_op("cumsum", R, lambda x, dim, dtype=None: torch.cumsum(x, dim, dtype=torch_dtype(dtype)))
+_op("topk", R, lambda x, k, dim=-1, largest=True, sorted=True: tuple(
+    torch.topk(x, k, dim, largest, sorted)), num_outputs=2)
+_op("sort", R, lambda x, dim=-1, descending=False: tuple(torch.sort(x, dim=dim,
+                                                                     descending=descending)),
+    num_outputs=2)
+
+
+# --- matmul -----------------------------------------------------------------------------------
+
+_op("matmul", OpKind.MATMUL, torch.matmul, "matmul(a, b): batched a @ b, batch dims broadcast",
+    flop_rule=matmul_flops)
+
+
+def _linear_flops(operands, results, attrs):
+    bias = results[0].numel if operands[2] is not None else 0
+    return matmul_flops(operands, results, attrs) + bias
+
+
+_op("linear", OpKind.MATMUL, lambda x, w, b=None: F.linear(x, w, b),
+    "linear(x, w, b): x @ w.T + b, as nn.Linear", flop_rule=_linear_flops)
+
+
+# --- shape and data movement ------------------------------------------------------------------
+
+_op("reshape", S, lambda x, shape: x.reshape(shape))
+_op("permute", S, lambda x, dims: x.permute(dims))
+_op("expand", S, lambda x, shape: x.expand(shape))
+_op("slice", S, lambda x, dim, start, end, step=1: aten.slice.Tensor(x, dim, start, end, step))
+_op("select", S, lambda x, dim, index: x.select(dim, index))
+_op("cat", S, lambda *xs, dim: torch.cat(xs, dim), "cat(x0, x1, ...) {dim}")
+_op("pad", S, lambda x, pad, value=0.0: F.pad(x, pad, value=value),
+    "pad(x) {pad, value}: constant padding, pairs from the last dim backwards")
+_op("flip", S, lambda x, dims: torch.flip(x, dims))
+_op("tril", S, lambda x, diagonal=0: torch.tril(x, diagonal))
+_op("triu", S, lambda x, diagonal=0: torch.triu(x, diagonal))
+_op("repeat", S, lambda x, repeats: x.repeat(repeats))
+_op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it")
+
+
+# --- indexing ---------------------------------------------------------------------------------
+
+def _index(x, idx, dim):
+    return aten.index.Tensor(x, [None] * dim + [idx])
+
+
+def _index_put(x, idx, values, dim, accumulate=False):
+    return aten.index_put(x, [None] * dim + [idx], values, accumulate)
+
+
+_op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx))
+_op("index", IX, _index, "index(x, idx) {dim}: x[..., idx, ...] with idx of any shape at dim")
+_op("index_put", IX, _index_put, "index_put(x, idx, v) {dim, accumulate}: functional x[idx] = v")
+_op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx))
+_op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src))
+_op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src))
+
+
+# --- creation ---------------------------------------------------------------------------------
+
+def _creation(shape_of):
+    def rule(operands, attrs):
+        return [TensorType(shape_of(attrs), torch_dtype(attrs["dtype"]))]
+    return rule
+
+
+_op("full", X, lambda shape, value, dtype: torch.full(shape, value,
+                                                      dtype=torch_dtype(dtype)),
+    "full() {shape, value, dtype}", type_rule=_creation(lambda a: a["shape"]))
+_op("arange", X, lambda start, end, step, dtype: torch.arange(start, end, step,
+                                                              dtype=torch_dtype(dtype)),
+    "arange() {start, end, step, dtype}",
+    type_rule=_creation(lambda a: (math.ceil((a["end"] - a["start"]) / a["step"]),)))
+
+
+# --- composites -------------------------------------------------------------------------------
+
+def _attention_flops(operands, results, attrs):
+    q, k = operands[0], operands[1]
+    *batch, sq, d = q.shape
+    sk = k.shape[-2]
+    dv = operands[2].shape[-1]
+    full = 2 * math.prod(batch) * sq * sk * (d + dv)
+    return full // 2 if attrs.get("causal") else full
+
+
+def _attention(q, k, v, mask=None, causal=False, scale=None, gqa=False):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=gqa)
+
+
+def _attention_with_lse(q, k, v, mask=None, causal=False, scale=None):
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out, lse
+
+
+def _attention_backward(grad, q, k, v, out, lse, mask=None, causal=False, scale=None):
+    return tuple(aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale))
+
+
+_op("attention", C, _attention,
+    "attention(q, k, v, mask?) {causal, scale, gqa}: softmax(q k^T * scale + mask) v over "
+    "[batch, heads, seq, head_dim]; gqa lets k/v have fewer heads", flop_rule=_attention_flops)
+_op("attention_with_lse", C, _attention_with_lse,
+    "attention that also returns the log-sum-exp the backward needs (training graphs)",
+    num_outputs=2, flop_rule=_attention_flops)
+_op("attention_backward", C, _attention_backward,
+    "attention_backward(grad, q, k, v, out, lse, mask?) -> dq, dk, dv", num_outputs=3,
+    flop_rule=lambda o, r, a: 2 * _attention_flops(o[1:], r, a))
+
+
+def _norm_flops(operands, results, attrs):
+    return 8 * results[0].numel
+
+
+_op("layer_norm", C, lambda x, w=None, b=None, shape=None, eps=1e-5: F.layer_norm(
+    x, shape, w, b, eps), "layer_norm(x, w?, b?) {shape, eps}", flop_rule=_norm_flops)
+_op("layer_norm_with_stats", C, lambda x, w=None, b=None, shape=None, eps=1e-5: tuple(
+    aten.native_layer_norm(x, shape, w, b, eps)),
+    "layer_norm that also returns mean and rstd for the backward", num_outputs=3,
+    flop_rule=_norm_flops)
+
+
+def _layer_norm_backward(g, x, mean, rstd, w=None, b=None, shape=None, mask=(True, True, True)):
+    return tuple(r for r in aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, mask)
+                 if r is not None)
+
+
+_op("layer_norm_backward", C, _layer_norm_backward,
+    "layer_norm_backward(grad, x, mean, rstd, w?, b?) {shape, mask} -> the grads mask asks for",
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a))
+_op("rms_norm", C, lambda x, w=None, shape=None, eps=None: F.rms_norm(x, shape, w, eps),
+    "rms_norm(x, w?) {shape, eps}", flop_rule=_norm_flops)
+_op("softmax", C, lambda x, dim: torch.softmax(x, dim), flop_rule=lambda o, r, a: 5 * r[0].numel)
+_op("log_softmax", C, lambda x, dim: torch.log_softmax(x, dim),
+    flop_rule=lambda o, r, a: 5 * r[0].numel)
+_op("softmax_backward", C, lambda g, y, dim: aten._softmax_backward_data(g, y, dim, y.dtype),
+    flop_rule=lambda o, r, a: 3 * r[0].numel)
+_op("log_softmax_backward", C,
+    lambda g, y, dim: aten._log_softmax_backward_data(g, y, dim, y.dtype),
+    flop_rule=lambda o, r, a: 3 * r[0].numel)
+_op("embedding", C, lambda w, idx: F.embedding(idx, w), "embedding(weight, indices)")
+_op("embedding_backward", C, lambda g, idx, num_weights, padding_idx=-1:
+    aten.embedding_dense_backward(g, idx, num_weights, padding_idx, False),
+    "embedding_backward(grad, indices) {num_weights, padding_idx}: dense weight gradient")
+
+
+def _conv_flops(operands, results, attrs):
+    w = operands[1]
+    return 2 * results[0].numel * math.prod(w.shape[1:])
+
+
+def _conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    return F.conv2d(x, w, b, stride, padding, dilation, groups)
+
+
+def _conv2d_backward(g, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
+                     bias=True, mask=(True, True, True)):
+    bias_sizes = [w.shape[0]] if bias else None
+    grads = aten.convolution_backward(g, x, w, bias_sizes, stride, padding, dilation, False,
+                                      [0, 0], groups, mask)
+    return tuple(r for r in grads if r is not None)
+
+
+_op("conv2d", C, _conv2d, "conv2d(x, w, b?) {stride, padding, dilation, groups}",
+    flop_rule=_conv_flops)
+_op("conv2d_backward", C, _conv2d_backward,
+    "conv2d_backward(grad, x, w) {stride, padding, dilation, groups, bias, mask} -> dx, dw, db",
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _conv_flops(o[1:], r, a))
+
+
+def _batch_norm(x, w, b, mean, var, training, momentum, eps):
+    if training:
+        out, save_mean, save_rstd, new_mean, new_var = aten._native_batch_norm_legit_functional(
+            x, w, b, mean, var, True, momentum, eps)
+        return out, save_mean, save_rstd, new_mean, new_var
+    return tuple(aten._native_batch_norm_legit_no_training(x, w, b, mean, var, momentum, eps))
+
+
+_op("batch_norm", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
+    x, w, b, mean, var, False, momentum, eps)[0],
+    "batch_norm(x, w, b, running_mean, running_var) {momentum, eps}: inference form",
+    flop_rule=_norm_flops)
+_op("batch_norm_train", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
+    x, w, b, mean, var, True, momentum, eps),
+    "batch_norm in training: -> out, batch mean, batch rstd, new running mean, new running var",
+    num_outputs=5, flop_rule=_norm_flops)
+_op("batch_norm_backward", C, lambda g, x, w, mean, var, save_mean, save_rstd, eps=1e-5,
+    mask=(True, True, True): tuple(r for r in aten.native_batch_norm_backward(
+        g, x, w, mean, var, save_mean, save_rstd, True, eps, list(mask)) if r is not None),
+    "batch_norm_backward(grad, x, w, running_mean, running_var, save_mean, save_rstd)",
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a))
+
+
+def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
+    return tuple(aten.nll_loss_forward(x, target, weight, reduction, ignore_index))
+
+
+_op("nll_loss", C, _nll_loss,
+    "nll_loss(logp, target, weight?) {reduction, ignore_index} -> loss, total_weight",
+    num_outputs=2)
+_op("nll_loss_backward", C, lambda g, x, target, total_weight, weight=None, reduction=1,
+    ignore_index=-100: aten.nll_loss_backward(g, x, target, weight, reduction, ignore_index,
+                                              total_weight),
+    "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}")

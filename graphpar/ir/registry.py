@@ -1,0 +1,125 @@
+"""The one op registry: each op is declared once with its type rule, cost and reference."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphpar.errors import UnsupportedOpError
+from graphpar.ir.types import DTYPES_BY_NAME, TensorType
+
+
+class OpKind(str, enum.Enum):
+    """Families of ops: the cost model and the sharding rules start from the family."""
+
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    MATMUL = "matmul"
+    SHAPE = "shape"  # moves or views data without arithmetic
+    CREATION = "creation"  # makes a tensor from attributes only
+    COMPOSITE = "composite"  # a unit later passes want whole: attention, norms, conv
+    INDEXING = "indexing"  # gathers and scatters driven by an index tensor
+    COLLECTIVE = "collective"
+
+
+# What a type rule, cost rule or reference sees: operand types (or scalars) and the attributes.
+OperandTypes = Sequence["TensorType | int | float | bool | None"]
+TypeRule = Callable[[OperandTypes, dict[str, Any]], list[TensorType]]
+FlopRule = Callable[[OperandTypes, list[TensorType], dict[str, Any]], int]
+
+
+@dataclass(frozen=True, eq=False)
+class OpDef:
+    """Everything graphpar knows about one op.
+
+    `reference(*operands, **attrs)` is the torch implementation the CPU executor runs; it
+    returns a tensor, or a tuple for ops with several results. Without an explicit `type_rule`,
+    result types come from running the reference on meta tensors, so shapes cannot drift from
+    what the op computes.
+    """
+
+    name: str
+    kind: OpKind
+    reference: Callable[..., Any]
+    num_outputs: int | None = 1  # None: decided by the attributes (e.g. a backward's mask)
+    type_rule: TypeRule | None = None
+    flop_rule: FlopRule | None = None
+    doc: str = ""
+    # Filled in by graphpar.passes.autoshard: a function listing sharding strategies.
+    sharding_rule: Any = field(default=None, compare=False)
+
+    def infer(self, operands: OperandTypes, attrs: dict[str, Any]) -> list[TensorType]:
+        if self.type_rule is not None:
+            return self.type_rule(operands, attrs)
+        return _infer_on_meta(self, operands, attrs)
+
+    def flops(self, operands: OperandTypes, results: list[TensorType], attrs: dict) -> int:
+        if self.flop_rule is not None:
+            return int(self.flop_rule(operands, results, attrs))
+        if self.kind is OpKind.ELEMENTWISE:
+            return sum(r.numel for r in results)
+        if self.kind is OpKind.REDUCTION:
+            return sum(t.numel for t in operands if isinstance(t, TensorType))
+        return 0
+
+    def bytes_accessed(self, operands: OperandTypes, results: list[TensorType]) -> int:
+        """Bytes read and written, the memory-bound part of the cost model."""
+        tensors = [t for t in operands if isinstance(t, TensorType)] + list(results)
+        return sum(t.nbytes for t in tensors)
+
+
+_REGISTRY: dict[str, OpDef] = {}
+
+
+def register(op: OpDef) -> OpDef:
+    if op.name in _REGISTRY:
+        raise ValueError(f"op {op.name!r} is registered twice")
+    _REGISTRY[op.name] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnsupportedOpError(
+            f"unknown op {name!r}: it is not in graphpar's op registry "
+            f"({len(_REGISTRY)} ops; see `graphpar ops`)"
+        ) from None
+
+
+def all_ops() -> dict[str, OpDef]:
+    return dict(_REGISTRY)
+
+
+def infer_types(op: str, operands: Sequence[Any], attrs: dict[str, Any]) -> list[TensorType]:
+    """Result types of `op` applied to operands (Values or scalars) with `attrs`."""
+    types = [getattr(v, "type", v) for v in operands]
+    return get_op(op).infer(types, attrs)
+
+
+def _infer_on_meta(op: OpDef, operands: OperandTypes, attrs: dict[str, Any]) -> list[TensorType]:
+    args = [t.meta() if isinstance(t, TensorType) else t for t in operands]
+    try:
+        result = op.reference(*args, **attrs)
+    except Exception as exc:  # the op rejects these operand types: say which
+        shown = ", ".join(str(t) for t in operands)
+        raise TypeError(f"{op.name}({shown}) {attrs}: {exc}") from exc
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    return [TensorType.of(r) for r in results]
+
+
+def dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of an IR dtype name held in an attribute (attributes stay plain data)."""
+    return None if name is None else DTYPES_BY_NAME[name]
+
+
+def matmul_flops(operands: OperandTypes, results: list[TensorType], attrs: dict) -> int:
+    """2·M·N·K per output matrix: the contraction size is the last dim of the first operand."""
+    k = operands[0].shape[-1]
+    return 2 * math.prod(results[0].shape) * k

@@ -1,0 +1,113 @@
+"""The IR text format: exact listings, round trips, and parse errors with line and column."""
+
+import math
+
+import pytest
+import torch
+
+from graphpar.errors import IRParseError
+from graphpar.ir.graph import Graph, OutputRole, Role
+from graphpar.ir.parser import parse, parse_program
+from graphpar.ir.printer import print_graph
+from graphpar.ir.types import TensorType
+
+F32 = torch.float32
+
+
+def small_graph() -> Graph:
+    g = Graph("mlp")
+    x = g.add_input("x", TensorType((4, 16), F32))
+    w = g.add_input("fc1.weight", TensorType((32, 16), F32), Role.PARAM)
+    h = g.create("linear", [x, w, None], module="fc1", loc="model.py:7").output
+    r = g.create("relu", [h], module="act").output
+    top = g.create("topk", [r], {"k": 2, "dim": 1})
+    g.add_output(top.outputs[0])
+    g.add_output(top.outputs[1], OutputRole.LOSS)
+    return g
+
+
+EXPECTED = """\
+graph @mlp(
+    %x: f32[4,16] input,
+    %fc1.weight: f32[32,16] param,
+) {
+  %0 = linear(%x, %fc1.weight, none)                    : f32[4,32]    # 4.1 KFLOP
+  %1 = relu(%0)                                         : f32[4,32]    # 128 FLOP
+  %2, %3 = topk(%1) {k=2, dim=1}                        : f32[4,2], i64[4,2]    # 128 FLOP
+  return %2 output,
+         %3 loss
+}
+"""
+
+
+def test_listing_is_exact():
+    assert print_graph(small_graph()) == EXPECTED
+
+
+def test_round_trip_is_equal():
+    g = small_graph()
+    assert parse(print_graph(g)) == g
+    assert print_graph(parse(EXPECTED)) == EXPECTED
+
+
+def test_source_locations_round_trip_when_shown():
+    text = print_graph(small_graph(), show_source=True)
+    assert 'loc("model.py:7", "fc1")' in text
+    g = parse(text)
+    assert (g.nodes[0].loc, g.nodes[0].module) == ("model.py:7", "fc1")
+    assert (g.nodes[1].loc, g.nodes[1].module) == (None, "act")
+
+
+def test_literals_round_trip():
+    g = Graph("lits", attrs={"note": 'a "quoted" name'})
+    x = g.add_input("x", TensorType((3,), F32))
+    values = [0.125, 1e-05, -2.5, 7, True, None, math.inf, -math.inf]
+    outs = [g.create("add", [x, 1.0]).output]
+    for v in values:
+        outs.append(g.create("clamp", [x], {"min": v, "max": 100.0}).output)
+    g.add_output(outs[-1])
+    back = parse(print_graph(g))
+    assert back == g
+    assert [n.attrs.get("min") for n in back.nodes[1:]] == values
+
+
+def test_nan_compares_equal_after_round_trip():
+    g = Graph("n")
+    x = g.add_input("x", TensorType((2,), F32))
+    g.add_output(g.create("add", [x, math.nan]).output)
+    assert parse(print_graph(g)) == g
+
+
+def test_structural_equality_sees_differences():
+    g = small_graph()
+    other = parse(EXPECTED.replace("k=2", "k=3").replace("f32[4,2], i64[4,2]",
+                                                         "f32[4,3], i64[4,3]"))
+    assert other != g
+
+
+def test_program_with_two_graphs():
+    text = EXPECTED + "\n" + EXPECTED.replace("@mlp", "@mlp2")
+    program = parse_program(text)
+    assert list(program.graphs) == ["mlp", "mlp2"]
+    assert parse_program(str(program)) == program
+
+
+@pytest.mark.parametrize("bad, where, says", [
+    (EXPECTED.replace("relu(%0)", "relu(%9)"), ":6:", "%9 is used before it is defined"),
+    (EXPECTED.replace("relu", "rellu"), ":6:", "unknown op 'rellu'"),
+    (EXPECTED.replace("f32[4,16] input", "f33[4,16] input"), ":2:", "unknown dtype 'f33'"),
+    (EXPECTED.replace("param,", "weights,"), ":3:", "unknown input role 'weights'"),
+    (EXPECTED.replace("%3 loss", "%3 lost"), ":9:", "unknown output role 'lost'"),
+    (EXPECTED.replace("%2, %3 = topk", "%2 = topk").replace(": f32[4,2], i64[4,2]",
+                                                           ": f32[4,2]"),
+     ":7:", "topk has 2 result(s), not 1"),
+    (EXPECTED.replace("}\n", ""), ":", "expected"),
+    (EXPECTED.replace("relu(%0)", "relu(%0 $)"), ":6:", "unexpected character '$'"),
+])
+def test_parse_errors_name_line_and_column(bad, where, says):
+    with pytest.raises(IRParseError) as err:
+        parse(bad, "model.gpir")
+    message = str(err.value)
+    assert message.startswith("model.gpir" + where)
+    assert says in message
+    assert "^" in message or "end of file" in message or "expected" in message

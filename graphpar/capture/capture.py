@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
+import logging
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -54,9 +59,26 @@ def _decompositions(table: dict) -> dict:
     return table
 
 
+@contextlib.contextmanager
+def quiet():
+    """torch's own notices and logs during export are not the user's business: a failure
+    becomes one CaptureError that names the user's line."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _export(module: torch.nn.Module, args: tuple, what: str):
     try:
-        return torch.export.export(module, args, strict=False)
+        with quiet():
+            return torch.export.export(module, args, strict=False)
     except GraphparError:
         raise
     except Exception as exc:
@@ -86,7 +108,8 @@ def capture_inference(module: torch.nn.Module, args: Sequence[torch.Tensor],
     """
     ep = _export(module, tuple(args), f"{type(module).__name__}.forward")
     try:
-        ep = ep.run_decompositions(_decompositions(torch.export.default_decompositions()))
+        with quiet():
+            ep = ep.run_decompositions(_decompositions(torch.export.default_decompositions()))
     except Exception as exc:
         raise CaptureError(_capture_message(exc, "the exported graph (decomposition)")) from None
     graph, state = import_exported(ep, name)
@@ -105,6 +128,18 @@ class _TrainingStep(torch.nn.Module):
     def forward(self, *args):
         out = self.module(*args[:self.num_inputs])
         return (self.loss_fn(out, *args[self.num_inputs:]),)
+
+
+def _argument_names(module: torch.nn.Module, num_inputs: int, num_targets: int) -> list[str]:
+    """The forward's own parameter names for the inputs, then `target`, `target_1`, ..."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = params[:num_inputs] + [f"input_{i}" for i in range(len(params), num_inputs)]
+    names += ["target" if i == 0 else f"target_{i}" for i in range(num_targets)]
+    return names
 
 
 def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
@@ -126,17 +161,22 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     )
 
     try:
-        ep = _decompose_exported_program(
-            ep, cia_to_decomp={}, python_decomp_table=_decompositions(core_aten_decompositions()),
-            joint_loss_index=0, decompose_custom_triton_ops=False)
-        gm, signature = _copy_graph_module_and_signature(ep)
-        _remove_detach_pass(gm, signature)
-        ep = ep._update(gm, signature)
+        with quiet():
+            ep = _decompose_exported_program(
+                ep, cia_to_decomp={},
+                python_decomp_table=_decompositions(core_aten_decompositions()),
+                joint_loss_index=0, decompose_custom_triton_ops=False)
+            gm, signature = _copy_graph_module_and_signature(ep)
+            _remove_detach_pass(gm, signature)
+            ep = ep._update(gm, signature)
     except Exception as exc:
         raise CaptureError(_capture_message(exc, "the backward pass")) from None
     # The wrapper adds a "module." prefix; names stay those of the user's module.
     names = {spec.target: spec.target.removeprefix("module.")
              for spec in ep.graph_signature.input_specs if spec.target}
+    user_specs = [spec for spec in ep.graph_signature.input_specs if spec.target is None]
+    for spec, arg_name in zip(user_specs, _argument_names(module, len(args), len(targets))):
+        names[spec.arg.name] = arg_name
     graph, state = import_exported(ep, name, input_names=names)
     for out in graph.outputs:
         if out.target is not None:

@@ -105,8 +105,7 @@ def import_exported(ep: ExportedProgram, name: str, input_names: dict[str, str] 
                                          "(tokens, custom objects) is not supported")
             role = INPUT_ROLES[spec.kind]
             value_name = spec.target if role is not Role.INPUT else fx_node.name
-            if input_names and value_name in input_names:
-                value_name = input_names[value_name]
+            value_name = (input_names or {}).get(value_name, value_name)
             val = fx_node.meta["val"]
             env[fx_node] = graph.add_input(value_name, TensorType(tuple(val.shape), val.dtype),
                                            role)

@@ -1,0 +1,248 @@
+"""The `graphpar` command: compile, dump, viz, ops, passes. Errors print without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from graphpar.errors import GraphparError, UsageError
+
+DEFAULT_EXAMPLE = "gpt:125M"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors exit 2 like ours
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _progress(message: str) -> None:
+    print(f"graphpar: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Announce a step, and its time when it took over a second."""
+    _progress(f"{what} ...")
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    if seconds > 1.0:
+        _progress(f"{what}: done in {seconds:.1f} s")
+
+
+def example_spec(text: str):
+    """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec."""
+    from graphpar.compiler import ModelSpec
+    from graphpar.models import get_model
+
+    name, _, preset = text.partition(":")
+    example = get_model(name, preset or None)
+    return ModelSpec(f"{name}_{example.preset}", example.module, tuple(example.inputs),
+                     example.loss_fn, tuple(example.targets), f"graphpar.models:{name}/"
+                                                              f"{example.preset}")
+
+
+def load_target(path: str | None, example: str | None):
+    from graphpar.model_file import load_model_file
+
+    if path and example:
+        raise UsageError("give a model file or --example, not both")
+    if example or not path:
+        return example_spec(example or DEFAULT_EXAMPLE)
+    return load_model_file(path)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from graphpar.capture.optim import optimizer_from_name
+    from graphpar.compiler import compile_model
+    from graphpar.ir.printer import format_count, print_graph
+    from graphpar.passes import parse_pipeline
+
+    passes = parse_pipeline(args.passes)  # bad pipelines fail before any slow work
+    with step("loading the model"):
+        spec = load_target(args.model, args.example)
+    optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
+    out = Path(args.out)
+    staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    try:
+        dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
+        with step(f"capturing {spec.name} ({args.mode})"):
+            result = compile_model(
+                spec, args.mode, passes, optimizer=optimizer, dump_dir=dump_dir,
+                dump_after=_names(args.dump_after), dump_before=_names(args.dump_before),
+                on_pass=lambda p, i, n: None)
+        ir_name = f"{result.graph.name}.gpir"
+        (staging / ir_name).write_text(
+            "\n".join(print_graph(g, show_source=True) for g in result.program))
+        summary = result.summary()
+        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
+                                  if p.is_file()) + ["report.json"]
+        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    s = summary
+    print(f"graphpar compile: {s['model']} ({s['mode']}) from {s['source']}")
+    print(f"  graph      {s['nodes']} nodes, {len(s['ops'])} distinct ops")
+    print(f"  params     {s['parameters']:,} in {s['parameter_tensors']} tensors "
+          f"({s['parameter_bytes'] / 2**20:.1f} MiB)")
+    print(f"  compute    {format_count(s['flops_estimated'], 'FLOP')} per step (estimated)")
+    print(f"  capture    {s['capture_seconds_measured']:.2f} s (measured)")
+    for p in s["passes"]:
+        print(f"  pass {p['name']:<16} {p['seconds_measured'] * 1e3:8.1f} ms   "
+              f"nodes {p['nodes_before']} -> {p['nodes_after']}")
+    top = ", ".join(f"{op} {n}" for op, n in list(s["ops"].items())[:8])
+    print(f"  top ops    {top}")
+    print(f"  wrote      {out / ir_name}, {out / 'report.json'}"
+          + (f", {out / 'dumps'}/" if (out / "dumps").exists() and dump_dir else ""))
+    return 0
+
+
+def _names(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",")] if value else []
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.resolve()
+    while not path.exists():
+        path = path.parent
+    return path if path.is_dir() else path.parent
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move finished files into `out`: a failed compile leaves nothing half-written there."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from graphpar.ir.parser import load
+    from graphpar.ir.printer import print_graph
+    from graphpar.ir.verify import verify
+
+    program = load(args.file)
+    if not args.no_verify:
+        for graph in program:
+            verify(graph)
+    for graph in program:
+        sys.stdout.write(print_graph(graph, show_source=args.show_source))
+    return 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from graphpar.viz import write_html
+
+    if args.target.endswith(".py") or args.example:
+        from graphpar.compiler import compile_model
+
+        spec = load_target(None if args.example else args.target, args.example)
+        with step(f"capturing {spec.name} ({args.mode})"):
+            program = compile_model(spec, args.mode, args.passes).program
+    else:
+        from graphpar.ir.parser import load
+
+        program = load(args.target)
+    out = Path(args.output)
+    tmp = out.with_name(f".{out.name}.tmp")
+    write_html(program, tmp)
+    os.replace(tmp, out)
+    print(f"graphpar viz: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    from graphpar.ir.ops import all_ops
+
+    for name, op in sorted(all_ops().items()):
+        print(f"{name:<24} {op.kind.value:<12} {op.doc.splitlines()[0] if op.doc else ''}")
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from graphpar.passes import available_passes
+    from graphpar.passes.manager import _ALIASES, _PASSES
+
+    for name in available_passes():
+        if name in _ALIASES:
+            print(f"{name:<20} = {_ALIASES[name]}")
+        else:
+            doc = (_PASSES[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<20} {doc[0] if doc else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="graphpar", description="Compile PyTorch models for many devices.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    c = sub.add_parser("compile", help="capture a model, run passes, write IR and a report")
+    c.add_argument("model", nargs="?", help="model file defining build() (see README)")
+    c.add_argument("--example", help=f"a bundled model instead, e.g. gpt:125M (default when no "
+                                     f"file is given: {DEFAULT_EXAMPLE})")
+    c.add_argument("--mode", choices=["infer", "train"], default="infer")
+    c.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    c.add_argument("--passes", default="cleanup", help="pipeline, e.g. 'cleanup' or 'cse,dce'")
+    c.add_argument("--dump-after", help="pass names (comma-separated) or 'all'")
+    c.add_argument("--dump-before", help="pass names (comma-separated) or 'all'")
+    c.add_argument("--out", default="graphpar-out", help="output directory")
+    c.set_defaults(fn=cmd_compile)
+
+    d = sub.add_parser("dump", help="validate and print an IR file")
+    d.add_argument("file")
+    d.add_argument("--show-source", action="store_true")
+    d.add_argument("--no-verify", action="store_true")
+    d.set_defaults(fn=cmd_dump)
+
+    v = sub.add_parser("viz", help="write a self-contained HTML view of a graph")
+    v.add_argument("target", nargs="?", default="", help="an IR file or a model file")
+    v.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny")
+    v.add_argument("-o", "--output", default="graph.html")
+    v.add_argument("--mode", choices=["infer", "train"], default="infer")
+    v.add_argument("--passes", default="cleanup")
+    v.set_defaults(fn=cmd_viz)
+
+    sub.add_parser("ops", help="list the IR ops").set_defaults(fn=cmd_ops)
+    sub.add_parser("passes", help="list the passes").set_defaults(fn=cmd_passes)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "fn", None):
+            build_parser().print_help()
+            return 2
+        if args.command == "viz" and not (args.target or args.example):
+            raise UsageError("viz needs an IR file, a model file or --example")
+        return args.fn(args)
+    except GraphparError as exc:
+        print(f"graphpar: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("graphpar: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug in graphpar, not the user's input
+        if os.environ.get("GRAPHPAR_DEBUG"):
+            raise
+        print(f"graphpar: internal error: {type(exc).__name__}: {exc}\n"
+              "  this is a graphpar bug; rerun with GRAPHPAR_DEBUG=1 for a traceback and "
+              "report it", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

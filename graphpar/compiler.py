@@ -1,0 +1,105 @@
+"""The compile driver behind `graphpar compile` and the Python API: capture, then a pipeline."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphpar.capture import Captured, capture_inference, capture_training
+from graphpar.capture.optim import Optimizer
+from graphpar.errors import UsageError
+from graphpar.ir.graph import Graph, Program, Role
+from graphpar.ir.printer import node_flops
+from graphpar.passes import PassManager, parse_pipeline
+
+DEFAULT_PIPELINE = "cleanup"
+
+
+@dataclass
+class ModelSpec:
+    """What to compile: a module, example inputs and, for training, a loss and its targets."""
+
+    name: str
+    module: torch.nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    targets: tuple[torch.Tensor, ...] = ()
+    source: str = ""  # where it came from: a file path or "graphpar.models:gpt/tiny"
+
+
+@dataclass
+class CompileResult:
+    """A captured and transformed program, with what each step took."""
+
+    spec: ModelSpec
+    mode: str
+    captured: Captured
+    program: Program
+    capture_seconds: float
+    pass_manager: PassManager
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def graph(self) -> Graph:
+        return next(iter(self.program))
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers of the report: counts, parameters, estimated FLOPs, pass times."""
+        graph = self.graph
+        params = graph.inputs_with_role(Role.PARAM)
+        flops = sum(node_flops(n) for g in self.program for n in g.nodes)
+        ops = Counter(n.op for g in self.program for n in g.nodes)
+        return {
+            "model": self.spec.name,
+            "source": self.spec.source,
+            "mode": self.mode,
+            "graphs": len(self.program),
+            "nodes": sum(len(g) for g in self.program),
+            "ops": dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "parameters": sum(p.type.numel for p in params),
+            "parameter_bytes": sum(p.type.nbytes for p in params),
+            "parameter_tensors": len(params),
+            "flops_estimated": flops,
+            "capture_seconds_measured": round(self.capture_seconds, 4),
+            "passes": [
+                {"name": r.name, "seconds_measured": round(r.seconds, 4),
+                 "nodes_before": r.nodes_before, "nodes_after": r.nodes_after}
+                for r in self.pass_manager.records
+            ],
+            **self.extra,
+        }
+
+
+def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = None
+            ) -> Captured:
+    if mode == "infer":
+        return capture_inference(spec.module, spec.inputs, name=_graph_name(spec.name))
+    if mode == "train":
+        if spec.loss_fn is None:
+            raise UsageError(f"{spec.source or spec.name}: --mode train needs a loss: define "
+                             "`loss(output, *targets)` and `targets()` next to `build()`")
+        return capture_training(spec.module, spec.inputs, spec.loss_fn, spec.targets,
+                                optimizer=optimizer, name=_graph_name(spec.name) + "_train")
+    raise UsageError(f"unknown mode {mode!r}; use 'infer' or 'train'")
+
+
+def compile_model(spec: ModelSpec, mode: str = "infer",
+                  pipeline: str | Sequence[Any] = DEFAULT_PIPELINE,
+                  optimizer: Optimizer | None = None, **manager_options: Any) -> CompileResult:
+    """Capture `spec` and run `pipeline` over it, verifying between passes."""
+    passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
+    start = time.perf_counter()
+    captured = capture(spec, mode, optimizer)
+    capture_seconds = time.perf_counter() - start
+    manager = PassManager(passes, **manager_options)
+    program = manager.run(captured.graph)
+    return CompileResult(spec, mode, captured, program, capture_seconds, manager)
+
+
+def _graph_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in name) or "main"

@@ -1,0 +1,133 @@
+"""The graphpar command: its outputs, and a clear message with no traceback for bad input."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from graphpar.cli import main
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_mlp.py"
+
+
+def write_model(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text("import torch\nfrom torch import nn\n" + textwrap.dedent(body))
+    return path
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_compile_writes_ir_and_report(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "compile", EXAMPLE, "--out", tmp_path / "out",
+                             "--dump-after", "all")
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["model"] == "tiny_mlp" and report["mode"] == "infer"
+    assert report["ops"] == {"linear": 2, "gelu": 1}
+    assert report["parameters"] == 16 * 64 + 64 + 64 * 4 + 4
+    assert report["flops_estimated"] == 2 * 8 * 16 * 64 + 8 * 64 + 8 * 64 + 2 * 8 * 64 * 4 + 8 * 4
+    assert [p["name"] for p in report["passes"]] == ["canonicalize", "fold-constants", "cse",
+                                                     "dce"]
+    text = (tmp_path / "out" / "tiny_mlp.gpir").read_text()
+    assert 'loc("examples/tiny_mlp.py:15", "fc1")' in text or "tiny_mlp.py:15" in text
+    assert len(list((tmp_path / "out" / "dumps").iterdir())) == 4
+    assert "2 distinct ops" in out and "(estimated)" in out and "(measured)" in out
+    code, out, _ = run_cli(capsys, "dump", tmp_path / "out" / "tiny_mlp.gpir")
+    assert code == 0 and out.startswith("graph @tiny_mlp(")
+
+
+def test_compile_training_step(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "compile", EXAMPLE, "--mode", "train", "--optimizer", "sgd",
+                           "--out", tmp_path)
+    assert code == 0
+    text = (tmp_path / "tiny_mlp_train.gpir").read_text()
+    assert "%target: f32[8,4] input" in text and "loss" in text
+    assert "update(%fc1.weight)" in text
+
+
+@pytest.mark.parametrize("body, code, says", [
+    ("x = 1\n", 2, "no build() function found; a model file defines build()"),
+    ("def build():\n    return 3\n", 2, "build() returned int"),
+    ("def build(:\n", 2, "model.py:3: importing the model file failed: SyntaxError"),
+    ("def build():\n    raise RuntimeError('no weights')\n", 2,
+     "model.py:4: build() failed: RuntimeError: no weights"),
+    ("""
+     class M(nn.Module):
+         def forward(self, x):
+             if x.sum() > 0:
+                 return x * 2
+             return x
+     def build():
+         return M(), (torch.randn(3),)
+     """, 1, "cannot capture M.forward"),
+    ("""
+     class M(nn.Module):
+         def forward(self, x):
+             return torch.cumprod(x, 0)
+     def build():
+         return M(), (torch.randn(3),)
+     """, 1, "model.py:6: graphpar has no IR op for it"),
+])
+def test_bad_model_files_give_clear_errors(tmp_path, capsys, body, code, says):
+    path = write_model(tmp_path, body)
+    out_dir = tmp_path / "out"
+    got, out, err = run_cli(capsys, "compile", path, "--out", out_dir)
+    assert got == code
+    assert says in err
+    assert not out_dir.exists(), "a failed compile must leave nothing behind"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".graphpar-")]
+
+
+def test_untraceable_model_points_at_the_user_line(tmp_path, capsys):
+    path = write_model(tmp_path, """
+     class M(nn.Module):
+         def forward(self, x):
+             if x.sum() > 0:
+                 return x * 2
+             return x
+     def build():
+         return M(), (torch.randn(3),)
+     """)
+    _, _, err = run_cli(capsys, "compile", path, "--out", tmp_path / "out")
+    assert "model.py:6" in err and "if x.sum() > 0" in err
+
+
+@pytest.mark.parametrize("argv, code, says", [
+    (["compile", "missing.py"], 2, "missing.py: no such file"),
+    (["compile", str(EXAMPLE), "--passes", "cse,bogus"], 2, "unknown pass 'bogus'"),
+    (["compile", str(EXAMPLE), "--passes", "dce{x=1}"], 2, "pass 'dce' has no option 'x'"),
+    (["compile", str(EXAMPLE), "--mode", "fly"], 2, "invalid choice: 'fly'"),
+    (["compile", "--example", "nosuchmodel"], 2, "nosuchmodel"),
+    (["dump", "missing.gpir"], 1, "missing.gpir: cannot read IR file"),
+    (["viz"], 2, "viz needs an IR file"),
+])
+def test_bad_command_lines(capsys, argv, code, says):
+    got, _, err = run_cli(capsys, *argv)
+    assert got == code
+    assert says in err
+
+
+def test_corrupt_ir_file_names_line_and_column(tmp_path, capsys):
+    path = tmp_path / "bad.gpir"
+    path.write_text("graph @g(\n    %x: f32[4] input,\n) {\n  %0 = exp(%y) : f32[4]\n"
+                    "  return %0 output\n}\n")
+    code, _, err = run_cli(capsys, "dump", path)
+    assert code == 1
+    assert f"{path}:4:12: %y is used before it is defined" in err
+
+
+def test_console_script_exits_nonzero_without_traceback(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "graphpar.cli", "compile", "missing.py"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "graphpar: error: missing.py: no such file" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -359,6 +359,25 @@ def _narrow(e, a):
     return slice_(e, a[0], pos(a[1], rank(a[0])), a[2], a[2] + a[3])
 
 
+@_on(aten.slice_scatter.default)
+def _slice_scatter(e, a):
+    x, src, dim, start, end, step = a
+    dim = pos(dim, rank(x))
+    size = shape(x)[dim]
+    start = 0 if start is None else (start + size if start < 0 else min(start, size))
+    end = size if end is None else (end + size if end < 0 else min(end, size))
+    return e.emit("slice_scatter", [x, src], {"dim": dim, "start": start, "end": end,
+                                              "step": step})
+
+
+@_on(aten.select_scatter.default)
+def _select_scatter(e, a):
+    x, src, dim, index = a
+    dim = pos(dim, rank(x))
+    index = index + shape(x)[dim] if index < 0 else index
+    return e.emit("select_scatter", [x, src], {"dim": dim, "index": index})
+
+
 @_on(aten.select.int)
 def _select(e, a):
     x, dim = a[0], pos(a[1], rank(a[0]))
@@ -419,6 +438,9 @@ def _flip(e, a):
 TABLE[aten.tril.default] = lambda e, a: e.emit("tril", [a[0]], {"diagonal": a[1]})
 TABLE[aten.triu.default] = lambda e, a: e.emit("triu", [a[0]], {"diagonal": a[1]})
 TABLE[aten.repeat.default] = lambda e, a: e.emit("repeat", [a[0]], {"repeats": tuple(a[1])})
+
+# Runtime checks of dtype/shape that torch.export leaves in; static types already say so.
+TABLE[aten._assert_tensor_metadata.default] = lambda e, a: None
 
 # Copies and aliases carry no computation in a functional IR.
 for _target in (aten.clone.default, aten.contiguous.default, aten.alias.default,
@@ -494,6 +516,7 @@ TABLE[aten.scalar_tensor.default] = lambda e, a: full(e, (), a[0], a[1])
 TABLE[aten.full_like.default] = lambda e, a: full(e, shape(a[0]), a[1], a[2] or a[0].type.dtype)
 TABLE[aten.zeros_like.default] = lambda e, a: full(e, shape(a[0]), 0, a[1] or a[0].type.dtype)
 TABLE[aten.ones_like.default] = lambda e, a: full(e, shape(a[0]), 1, a[1] or a[0].type.dtype)
+TABLE[aten.empty_permuted.default] = lambda e, a: full(e, a[0], 0, a[2])
 TABLE[aten.empty_like.default] = lambda e, a: full(e, shape(a[0]), 0, a[1] or a[0].type.dtype)
 TABLE[aten.new_zeros.default] = lambda e, a: full(e, a[1], 0, a[2] or a[0].type.dtype)
 TABLE[aten.new_ones.default] = lambda e, a: full(e, a[1], 1, a[2] or a[0].type.dtype)
@@ -663,6 +686,29 @@ def _batch_norm_backward(e, a):
     return tuple(next(results) if m else None for m in mask)
 
 
+def _pool_attrs(kernel, stride, padding, dilation, ceil_mode):
+    pair = lambda v: tuple(v) * (2 // len(v)) if len(v) in (1, 2) else tuple(v)  # noqa: E731
+    return {"kernel": pair(kernel), "stride": pair(stride or kernel), "padding": pair(padding),
+            "dilation": pair(dilation), "ceil_mode": bool(ceil_mode)}
+
+
+@_on(aten.max_pool2d_with_indices.default)
+def _max_pool(e, a):
+    return e.emit("max_pool2d", [a[0]], _pool_attrs(*a[1:]))
+
+
+@_on(aten.max_pool2d.default)
+def _max_pool_values(e, a):
+    return _max_pool(e, a)[0]
+
+
+@_on(aten.max_pool2d_with_indices_backward.default)
+def _max_pool_backward(e, a):
+    grad, x, kernel, stride, padding, dilation, ceil_mode, indices = a
+    return e.emit("max_pool2d_backward", [grad, x, indices],
+                  _pool_attrs(kernel, stride, padding, dilation, ceil_mode))
+
+
 @_on(aten.nll_loss_forward.default)
 def _nll_loss(e, a):
     x, target, weight, reduction, ignore_index = a
@@ -689,4 +735,5 @@ PRESERVED = [
     aten.nll_loss_backward.default, aten.native_batch_norm_backward.default,
     aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
     aten.threshold_backward.default, aten.conv2d.default,
+    aten.max_pool2d_with_indices_backward.default,
 ]

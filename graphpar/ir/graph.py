@@ -124,7 +124,7 @@ class Node:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
 
 
-@dataclass
+@dataclass(eq=False)
 class Output:
     """A graph result, with what it is (and for grads/updates, which input it belongs to)."""
 

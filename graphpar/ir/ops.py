@@ -138,6 +138,11 @@ _op("permute", S, lambda x, dims: x.permute(dims))
 _op("expand", S, lambda x, shape: x.expand(shape))
 _op("slice", S, lambda x, dim, start, end, step=1: aten.slice.Tensor(x, dim, start, end, step))
 _op("select", S, lambda x, dim, index: x.select(dim, index))
+_op("slice_scatter", S, lambda x, src, dim, start, end, step=1: torch.slice_scatter(
+    x, src, dim, start, end, step), "slice_scatter(x, src) {dim, start, end, step}: x with the "
+    "slice replaced by src")
+_op("select_scatter", S, lambda x, src, dim, index: torch.select_scatter(x, src, dim, index),
+    "select_scatter(x, src) {dim, index}")
 _op("cat", S, lambda *xs, dim: torch.cat(xs, dim), "cat(x0, x1, ...) {dim}")
 _op("pad", S, lambda x, pad, value=0.0: F.pad(x, pad, value=value),
     "pad(x) {pad, value}: constant padding, pairs from the last dim backwards")
@@ -279,6 +284,19 @@ _op("conv2d", C, _conv2d, "conv2d(x, w, b?) {stride, padding, dilation, groups}"
 _op("conv2d_backward", C, _conv2d_backward,
     "conv2d_backward(grad, x, w) {stride, padding, dilation, groups, bias, mask} -> dx, dw, db",
     num_outputs=None, flop_rule=lambda o, r, a: 2 * _conv_flops(o[1:], r, a))
+
+
+def _max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=False):
+    return tuple(aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode))
+
+
+_op("max_pool2d", C, _max_pool2d,
+    "max_pool2d(x) {kernel, stride, padding, dilation, ceil_mode} -> values, indices",
+    num_outputs=2, flop_rule=lambda o, r, a: r[0].numel * a["kernel"][0] * a["kernel"][1])
+_op("max_pool2d_backward", C, lambda g, x, idx, kernel, stride, padding, dilation,
+    ceil_mode=False: aten.max_pool2d_with_indices_backward(g, x, kernel, stride, padding,
+                                                           dilation, ceil_mode, idx),
+    "max_pool2d_backward(grad, x, indices) {kernel, stride, padding, dilation, ceil_mode}")
 
 
 def _batch_norm(x, w, b, mean, var, training, momentum, eps):

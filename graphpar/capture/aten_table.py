@@ -439,6 +439,15 @@ TABLE[aten.tril.default] = lambda e, a: e.emit("tril", [a[0]], {"diagonal": a[1]
 TABLE[aten.triu.default] = lambda e, a: e.emit("triu", [a[0]], {"diagonal": a[1]})
 TABLE[aten.repeat.default] = lambda e, a: e.emit("repeat", [a[0]], {"repeats": tuple(a[1])})
 
+@_on(aten.native_dropout.default)
+def _dropout(e, a):
+    x, p, train = a
+    if train and p > 0:
+        raise TypeError(f"dropout (p={p}) is random and not supported: set dropout "
+                        "probabilities to 0 or call .eval() before capture")
+    return x, full(e, shape(x), True, torch.bool)
+
+
 # Runtime checks of dtype/shape that torch.export leaves in; static types already say so.
 TABLE[aten._assert_tensor_metadata.default] = lambda e, a: None
 
@@ -450,23 +459,21 @@ for _target in (aten.clone.default, aten.contiguous.default, aten.alias.default,
 
 # --- indexing ---------------------------------------------------------------------------------
 
-def _one_index(indices) -> tuple[int, Value]:
+def _present(indices) -> tuple[list[Value], tuple[int, ...]]:
     present = [(d, i) for d, i in enumerate(indices) if i is not None]
-    if len(present) != 1:
-        raise TypeError("advanced indexing with more than one index tensor is not supported")
-    return present[0]
+    return [i for _, i in present], tuple(d for d, _ in present)
 
 
 @_on(aten.index.Tensor)
 def _index_tensor(e, a):
-    dim, idx = _one_index(a[1])
-    return e.emit("index", [a[0], idx], {"dim": dim})
+    idx, dims = _present(a[1])
+    return e.emit("index", [a[0], *idx], {"dims": dims})
 
 
 @_on(aten.index_put.default)
 def _index_put(e, a):
-    dim, idx = _one_index(a[1])
-    return e.emit("index_put", [a[0], idx, a[2]], {"dim": dim, "accumulate": bool(a[3])})
+    idx, dims = _present(a[1])
+    return e.emit("index_put", [a[0], a[2], *idx], {"dims": dims, "accumulate": bool(a[3])})
 
 
 @_on(aten.index_select.default)

@@ -17,7 +17,7 @@ from torch._decomp import core_aten_decompositions
 
 from graphpar.backends import reference
 from graphpar.capture.aten_table import PRESERVED
-from graphpar.capture.fx_import import import_exported, short_location
+from graphpar.capture.fx_import import _tied_aliases, import_exported, short_location
 from graphpar.capture.optim import Optimizer, append_optimizer
 from graphpar.errors import CaptureError, GraphparError
 from graphpar.ir.graph import Graph, OutputRole, Role
@@ -130,6 +130,46 @@ class _TrainingStep(torch.nn.Module):
         return (self.loss_fn(out, *args[self.num_inputs:]),)
 
 
+def _drop_tied_aliases(ep):
+    """The program without the unused placeholders of tied weights (see `_tied_aliases`), and
+    the (alias, carrier) target pairs: autograd's joint graph wants a gradient for every
+    parameter placeholder."""
+    from torch.export.experimental import _copy_graph_module_and_signature
+
+    specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
+    aliases = _tied_aliases(ep, specs)
+    if not aliases:
+        return ep, ()
+    tied = tuple(sorted((specs[a].target.removeprefix("module."),
+                         specs[b].target.removeprefix("module.")) for a, b in aliases.items()))
+    with quiet():
+        gm, signature = _copy_graph_module_and_signature(ep)
+        for node in list(gm.graph.nodes):
+            if node.op == "placeholder" and node.name in aliases:
+                gm.graph.erase_node(node)
+        signature.input_specs = [s for s in signature.input_specs if s.arg.name not in aliases]
+        gm.recompile()
+        return ep._update(gm, signature), tied
+
+
+def _params_not_reaching_loss(ep) -> set[str]:
+    """Parameters (by target name) that the loss does not depend on."""
+    output = next(n for n in ep.graph.nodes if n.op == "output")
+    needed, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        for dep in node.all_input_nodes:
+            if dep not in needed:
+                needed.add(dep)
+                stack.append(dep)
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    params = [s for s in ep.graph_signature.input_specs if s.kind.name == "PARAMETER"]
+    used = [ep.state_dict[s.target] for s in params if placeholders[s.arg.name] in needed]
+    # A tied weight is exported once per name; the unused name is an alias, not a frozen param.
+    return {s.target for s in params if placeholders[s.arg.name] not in needed
+            and not any(ep.state_dict[s.target] is t for t in used)}
+
+
 def _argument_names(module: torch.nn.Module, num_inputs: int, num_targets: int) -> list[str]:
     """The forward's own parameter names for the inputs, then `target`, `target_1`, ..."""
     try:
@@ -153,7 +193,18 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     graph returns the gradients instead (`grad` outputs).
     """
     step = _TrainingStep(module, loss_fn, len(args))
-    ep = _export(step, tuple(args) + tuple(targets), f"{type(module).__name__} training step")
+    what = f"{type(module).__name__} training step"
+    ep, tied = _drop_tied_aliases(_export(step, tuple(args) + tuple(targets), what))
+    unused = _params_not_reaching_loss(ep)
+    if unused:  # they get no gradient, as in eager; autograd's joint graph needs them frozen
+        frozen = [p for n, p in step.named_parameters() if n in unused and p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        try:
+            ep, _ = _drop_tied_aliases(_export(step, tuple(args) + tuple(targets), what))
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
     from torch.export.experimental import (
         _copy_graph_module_and_signature,
         _decompose_exported_program,
@@ -178,6 +229,8 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     for spec, arg_name in zip(user_specs, _argument_names(module, len(args), len(targets))):
         names[spec.arg.name] = arg_name
     graph, state = import_exported(ep, name, input_names=names)
+    if tied:
+        graph.attrs["tied"] = tied
     for out in graph.outputs:
         if out.target is not None:
             out.target = out.target.removeprefix("module.")

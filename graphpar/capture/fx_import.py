@@ -97,7 +97,10 @@ def import_exported(ep: ExportedProgram, name: str, input_names: dict[str, str] 
     env: dict[torch.fx.Node, Any] = {}
     state: dict[str, torch.Tensor] = {}
     specs = {spec.arg.name: spec for spec in ep.graph_signature.input_specs}
+    aliases = _tied_aliases(ep, specs)
     for fx_node in ep.graph.nodes:
+        if fx_node.op == "placeholder" and fx_node.name in aliases:
+            continue
         if fx_node.op == "placeholder":
             spec = specs[fx_node.name]
             if spec.kind not in INPUT_ROLES:
@@ -121,7 +124,32 @@ def import_exported(ep: ExportedProgram, name: str, input_names: dict[str, str] 
         else:
             raise UnsupportedOpError(f"fx node kind {fx_node.op!r} ({fx_node.name}) is not "
                                      "supported")
+    if aliases:
+        rename = (input_names or {}).get
+        graph.attrs["tied"] = tuple(sorted(
+            (rename(specs[a].target, specs[a].target), rename(specs[b].target, specs[b].target))
+            for a, b in aliases.items()))
     return graph, state
+
+
+def _tied_aliases(ep: ExportedProgram, specs: dict) -> dict[str, str]:
+    """Unused placeholders of a tied weight -> the placeholder that carries it.
+
+    torch.export gives each name of a shared parameter its own placeholder and uses one; the
+    others are dropped, and `graph.attrs["tied"]` records (alias, carrier) target names.
+    """
+    users = {n.name: len(n.users) for n in ep.graph.nodes if n.op == "placeholder"}
+    weights = {name: ep.state_dict.get(spec.target) for name, spec in specs.items()
+               if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    aliases = {}
+    for name, tensor in weights.items():
+        if users[name] or tensor is None:
+            continue
+        carrier = next((other for other, t in weights.items()
+                        if other != name and t is tensor and users[other]), None)
+        if carrier is not None:
+            aliases[name] = carrier
+    return aliases
 
 
 def _import_call(fx_node: torch.fx.Node, env: dict, emitter: _FxEmitter) -> Any:

@@ -155,17 +155,26 @@ _op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it")
 
 # --- indexing ---------------------------------------------------------------------------------
 
-def _index(x, idx, dim):
-    return aten.index.Tensor(x, [None] * dim + [idx])
+def _index_list(x, indices, dims):
+    full = [None] * (max(dims) + 1)
+    for d, idx in zip(dims, indices):
+        full[d] = idx
+    return full
 
 
-def _index_put(x, idx, values, dim, accumulate=False):
-    return aten.index_put(x, [None] * dim + [idx], values, accumulate)
+def _index(x, *indices, dims):
+    return aten.index.Tensor(x, _index_list(x, indices, dims))
+
+
+def _index_put(x, values, *indices, dims, accumulate=False):
+    return aten.index_put(x, _index_list(x, indices, dims), values, accumulate)
 
 
 _op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx))
-_op("index", IX, _index, "index(x, idx) {dim}: x[..., idx, ...] with idx of any shape at dim")
-_op("index_put", IX, _index_put, "index_put(x, idx, v) {dim, accumulate}: functional x[idx] = v")
+_op("index", IX, _index,
+    "index(x, i0, i1, ...) {dims}: advanced indexing, index tensor i_k at dim dims[k]")
+_op("index_put", IX, _index_put,
+    "index_put(x, v, i0, ...) {dims, accumulate}: functional x[i0, ...] = v (or += v)")
 _op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx))
 _op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src))
 _op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src))

@@ -1,0 +1,127 @@
+"""The CUDA source of the paged-attention kernels, run on the CPU through a host emulation.
+
+cuda_host_emulation.h turns each CUDA thread into a fiber with real warp shuffles and block
+barriers, so the kernels' own indexing, online softmax, split-K reduce and the launcher's
+argument packing (graphpar.backends.cuda.paged_attention) are checked against the torch
+reference without a GPU. It checks logic, not speed, memory coalescing or races.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from paged_testutil import HostEmulationRunner, build_host_emulator, dense_decode, make_paged_batch
+
+from graphpar.backends import reference_paged as ref
+from graphpar.backends.cuda.paged_attention import CupyRunner, PagedAttentionKernels
+from graphpar.errors import BackendError, GenerationError
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    return HostEmulationRunner(build_host_emulator(tmp_path_factory.mktemp("emu")))
+
+
+@pytest.fixture
+def kernels(runner):
+    runner.launches.clear()
+    return PagedAttentionKernels(runner)
+
+
+def _run(kernels, batch, **kw):
+    return kernels.paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.context_lens,
+        batch.scale,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", ref.SUPPORTED_HEAD_SIZES)
+def test_every_instantiation_matches_reference(kernels, head_size, dtype):
+    """Each (dtype, head size) kernel, single-pass and split-K, MQA, with an empty sequence."""
+    batch = make_paged_batch([17, 40, 0], 2, 1, head_size, 16, dtype, seed=head_size)
+    want = dense_decode(batch)
+    single = _run(kernels, batch, use_split=False)
+    split = _run(kernels, batch, use_split=True, partition_size=16)  # 2 and 3 partitions
+    torch.testing.assert_close(single.float(), want, **TOLERANCE[dtype])
+    torch.testing.assert_close(split.float(), want, **TOLERANCE[dtype])
+    names = [launch.kernel for launch in kernels.runner.launches]
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    assert names == [f"paged_attention_{suffix}_h{head_size}"] * 2 + [
+        f"paged_attention_reduce_{suffix}"
+    ]
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_gqa_long_context_chooses_split_k(kernels, block_size):
+    """Contexts over 512 tokens go through split-K by default; shorter ones do not."""
+    batch = make_paged_batch([600, 5], 8, 2, 128, block_size, torch.float16, seed=block_size)
+    out = _run(kernels, batch)
+    assert [launch.grid for launch in kernels.runner.launches] == [(8, 2, 2), (8, 2, 1)]
+    torch.testing.assert_close(out.float(), dense_decode(batch), **TOLERANCE[torch.float16])
+    kernels.runner.launches.clear()
+    short = make_paged_batch([300, 5], 4, 4, 64, block_size, torch.float32, seed=1)
+    torch.testing.assert_close(_run(kernels, short), dense_decode(short), atol=1e-5, rtol=1e-5)
+    assert len(kernels.runner.launches) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reshape_and_cache_matches_reference(kernels, dtype):
+    torch.manual_seed(0)
+    kv_heads, head_size, block_size, tokens = 2, 80, 4, 7
+    qkv = torch.randn(tokens, 3 * kv_heads, head_size).to(dtype)
+    key, value = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 2 * kv_heads :]  # strided views
+    slots = torch.tensor([5, 0, -1, 11, 3, 8, 1], dtype=torch.int32)
+    want_k, want_v = ref.allocate_kv_cache(4, block_size, kv_heads, head_size, dtype)
+    got_k, got_v = ref.allocate_kv_cache(4, block_size, kv_heads, head_size, dtype)
+    ref.reshape_and_cache(key, value, want_k, want_v, slots)
+    kernels.reshape_and_cache(key, value, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_copy_blocks_matches_reference(kernels):
+    torch.manual_seed(1)
+    caches = [torch.randn(6, 4, 2, 64).half() for _ in range(2)] + [torch.randn(6, 8, 1, 128)]
+    want = [c.clone() for c in caches]
+    pairs = {0: [3, 5], 2: 4}
+    ref.copy_blocks(want, pairs)
+    kernels.copy_blocks(caches, pairs)
+    assert len(kernels.runner.launches) == 1  # one launch for every cache and pair
+    for got, expected in zip(caches, want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_unsupported_head_size_is_a_generation_error(kernels):
+    batch = make_paged_batch([3], 2, 2, 112, 16)
+    with pytest.raises(GenerationError, match="64, 80, 96, 128, 256"):
+        _run(kernels, batch)
+
+
+def test_cupy_runner_without_cupy_or_gpu_is_a_backend_error():
+    try:
+        import cupy  # noqa: F401
+
+        if torch.cuda.is_available():
+            pytest.skip("CuPy and a GPU are present")
+    except ImportError:
+        pass
+    with pytest.raises(BackendError, match="CuPy|GPU"):
+        CupyRunner().module(0)
+    batch = make_paged_batch([3], 2, 2, 64, 16)
+    with pytest.raises(BackendError, match="CUDA tensors"):
+        _run(PagedAttentionKernels(), batch)

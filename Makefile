@@ -15,7 +15,7 @@ setup: $(BIN)/graphpar
 
 # Compile the bundled example GPT model on the default mesh and print the report.
 run: setup
-	$(BIN)/graphpar compile --example gpt --out graphpar-out
+	$(BIN)/graphpar compile --example gpt:125M --out graphpar-out
 
 # The fast default suite (slow-marked tests excluded; GPU tests skip without a GPU).
 test: setup

@@ -44,7 +44,7 @@ def example_spec(text: str):
     from graphpar.models import get_model
 
     name, _, preset = text.partition(":")
-    example = get_model(name, preset or None)
+    example = get_model(name, preset or "tiny")
     return ModelSpec(f"{name}_{example.preset}", example.module, tuple(example.inputs),
                      example.loss_fn, tuple(example.targets), f"graphpar.models:{name}/"
                                                               f"{example.preset}")

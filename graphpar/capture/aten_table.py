@@ -716,11 +716,18 @@ def _max_pool_backward(e, a):
                   _pool_attrs(kernel, stride, padding, dilation, ceil_mode))
 
 
+MEAN, SUM = 1, 2  # ATen's reduction codes
+
+
 @_on(aten.nll_loss_forward.default)
 def _nll_loss(e, a):
+    """A mean loss becomes sum / total weight: sums of shards add up, means do not."""
     x, target, weight, reduction, ignore_index = a
-    return e.emit("nll_loss", [x, target, weight], {"reduction": reduction,
-                                                    "ignore_index": ignore_index})
+    attrs = {"reduction": SUM if reduction == MEAN else reduction, "ignore_index": ignore_index}
+    loss, total_weight = e.emit("nll_loss", [x, target, weight], attrs)
+    if reduction == MEAN:
+        loss = e.emit("div", [loss, total_weight])
+    return loss, total_weight
 
 
 @_on(aten.nll_loss_backward.default)

@@ -151,6 +151,8 @@ _op("tril", S, lambda x, diagonal=0: torch.tril(x, diagonal))
 _op("triu", S, lambda x, diagonal=0: torch.triu(x, diagonal))
 _op("repeat", S, lambda x, repeats: x.repeat(repeats))
 _op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it")
+_op("reshard", OpKind.COLLECTIVE, lambda x: x,
+    "reshard(x): x in the layout its result carries; lower-spmd makes it collectives")
 
 
 # --- indexing ---------------------------------------------------------------------------------

@@ -8,7 +8,11 @@ from torch import nn
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention: one fused QKV projection, SDPA over [B, H, S, D], output proj."""
+    """Multi-head self-attention: one fused QKV projection, SDPA over [B, H, S, D], output proj.
+
+    The fused projection's rows are ordered head by head ([H, 3, D/H], Megatron-LM's layout), so
+    splitting its output features across devices splits heads, and q, k, v stay together.
+    """
 
     def __init__(self, d_model: int, n_heads: int, causal: bool) -> None:
         super().__init__()
@@ -19,9 +23,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
-        # [B, S, D] -> [B, H, S, D/H]: the head layout SDPA expects.
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x).view(b, s, self.n_heads, 3, d // self.n_heads)
+        # [B, S, H, D/H] -> [B, H, S, D/H]: the head layout SDPA expects.
+        q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 

@@ -1,6 +1,6 @@
 """Passes over the IR and the pass manager that runs them."""
 
-from graphpar.passes import cleanup  # noqa: F401  (registers the cleanup passes)
+from graphpar.passes import autoshard, cleanup  # noqa: F401  (registers the passes)
 from graphpar.passes.manager import (
     GraphPass,
     Pass,

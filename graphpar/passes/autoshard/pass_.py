@@ -1,0 +1,115 @@
+"""The `auto-shard` pass: solve the ILP, then write the plan into the IR.
+
+Every value gets its layout; wherever a consumer needs another layout than its operand has, an
+explicit `reshard` node stands between them (global semantics: the identity), so the plan reads
+in the IR text and `lower-spmd` turns each reshard into collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from graphpar.cost.cluster import Cluster, get_cluster, load_cluster
+from graphpar.cost.units import parse_bytes
+from graphpar.errors import ClusterSpecError, ShardingError
+from graphpar.ir.graph import Graph, Node, OutputRole, Value
+from graphpar.ir.layout import Layout
+from graphpar.ir.mesh import Mesh
+from graphpar.passes.autoshard.ilp import Plan, solve
+from graphpar.passes.autoshard.strategies import replicated
+from graphpar.passes.manager import GraphPass, PassContext, register_pass
+
+
+def cluster_for(spec: str) -> Cluster:
+    if spec.endswith((".json", ".yaml", ".yml")):
+        return load_cluster(spec)
+    return get_cluster(spec)
+
+
+def mesh_for(shape: str, cluster: Cluster | str = "dgx-a100") -> Mesh:
+    """A mesh of `shape` ("2x4") on `cluster`, adding nodes of the cluster's kind as needed."""
+    cluster = cluster_for(cluster) if isinstance(cluster, str) else cluster
+    mesh = Mesh.from_string(shape)
+    if mesh.size > cluster.num_devices:
+        nodes = math.ceil(mesh.size / cluster.devices_per_node)
+        cluster = dataclasses.replace(cluster, num_nodes=nodes)
+    return Mesh.from_cluster(cluster, mesh.shape)
+
+
+def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
+    """Write `plan` into `graph`: layouts on values, `reshard` nodes where layouts change.
+    Returns how many reshard nodes were inserted."""
+    for v, layout in plan.input_layout.items():
+        v.layout = layout
+    for node, strategy in plan.node_strategy.items():
+        for out, layout in zip(node.outputs, strategy.outputs):
+            out.layout = layout
+    inserted: dict[tuple[Value, Layout], Value] = {}
+
+    def resharded(value: Value, layout: Layout, before: Node | None) -> Value:
+        key = (value, layout)
+        if key not in inserted:
+            node = graph.create("reshard", [value], module=_module(value), before=before,
+                                output_types=[value.type])
+            node.output.layout = layout
+            inserted[key] = node.output
+        return inserted[key]
+
+    for node in list(graph.nodes):
+        strategy = plan.node_strategy.get(node)
+        if strategy is None:
+            continue
+        for i, v in enumerate(node.inputs):
+            need = strategy.inputs[i]
+            if isinstance(v, Value) and need is not None and v.layout != need:
+                node.replace_input(v, resharded(v, need, node))
+    full = replicated(mesh)
+    for out in graph.outputs:
+        if out.role in (OutputRole.UPDATE, OutputRole.GRAD):
+            need = graph.input(out.target).layout
+        else:
+            need = full
+        if out.value.layout != need:
+            out.value = resharded(out.value, need, None)
+    return len(inserted)
+
+
+def _module(value: Value) -> str | None:
+    return value.producer.module if value.producer is not None else None
+
+
+@register_pass("auto-shard")
+@dataclass
+class AutoShard(GraphPass):
+    """Choose a layout for every value by Alpa's ILP (OR-Tools CP-SAT) and mark reshards."""
+
+    mesh: str = "1x4"
+    cluster: str = "dgx-a100"
+    memory_limit: str = ""
+    time_limit: float = 30.0
+    dtype: str = "fp32"
+
+    def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+        if graph.attrs.get("mesh"):
+            raise ShardingError(f"graph @{graph.name} is already sharded on mesh "
+                                f"{graph.attrs['mesh']}")
+        try:
+            cluster = cluster_for(self.cluster)
+        except ClusterSpecError:
+            raise
+        mesh = mesh_for(self.mesh, cluster)
+        limit = parse_bytes(self.memory_limit) if self.memory_limit else None
+        plan = solve(graph, mesh, cluster.peak_flops(self.dtype), limit, self.time_limit)
+        reshards = shard_graph(graph, mesh, plan)
+        graph.attrs.update({
+            "mesh": self.mesh,
+            "cluster": cluster.name,
+            "estimated_compute_s": round(plan.compute_seconds, 9),
+            "estimated_comm_s": round(plan.comm_seconds, 9),
+            "estimated_memory_bytes": int(plan.memory_bytes),
+            "reshards": reshards,
+        })
+        ctx.options.setdefault("plans", {})[graph.name] = plan
+        return True

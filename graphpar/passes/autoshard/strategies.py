@@ -1,0 +1,117 @@
+"""Strategies: for one node on one mesh, every way to map mesh axes to its factors, with costs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from graphpar.ir.graph import Node, Value
+from graphpar.ir.layout import Layout, Partial, Replicate, Shard
+from graphpar.ir.mesh import Mesh
+from graphpar.ir.printer import node_flops
+from graphpar.passes.autoshard.factors import FactorSpec, factor_spec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: required operand layouts, result layouts, compute time."""
+
+    axis_factors: tuple[int | None, ...]  # per mesh axis: the factor it shards, or None
+    inputs: tuple[Layout | None, ...]  # per operand (None for scalars and absent operands)
+    outputs: tuple[Layout, ...]
+    compute_seconds: float
+
+
+def replicated(mesh: Mesh) -> Layout:
+    return Layout(tuple(Replicate() for _ in mesh.shape))
+
+
+def node_strategies(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
+    """Every valid strategy, deduplicated; the all-replicated one is always first."""
+    spec = factor_spec(node)
+    flops = node_flops(node)
+    full = replicated(mesh)
+    plain = Strategy((None,) * len(mesh.shape),
+                     tuple(full if isinstance(v, Value) else None for v in node.inputs),
+                     tuple(full for _ in node.outputs), flops / peak_flops)
+    if spec is None:
+        return [plain]
+    strategies, seen = [plain], {(plain.inputs, plain.outputs)}
+    choices = [f for f in range(len(spec.sizes)) if f not in spec.blocked]
+    # An axis of size 1 splits nothing: it only ever replicates.
+    per_axis = [[None] if size == 1 else [None, *choices] for size in mesh.shape]
+    for assignment in itertools.product(*per_axis):
+        if all(f is None for f in assignment):
+            continue
+        strategy = _strategy(node, spec, mesh, assignment, flops / peak_flops)
+        if strategy is not None and (strategy.inputs, strategy.outputs) not in seen:
+            seen.add((strategy.inputs, strategy.outputs))
+            strategies.append(strategy)
+    return strategies
+
+
+def _strategy(node: Node, spec: FactorSpec, mesh: Mesh, assignment, seconds: float
+              ) -> Strategy | None:
+    for f in set(assignment) - {None}:
+        ways = math.prod(mesh.shape[a] for a, g in enumerate(assignment) if g == f)
+        if spec.sizes[f] % ways:
+            return None
+    inputs = []
+    for i, v in enumerate(node.inputs):
+        dims = spec.operands[i] if i < len(spec.operands) else None
+        if not isinstance(v, Value):
+            inputs.append(None)
+            continue
+        if dims is None:
+            dims = (None,) * v.type.rank
+        placements = []
+        for f in assignment:
+            if f is not None and f in dims:
+                d = dims.index(f)
+                placements.append(Shard(d))
+            elif f is not None and f in spec.partial_operands.get(i, ()):
+                placements.append(Partial("sum"))
+            else:
+                placements.append(Replicate())
+        layout = Layout(tuple(placements))
+        if not _divides(layout, v.type.shape, mesh):
+            return None
+        inputs.append(layout)
+    outputs = []
+    for r, out in enumerate(node.outputs):
+        placements = []
+        for f in assignment:
+            if f is None:
+                placements.append(Replicate())
+            elif f in spec.results[r]:
+                placements.append(Shard(spec.results[r].index(f)))
+            elif f in spec.reductions[r]:
+                placements.append(Partial(spec.reductions[r][f]))
+            else:
+                return None  # the result needs every shard of this factor
+        layout = Layout(tuple(placements))
+        if not _divides(layout, out.type.shape, mesh):
+            return None
+        outputs.append(layout)
+    split = math.prod(mesh.shape[a] for a, f in enumerate(assignment) if f is not None)
+    return Strategy(tuple(assignment), tuple(inputs), tuple(outputs), seconds / split)
+
+
+def _divides(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> bool:
+    for d, size in enumerate(shape):
+        ways = math.prod(mesh.shape[a] for a, p in enumerate(layout.placements)
+                         if isinstance(p, Shard) and p.dim == d)
+        if size % ways:
+            return False
+    return True
+
+
+def input_layouts(value: Value, mesh: Mesh) -> list[Layout]:
+    """Candidate layouts of a graph input: replicated first, then every even sharding."""
+    from graphpar.ir.layout import all_layouts
+
+    full = replicated(mesh)
+    useful = [lay for lay in all_layouts(value.type.shape, mesh) if lay != full and all(
+        p.is_replicate() for p, size in zip(lay.placements, mesh.shape) if size == 1)]
+    return [full] + useful

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-all lint setup clean
+.PHONY: run test test-all lint setup clean chromium
 
 $(BIN)/graphpar: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +17,17 @@ setup: $(BIN)/graphpar
 run: setup
 	$(BIN)/graphpar compile --example gpt:125M --out graphpar-out
 
+# The viz browser test renders in Debian's headless chromium: install it when missing and we can.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	  && apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "make: chromium is not installed; the viz browser test will skip"
+
 # The fast default suite (slow-marked tests excluded; GPU tests skip without a GPU).
-test: setup
+test: setup chromium
 	$(BIN)/python -m pytest
 
-test-all: setup
+test-all: setup chromium
 	$(BIN)/python -m pytest -m ''
 
 lint: setup

@@ -131,3 +131,12 @@ def test_console_script_exits_nonzero_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "graphpar: error: missing.py: no such file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_viz_writes_a_self_contained_page(tmp_path, capsys):
+    out = tmp_path / "graph.html"
+    code, stdout, _ = run_cli(capsys, "viz", "--example", "mlp:tiny", "-o", out)
+    assert code == 0 and "wrote" in stdout
+    html = out.read_text()
+    assert 'id="graphpar-data"' in html and "linear" in html
+    assert "https://" not in html and "http://" not in html

@@ -1,0 +1,1005 @@
+"""Paged KV-cache block manager (vLLM's design): block allocators, block tables, sharing, swap.
+
+The manager hands out *block ids*; it never touches tensors. A KV block holds the keys and values
+of ``block_size`` consecutive tokens of one sequence (for every layer and head: the runtime's
+cache tensors are indexed by the same block id). The runtime reads what the manager decided:
+
+* :meth:`BlockManager.slot_mapping` / :meth:`BlockManager.slot_index`: where each new token's KV
+  is written (flat slot ``block_id * block_size + offset``);
+* :meth:`BlockManager.block_table`: the physical block ids the attention kernel reads, padded;
+* :class:`BlockCopy` lists (copy-on-write) and swap mappings: block copies the runtime performs
+  before the model runs.
+
+Vocabulary (PagedAttention, SOSP'23, §4): a *sequence* is one token stream (one sample or beam);
+a *sequence group* is the sequences of one request, allocated, preempted and resumed
+all-or-nothing. ``fork`` shares every block (reference counts); writing into a shared block copies
+it first (copy-on-write). A registered *prefix* reserves blocks once; sequences that start with it
+map their first logical blocks to them.
+
+Within one engine step the runtime performs the copies in this order, then runs the model:
+swap-out copies (device -> CPU), swap-in copies (CPU -> device), copy-on-write copies (device ->
+device, batched in one launch). A block freed by a swap-out may be the destination of a swap-in or
+a copy of the same step, hence the order. Free finished sequences between steps, and preempt a
+group before (not after) its ``append_slot`` calls of a step: then no block of one step's
+copy-on-write batch is both a source and a destination.
+
+Two kinds of failure are kept apart:
+
+* a request that can never fit, even alone in an empty device pool, raises
+  :class:`graphpar.errors.KVCacheError` (a user error: raise KV memory or shorten the request);
+* running out of blocks *now* is normal: ``can_allocate`` / ``can_append`` / ``can_swap_in`` /
+  ``can_resume`` answer ``False`` and the engine queues or preempts. Calling a mutating method
+  anyway raises :class:`NoFreeBlocksError` (an engine bug, not a user error).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from graphpar.errors import KVCacheError
+
+__all__ = [
+    "Allocation",
+    "BlockAllocator",
+    "BlockCopy",
+    "BlockManager",
+    "BlockTable",
+    "GroupStatus",
+    "KVCacheStateError",
+    "NoFreeBlocksError",
+    "Pool",
+    "Preemption",
+    "PreemptionMode",
+    "Resumption",
+    "Slot",
+    "AppendResult",
+]
+
+DEFAULT_BLOCK_SIZE = 16
+
+SeqId = Hashable
+GroupId = Hashable
+PrefixId = Hashable
+
+
+class KVCacheStateError(RuntimeError):
+    """The engine used the manager wrongly (unknown sequence, fork of a swapped sequence, ...)."""
+
+
+class NoFreeBlocksError(KVCacheStateError):
+    """A mutating call needed more free blocks than the pool has now; check ``can_*`` first."""
+
+
+class Pool(enum.Enum):
+    """Which physical block pool a block id belongs to."""
+
+    DEVICE = "device"
+    CPU = "cpu"
+
+
+class PreemptionMode(enum.Enum):
+    """How a preempted sequence group gives its device blocks back (PagedAttention §4.5)."""
+
+    SWAP = "swap"  # copy its blocks to the CPU pool; swap them back in later
+    RECOMPUTE = "recompute"  # drop its blocks; re-prefill prompt + generated tokens later
+
+
+class GroupStatus(enum.Enum):
+    """Where a sequence group's KV lives."""
+
+    RUNNING = "running"  # all blocks on the device; may be scheduled
+    SWAPPED = "swapped"  # preempted by swap: private blocks in the CPU pool
+    RECOMPUTE = "recompute"  # preempted by recompute: no blocks; needs a re-prefill
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One token's place in the device cache: physical block id and offset inside the block."""
+
+    block: int
+    offset: int
+
+    def index(self, block_size: int) -> int:
+        """Flat slot index ``block * block_size + offset`` (what the cache-write kernel takes)."""
+        return self.block * block_size + self.offset
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the whole of device block ``src`` into device block ``dst`` (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    """What :meth:`BlockManager.append_slot` decided for one new token.
+
+    The runtime performs ``copy`` (if any) before writing the token's KV at ``slot``.
+    """
+
+    slot: Slot
+    slot_index: int
+    copy: BlockCopy | None
+    new_block: bool
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Blocks given to a sequence for its prompt.
+
+    The runtime performs ``copies`` (copy-on-write of a shared prefix's partial last block), then
+    prefills token positions ``num_cached_tokens .. num_tokens - 1``; positions below
+    ``num_cached_tokens`` are a registered prefix whose KV is already in the cache.
+    """
+
+    seq: SeqId
+    blocks: tuple[int, ...]
+    num_tokens: int
+    num_cached_tokens: int
+    copies: tuple[BlockCopy, ...]
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Snapshot of one sequence's block table (logical block i -> ``blocks[i]``)."""
+
+    blocks: tuple[int, ...]
+    on_cpu: tuple[bool, ...]
+    num_tokens: int
+    block_size: int
+
+    @property
+    def num_filled_last(self) -> int:
+        """Filled slots of the last block (the paper's ``#filled``); 0 when there is no block."""
+        if not self.blocks:
+            return 0
+        return self.num_tokens - (len(self.blocks) - 1) * self.block_size
+
+    def entries(self) -> list[tuple[int, int]]:
+        """``(physical block, #filled)`` per logical block, as drawn in the paper's Fig. 6."""
+        out = []
+        for i, b in enumerate(self.blocks):
+            out.append((b, min(self.block_size, self.num_tokens - i * self.block_size)))
+        return out
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What :meth:`BlockManager.preempt` did.
+
+    SWAP: ``mapping`` is device block -> CPU block; the runtime copies those blocks to host memory.
+    RECOMPUTE: ``recompute_tokens`` is sequence -> token count (prompt + generated) to re-prefill.
+    """
+
+    group: GroupId
+    mode: PreemptionMode
+    mapping: dict[int, int]
+    recompute_tokens: dict[SeqId, int]
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """What :meth:`BlockManager.resume` did.
+
+    SWAP: ``mapping`` is CPU block -> device block; the runtime copies them back.
+    RECOMPUTE: ``allocations`` give the fresh blocks; the runtime re-prefills each sequence.
+    """
+
+    group: GroupId
+    mode: PreemptionMode
+    mapping: dict[int, int]
+    allocations: tuple[Allocation, ...]
+
+
+class BlockAllocator:
+    """A pool of ``num_blocks`` physical blocks with a free list and reference counts.
+
+    ``allocate`` returns a block with reference count 1; ``decref`` returns it to the free list
+    when the count reaches 0. Freeing a free block raises :class:`KVCacheStateError`.
+    """
+
+    def __init__(self, num_blocks: int, pool: Pool = Pool.DEVICE) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.pool = pool
+        self.num_blocks = num_blocks
+        self._refcount = [0] * num_blocks
+        # A stack popped from the end: block 0 is handed out first, freed blocks are reused first.
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        """Blocks with a reference count above 0."""
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int:
+        """Take a free block; its reference count becomes 1."""
+        if not self._free:
+            raise NoFreeBlocksError(f"the {self.pool.value} pool has no free block")
+        block = self._free.pop()
+        self._refcount[block] = 1
+        return block
+
+    def incref(self, block: int, n: int = 1) -> int:
+        """Add ``n`` references to an allocated block; returns the new count."""
+        self._check_live(block)
+        self._refcount[block] += n
+        return self._refcount[block]
+
+    def decref(self, block: int, n: int = 1) -> int:
+        """Drop ``n`` references; at 0 the block goes back to the free list. Returns the count."""
+        self._check_live(block)
+        if n > self._refcount[block]:
+            raise KVCacheStateError(
+                f"{self.pool.value} block {block} has {self._refcount[block]} references, "
+                f"cannot drop {n}"
+            )
+        self._refcount[block] -= n
+        if self._refcount[block] == 0:
+            self._free.append(block)
+        return self._refcount[block]
+
+    def refcount(self, block: int) -> int:
+        """References to ``block`` (0 when free)."""
+        return self._refcount[block]
+
+    def free_blocks(self) -> list[int]:
+        """The free list, a copy (next block to be handed out last)."""
+        return list(self._free)
+
+    def _check_live(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise KVCacheStateError(f"{self.pool.value} block {block} is out of range")
+        if self._refcount[block] == 0:
+            raise KVCacheStateError(f"{self.pool.value} block {block} is free (double free?)")
+
+
+class _Seq:
+    """Internal per-sequence state: its block table and bookkeeping."""
+
+    __slots__ = ("group", "blocks", "on_cpu", "num_tokens", "prefix")
+
+    def __init__(self, group: GroupId, num_tokens: int, prefix: PrefixId | None) -> None:
+        self.group = group
+        self.blocks: list[int] = []
+        self.on_cpu: list[bool] = []
+        self.num_tokens = num_tokens
+        self.prefix = prefix
+
+
+class _Group:
+    __slots__ = ("seqs", "status")
+
+    def __init__(self) -> None:
+        self.seqs: list[SeqId] = []
+        self.status = GroupStatus.RUNNING
+
+
+class _Prefix:
+    __slots__ = ("blocks", "num_tokens")
+
+    def __init__(self, blocks: list[int], num_tokens: int) -> None:
+        self.blocks = blocks
+        self.num_tokens = num_tokens
+
+
+class BlockManager:
+    """Maps sequences' logical KV blocks to physical blocks in a device pool and a CPU swap pool.
+
+    Args:
+        num_device_blocks: blocks in the device (GPU) pool.
+        num_cpu_blocks: blocks in the CPU pool used for swapping (0 disables swap).
+        block_size: tokens per block (default 16, the paper's choice).
+        watermark_blocks: device blocks ``can_allocate`` / ``can_resume`` keep free, so running
+            sequences can grow a little before preemption is needed (vLLM keeps ~1%).
+        preemption_mode: ``"swap"``, ``"recompute"`` or ``None``/``"auto"``; see
+            :meth:`preemption_mode_for`.
+
+    Sequence, group and prefix ids are any hashable values chosen by the engine.
+    """
+
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_cpu_blocks: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        watermark_blocks: int = 0,
+        preemption_mode: PreemptionMode | str | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks must be >= 0, got {watermark_blocks}")
+        self.block_size = block_size
+        self.watermark_blocks = watermark_blocks
+        if preemption_mode in (None, "auto"):
+            self.preemption_mode: PreemptionMode | None = None
+        else:
+            self.preemption_mode = PreemptionMode(preemption_mode)
+        self._device = BlockAllocator(num_device_blocks, Pool.DEVICE)
+        self._cpu = BlockAllocator(num_cpu_blocks, Pool.CPU)
+        self._seqs: dict[SeqId, _Seq] = {}
+        self._groups: dict[GroupId, _Group] = {}
+        self._prefixes: dict[PrefixId, _Prefix] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def device_allocator(self) -> BlockAllocator:
+        """The device pool (read its ``num_free`` / ``refcount``; do not mutate it)."""
+        return self._device
+
+    @property
+    def cpu_allocator(self) -> BlockAllocator:
+        """The CPU swap pool (read-only use, as for ``device_allocator``)."""
+        return self._cpu
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self._device.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._cpu.num_blocks
+
+    def num_free_blocks(self, pool: Pool = Pool.DEVICE) -> int:
+        """Free blocks in ``pool``."""
+        return self._allocator(pool).num_free
+
+    def has_seq(self, seq: SeqId) -> bool:
+        return seq in self._seqs
+
+    def seqs(self) -> list[SeqId]:
+        """All sequences the manager knows, in creation order."""
+        return list(self._seqs)
+
+    def groups(self) -> list[GroupId]:
+        """All sequence groups, in creation order."""
+        return list(self._groups)
+
+    def group_of(self, seq: SeqId) -> GroupId:
+        return self._seq(seq).group
+
+    def seqs_in_group(self, group: GroupId) -> list[SeqId]:
+        return list(self._group(group).seqs)
+
+    def group_status(self, group: GroupId) -> GroupStatus:
+        return self._group(group).status
+
+    def num_tokens(self, seq: SeqId) -> int:
+        """Tokens the sequence holds (or, after a recompute preemption, will re-prefill)."""
+        return self._seq(seq).num_tokens
+
+    def get_block_table(self, seq: SeqId) -> BlockTable:
+        """A snapshot of the sequence's block table (in any status)."""
+        s = self._seq(seq)
+        return BlockTable(tuple(s.blocks), tuple(s.on_cpu), s.num_tokens, self.block_size)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+        return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------------ prefix sharing
+
+    def can_register_prefix(self, num_tokens: int) -> bool:
+        """Whether a prefix of ``num_tokens`` tokens can be registered now.
+
+        Raises KVCacheError if it could never fit beside the already registered prefixes.
+        """
+        needed = self.blocks_for_tokens(num_tokens)
+        self._check_fits(num_tokens, needed, None, what="prefix")
+        return needed <= self._device.num_free
+
+    def register_prefix(self, prefix: PrefixId, num_tokens: int) -> tuple[int, ...]:
+        """Reserve device blocks for a shared prefix; returns them in logical order.
+
+        The runtime fills them by prefilling the prefix at :meth:`prefix_slot_mapping`. The
+        manager keeps one reference per block until :meth:`unregister_prefix`, so sequences that
+        share the prefix never write into its blocks in place (the last one is copy-on-write).
+        """
+        if prefix in self._prefixes:
+            raise KVCacheStateError(f"prefix {prefix!r} is already registered")
+        if num_tokens < 1:
+            raise ValueError(f"a prefix needs at least 1 token, got {num_tokens}")
+        if not self.can_register_prefix(num_tokens):
+            raise NoFreeBlocksError(
+                f"prefix {prefix!r} needs {self.blocks_for_tokens(num_tokens)} device blocks, "
+                f"{self._device.num_free} are free"
+            )
+        blocks = [self._device.allocate() for _ in range(self.blocks_for_tokens(num_tokens))]
+        self._prefixes[prefix] = _Prefix(blocks, num_tokens)
+        return tuple(blocks)
+
+    def unregister_prefix(self, prefix: PrefixId) -> None:
+        """Drop the manager's reference to a prefix's blocks.
+
+        Sequences still using them keep them alive; a sequence re-prefilled after a recompute
+        preemption then recomputes the prefix as well.
+        """
+        p = self._prefix(prefix)
+        for b in p.blocks:
+            self._device.decref(b)
+        del self._prefixes[prefix]
+
+    def prefixes(self) -> list[PrefixId]:
+        return list(self._prefixes)
+
+    def prefix_blocks(self, prefix: PrefixId) -> tuple[int, ...]:
+        return tuple(self._prefix(prefix).blocks)
+
+    def prefix_num_tokens(self, prefix: PrefixId) -> int:
+        return self._prefix(prefix).num_tokens
+
+    def prefix_slot_mapping(self, prefix: PrefixId) -> list[int]:
+        """Flat slot of each prefix token, for the prefill that fills the prefix's blocks."""
+        p = self._prefix(prefix)
+        return [self._flat(p.blocks, i) for i in range(p.num_tokens)]
+
+    # ----------------------------------------------------------------- allocation
+
+    def check_request(
+        self, prompt_len: int, max_new_tokens: int = 0, prefix: PrefixId | None = None
+    ) -> None:
+        """Raise KVCacheError if a request of ``prompt_len + max_new_tokens`` tokens can never fit.
+
+        "Never" means: not even alone in the device pool, beside the blocks that registered
+        prefixes reserve. The engine calls this when a request arrives.
+        """
+        total = prompt_len + max_new_tokens
+        if prefix is not None:
+            self._check_prefix_use(prefix, total)
+        self._check_fits(total, self._blocks_to_allocate(total, prefix), prefix, what="request")
+
+    def can_allocate(self, prompt_len: int, prefix: PrefixId | None = None) -> bool:
+        """Whether a new sequence with a ``prompt_len``-token prompt can be allocated now.
+
+        Keeps ``watermark_blocks`` free. Returns False when blocks are short *now* (queue the
+        request or preempt); raises KVCacheError if the prompt could never fit.
+        """
+        if prefix is not None:
+            self._check_prefix_use(prefix, prompt_len)
+        needed = self._blocks_to_allocate(prompt_len, prefix)
+        self._check_fits(prompt_len, needed, prefix, what="prompt")
+        return self._device.num_free - needed >= self.watermark_blocks
+
+    def blocks_to_allocate(self, prompt_len: int, prefix: PrefixId | None = None) -> int:
+        """New device blocks :meth:`allocate` would take for this prompt."""
+        if prefix is not None:
+            self._check_prefix_use(prefix, prompt_len)
+        return self._blocks_to_allocate(prompt_len, prefix)
+
+    def allocate(
+        self,
+        seq: SeqId,
+        prompt_len: int,
+        *,
+        group: GroupId | None = None,
+        prefix: PrefixId | None = None,
+    ) -> Allocation:
+        """Give a new sequence the blocks for its prompt (all-or-nothing).
+
+        Args:
+            seq: a new sequence id.
+            prompt_len: prompt tokens (the prefill writes their KV).
+            group: the sequence group to join or create; defaults to ``seq`` itself. For parallel
+                sampling / beam search allocate one sequence and :meth:`fork` the others.
+            prefix: a registered prefix the prompt starts with; its blocks are shared.
+
+        Raises KVCacheError if the prompt can never fit, NoFreeBlocksError if it does not fit now.
+        """
+        if seq in self._seqs:
+            raise KVCacheStateError(f"sequence {seq!r} is already allocated")
+        if prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {prompt_len}")
+        if prefix is not None:
+            self._check_prefix_use(prefix, prompt_len)
+        group = seq if group is None else group
+        g = self._groups.get(group)
+        if g is not None and g.status is not GroupStatus.RUNNING:
+            raise KVCacheStateError(f"group {group!r} is {g.status.value}; cannot add {seq!r}")
+        needed = self._blocks_to_allocate(prompt_len, prefix)
+        self._check_fits(prompt_len, needed, prefix, what="prompt")
+        if needed > self._device.num_free:
+            raise NoFreeBlocksError(
+                f"sequence {seq!r} needs {needed} device blocks, {self._device.num_free} are free"
+            )
+        s = _Seq(group, prompt_len, prefix)
+        copies = self._fill_blocks(s, prefix)
+        if g is None:
+            g = self._groups[group] = _Group()
+        g.seqs.append(seq)
+        self._seqs[seq] = s
+        cached = self._prefixes[prefix].num_tokens if prefix is not None else 0
+        return Allocation(seq, tuple(s.blocks), prompt_len, cached, tuple(copies))
+
+    def fork(self, parent: SeqId, child: SeqId) -> None:
+        """Make ``child`` share all of ``parent``'s blocks (reference counts +1); same group.
+
+        Used for parallel sampling and beam search. Takes no new block: the first write into a
+        shared last block copies it (see :meth:`append_slot`).
+        """
+        p = self._seq(parent)
+        if self._groups[p.group].status is not GroupStatus.RUNNING:
+            raise KVCacheStateError(f"cannot fork {parent!r}: its group is not running")
+        if child in self._seqs:
+            raise KVCacheStateError(f"sequence {child!r} already exists")
+        c = _Seq(p.group, p.num_tokens, p.prefix)
+        c.blocks = list(p.blocks)
+        c.on_cpu = list(p.on_cpu)
+        for b in c.blocks:
+            self._device.incref(b)
+        self._seqs[child] = c
+        self._groups[p.group].seqs.append(child)
+
+    def free(self, seq: SeqId) -> None:
+        """Drop a finished (or aborted) sequence's references, in any status; blocks at
+        reference count 0 return to their pool. An emptied group disappears."""
+        s = self._seq(seq)
+        self._release(s)
+        del self._seqs[seq]
+        g = self._groups[s.group]
+        g.seqs.remove(seq)
+        if not g.seqs:
+            del self._groups[s.group]
+
+    def free_group(self, group: GroupId) -> None:
+        """Free every sequence of a group."""
+        for seq in list(self._group(group).seqs):
+            self.free(seq)
+
+    # ---------------------------------------------------------------- decoding
+
+    def num_blocks_to_append(self, group: GroupId) -> int:
+        """New device blocks one decode step (one token per sequence) of ``group`` takes.
+
+        A sequence whose last block is full takes a block; one whose last block is shared takes a
+        copy-on-write block, except the last holder inside the group, which then writes in place.
+        The total is independent of the order of the appends; sums over groups are exact.
+        """
+        g = self._running(group)
+        if len(g.seqs) == 1:  # the common case, kept cheap for the scheduler's inner loop
+            s = self._seqs[g.seqs[0]]
+            if s.num_tokens == len(s.blocks) * self.block_size:
+                return 1
+            return 1 if self._device.refcount(s.blocks[-1]) > 1 else 0
+        need = 0
+        departed: Counter[int] = Counter()
+        for seq in g.seqs:
+            s = self._seqs[seq]
+            if s.num_tokens == len(s.blocks) * self.block_size:
+                need += 1
+                continue
+            last = s.blocks[-1]
+            if self._device.refcount(last) - departed[last] > 1:
+                need += 1
+                departed[last] += 1
+        return need
+
+    def can_append(self, group: GroupId) -> bool:
+        """Whether every sequence of ``group`` can take one more token now."""
+        return self.num_blocks_to_append(group) <= self._device.num_free
+
+    def append_slot(self, seq: SeqId) -> AppendResult:
+        """Reserve the slot for the sequence's next token (the one whose KV the next step writes).
+
+        Allocates a block when the last one is full. When the last block is shared (reference
+        count > 1), copies it first: the result's ``copy`` says src -> dst, and the sequence's
+        table now points at dst. Raises NoFreeBlocksError if a block is needed and none is free.
+        """
+        s = self._seq(seq)
+        if self._groups[s.group].status is not GroupStatus.RUNNING:
+            raise KVCacheStateError(f"sequence {seq!r} is not running (its group is preempted)")
+        pos = s.num_tokens
+        offset = pos % self.block_size
+        copy = None
+        new_block = False
+        if pos == len(s.blocks) * self.block_size:
+            block = self._device.allocate()
+            s.blocks.append(block)
+            s.on_cpu.append(False)
+            new_block = True
+        else:
+            block = s.blocks[-1]
+            if self._device.refcount(block) > 1:
+                dst = self._device.allocate()
+                self._device.decref(block)
+                copy = BlockCopy(block, dst)
+                s.blocks[-1] = block = dst
+        s.num_tokens = pos + 1
+        return AppendResult(Slot(block, offset), block * self.block_size + offset, copy, new_block)
+
+    # ---------------------------------------------------------------- swapping
+
+    def blocks_to_swap_out(self, group: GroupId) -> int:
+        """CPU blocks :meth:`swap_out` would take (the group's private device blocks)."""
+        return len(self._private_device_blocks(self._running(group)))
+
+    def can_swap_out(self, group: GroupId) -> bool:
+        return self.blocks_to_swap_out(group) <= self._cpu.num_free
+
+    def swap_out(self, group: GroupId) -> dict[int, int]:
+        """Move a running group's blocks to the CPU pool; returns device block -> CPU block.
+
+        Blocks shared only within the group move once (sharing is kept). Blocks also referenced
+        outside the group (a registered prefix) stay on the device and the group keeps its
+        reference: they free no memory and need no copy.
+        """
+        g = self._running(group)
+        refs = self._private_device_blocks(g)
+        if len(refs) > self._cpu.num_free:
+            raise NoFreeBlocksError(
+                f"swapping out group {group!r} needs {len(refs)} CPU blocks, "
+                f"{self._cpu.num_free} are free"
+            )
+        mapping = self._move(g, refs, self._device, self._cpu, to_cpu=True)
+        g.status = GroupStatus.SWAPPED
+        return mapping
+
+    def blocks_to_swap_in(self, group: GroupId) -> int:
+        """Device blocks :meth:`swap_in` would take."""
+        g = self._group(group)
+        if g.status is not GroupStatus.SWAPPED:
+            raise KVCacheStateError(f"group {group!r} is {g.status.value}, not swapped")
+        return len(self._cpu_blocks(g))
+
+    def can_swap_in(self, group: GroupId) -> bool:
+        """Whether a swapped group fits back on the device now (keeping the watermark free)."""
+        return self._device.num_free - self.blocks_to_swap_in(group) >= self.watermark_blocks
+
+    def swap_in(self, group: GroupId) -> dict[int, int]:
+        """Bring a swapped group back to the device; returns CPU block -> device block."""
+        needed = self.blocks_to_swap_in(group)
+        if needed > self._device.num_free:
+            raise NoFreeBlocksError(
+                f"swapping in group {group!r} needs {needed} device blocks, "
+                f"{self._device.num_free} are free"
+            )
+        g = self._groups[group]
+        mapping = self._move(g, self._cpu_blocks(g), self._cpu, self._device, to_cpu=False)
+        g.status = GroupStatus.RUNNING
+        return mapping
+
+    # -------------------------------------------------------------- preemption
+
+    def preemption_mode_for(self, group: GroupId) -> PreemptionMode:
+        """The policy hook: how :meth:`preempt` evicts ``group`` when no mode is given.
+
+        With ``preemption_mode="swap"`` or ``"recompute"`` that mode is used. In auto mode
+        (vLLM's rule) a single-sequence group is recomputed (no PCIe traffic, one prefill) and a
+        multi-sequence group is swapped (recompute would lose its block sharing). Swap falls back
+        to recompute when the CPU pool cannot hold the group. Override in a subclass for another
+        policy; the engine decides *which* group to preempt (vLLM: the latest arrived).
+        """
+        g = self._running(group)
+        mode = self.preemption_mode
+        if mode is None:
+            mode = PreemptionMode.RECOMPUTE if len(g.seqs) == 1 else PreemptionMode.SWAP
+        if mode is PreemptionMode.SWAP and not self.can_swap_out(group):
+            mode = PreemptionMode.RECOMPUTE
+        return mode
+
+    def preempt(self, group: GroupId, mode: PreemptionMode | str | None = None) -> Preemption:
+        """Evict a running group all-or-nothing, by ``mode`` or by :meth:`preemption_mode_for`.
+
+        SWAP moves its blocks to the CPU pool (status SWAPPED). RECOMPUTE drops every block and
+        keeps each sequence's token count (status RECOMPUTE): :meth:`resume` re-allocates and the
+        engine re-prefills prompt + generated tokens in one pass. Sequences of a recomputed
+        group are re-allocated separately, so blocks they shared are no longer shared. An
+        explicit SWAP raises NoFreeBlocksError when the CPU pool cannot hold the group.
+        """
+        mode = self.preemption_mode_for(group) if mode is None else PreemptionMode(mode)
+        if mode is PreemptionMode.SWAP:
+            return Preemption(group, mode, self.swap_out(group), {})
+        g = self._running(group)
+        tokens = {}
+        for seq in g.seqs:
+            s = self._seqs[seq]
+            self._release(s)
+            tokens[seq] = s.num_tokens
+        g.status = GroupStatus.RECOMPUTE
+        return Preemption(group, mode, {}, tokens)
+
+    def blocks_to_resume(self, group: GroupId) -> int:
+        """Device blocks :meth:`resume` would take."""
+        g = self._group(group)
+        if g.status is GroupStatus.SWAPPED:
+            return len(self._cpu_blocks(g))
+        if g.status is GroupStatus.RECOMPUTE:
+            return sum(self._recompute_blocks(self._seqs[seq]) for seq in g.seqs)
+        raise KVCacheStateError(f"group {group!r} is running, not preempted")
+
+    def can_resume(self, group: GroupId) -> bool:
+        """Whether a preempted group can be resumed now (keeping the watermark free).
+
+        Raises KVCacheError if a recompute group could never fit again, even alone.
+        """
+        needed = self.blocks_to_resume(group)
+        g = self._groups[group]
+        if g.status is GroupStatus.RECOMPUTE:
+            tokens = sum(self._seqs[seq].num_tokens for seq in g.seqs)
+            self._check_fits(
+                tokens, needed, None, what=f"preempted group {group!r}", total_blocks=needed
+            )
+        return self._device.num_free - needed >= self.watermark_blocks
+
+    def resume(self, group: GroupId) -> Resumption:
+        """Bring a preempted group back: swap it in, or re-allocate it for a re-prefill."""
+        g = self._group(group)
+        if g.status is GroupStatus.SWAPPED:
+            return Resumption(group, PreemptionMode.SWAP, self.swap_in(group), ())
+        needed = self.blocks_to_resume(group)
+        if needed > self._device.num_free:
+            raise NoFreeBlocksError(
+                f"resuming group {group!r} needs {needed} device blocks, "
+                f"{self._device.num_free} are free"
+            )
+        allocations = []
+        for seq in g.seqs:
+            s = self._seqs[seq]
+            if s.prefix is not None and s.prefix not in self._prefixes:
+                s.prefix = None
+            copies = self._fill_blocks(s, s.prefix)
+            cached = self._prefixes[s.prefix].num_tokens if s.prefix is not None else 0
+            allocations.append(
+                Allocation(seq, tuple(s.blocks), s.num_tokens, cached, tuple(copies))
+            )
+        g.status = GroupStatus.RUNNING
+        return Resumption(group, PreemptionMode.RECOMPUTE, {}, tuple(allocations))
+
+    # ------------------------------------------------------------ slot mapping
+
+    def slot_index(self, seq: SeqId, position: int) -> int:
+        """Flat device slot of token ``position``: ``table[position // B] * B + position % B``."""
+        s = self._resident(seq)
+        if not 0 <= position < s.num_tokens:
+            raise IndexError(
+                f"position {position} outside sequence {seq!r} of {s.num_tokens} tokens"
+            )
+        return self._flat(s.blocks, position)
+
+    def slot_mapping(self, seq: SeqId, start: int = 0, end: int | None = None) -> list[int]:
+        """Flat device slots of token positions ``start .. end - 1`` (default: all tokens)."""
+        s = self._resident(seq)
+        end = s.num_tokens if end is None else end
+        if not 0 <= start <= end <= s.num_tokens:
+            raise IndexError(f"positions {start}..{end} outside sequence {seq!r} of {s.num_tokens}")
+        return [self._flat(s.blocks, i) for i in range(start, end)]
+
+    def block_table(self, seq: SeqId, width: int | None = None, pad: int = 0) -> list[int]:
+        """Physical block ids of a running sequence, padded with ``pad`` to ``width`` entries.
+
+        The kernels read only ``ceil(context_len / B)`` entries, so any valid id is a safe pad.
+        """
+        s = self._resident(seq)
+        if width is None:
+            return list(s.blocks)
+        if width < len(s.blocks):
+            raise ValueError(f"width {width} < {len(s.blocks)} blocks of sequence {seq!r}")
+        return s.blocks + [pad] * (width - len(s.blocks))
+
+    def block_tables(
+        self, seqs: Iterable[SeqId], width: int | None = None, pad: int = 0
+    ) -> list[list[int]]:
+        """Padded block tables of a batch; ``width`` defaults to the longest table."""
+        seqs = list(seqs)
+        if width is None:
+            width = max((len(self._resident(q).blocks) for q in seqs), default=0)
+        return [self.block_table(q, width, pad) for q in seqs]
+
+    # -------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Raise KVCacheStateError if the bookkeeping is inconsistent (for tests and debugging).
+
+        Checks: free + referenced = pool size in both pools; each block's reference count equals
+        the block-table (and prefix) entries pointing at it; table lengths match token counts.
+        """
+        expected = {Pool.DEVICE: Counter(), Pool.CPU: Counter()}
+        for p in self._prefixes.values():
+            expected[Pool.DEVICE].update(p.blocks)
+            if len(p.blocks) != self.blocks_for_tokens(p.num_tokens):
+                raise KVCacheStateError("prefix table length does not match its tokens")
+        for seq, s in self._seqs.items():
+            status = self._groups[s.group].status
+            if seq not in self._groups[s.group].seqs:
+                raise KVCacheStateError(f"sequence {seq!r} missing from its group")
+            want = 0 if status is GroupStatus.RECOMPUTE else self.blocks_for_tokens(s.num_tokens)
+            if len(s.blocks) != want or len(s.on_cpu) != want:
+                raise KVCacheStateError(
+                    f"sequence {seq!r}: {len(s.blocks)} blocks for {s.num_tokens} tokens "
+                    f"({status.value})"
+                )
+            if status is GroupStatus.RUNNING and any(s.on_cpu):
+                raise KVCacheStateError(f"running sequence {seq!r} has CPU blocks")
+            for b, cpu in zip(s.blocks, s.on_cpu):
+                expected[Pool.CPU if cpu else Pool.DEVICE][b] += 1
+        for pool, counts in expected.items():
+            alloc = self._allocator(pool)
+            free = alloc.free_blocks()
+            if len(set(free)) != len(free):
+                raise KVCacheStateError(f"{pool.value} free list has duplicates")
+            if len(free) + len(counts) != alloc.num_blocks:
+                raise KVCacheStateError(
+                    f"{pool.value} pool: {len(free)} free + {len(counts)} referenced "
+                    f"!= {alloc.num_blocks} blocks"
+                )
+            for b in range(alloc.num_blocks):
+                if alloc.refcount(b) != counts.get(b, 0):
+                    raise KVCacheStateError(
+                        f"{pool.value} block {b}: refcount {alloc.refcount(b)}, "
+                        f"{counts.get(b, 0)} table entries"
+                    )
+        for group, g in self._groups.items():
+            if not g.seqs or any(self._seqs[q].group != group for q in g.seqs):
+                raise KVCacheStateError(f"group {group!r} membership is inconsistent")
+
+    # ---------------------------------------------------------------- internals
+
+    def _allocator(self, pool: Pool) -> BlockAllocator:
+        return self._device if pool is Pool.DEVICE else self._cpu
+
+    def _seq(self, seq: SeqId) -> _Seq:
+        try:
+            return self._seqs[seq]
+        except KeyError:
+            raise KVCacheStateError(f"unknown sequence {seq!r}") from None
+
+    def _group(self, group: GroupId) -> _Group:
+        try:
+            return self._groups[group]
+        except KeyError:
+            raise KVCacheStateError(f"unknown sequence group {group!r}") from None
+
+    def _prefix(self, prefix: PrefixId) -> _Prefix:
+        try:
+            return self._prefixes[prefix]
+        except KeyError:
+            raise KVCacheStateError(f"unknown prefix {prefix!r}") from None
+
+    def _running(self, group: GroupId) -> _Group:
+        g = self._group(group)
+        if g.status is not GroupStatus.RUNNING:
+            raise KVCacheStateError(f"group {group!r} is {g.status.value}, not running")
+        return g
+
+    def _resident(self, seq: SeqId) -> _Seq:
+        s = self._seq(seq)
+        if self._groups[s.group].status is not GroupStatus.RUNNING:
+            raise KVCacheStateError(f"sequence {seq!r} is not on the device (group preempted)")
+        return s
+
+    def _flat(self, blocks: list[int], position: int) -> int:
+        return blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _check_prefix_use(self, prefix: PrefixId, prompt_len: int) -> None:
+        p = self._prefix(prefix)
+        if prompt_len < p.num_tokens:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens is shorter than prefix {prefix!r} "
+                f"({p.num_tokens} tokens)"
+            )
+
+    def _shared_prefix_blocks(self, num_tokens: int, prefix: PrefixId | None) -> int:
+        """Prefix blocks a sequence of ``num_tokens`` maps in place (without copying)."""
+        if prefix is None:
+            return 0
+        p = self._prefixes[prefix]
+        if num_tokens == p.num_tokens:
+            return len(p.blocks)  # no suffix: even a partial last block is shared until a write
+        return p.num_tokens // self.block_size  # the partial last block is copied for the suffix
+
+    def _blocks_to_allocate(self, num_tokens: int, prefix: PrefixId | None) -> int:
+        return self.blocks_for_tokens(num_tokens) - self._shared_prefix_blocks(num_tokens, prefix)
+
+    def _recompute_blocks(self, s: _Seq) -> int:
+        prefix = s.prefix if s.prefix in self._prefixes else None
+        return self._blocks_to_allocate(s.num_tokens, prefix)
+
+    def _fill_blocks(self, s: _Seq, prefix: PrefixId | None) -> list[BlockCopy]:
+        """Build the block table of ``s`` (holding ``s.num_tokens`` tokens) from scratch."""
+        copies = []
+        if prefix is not None:
+            p = self._prefixes[prefix]
+            shared = self._shared_prefix_blocks(s.num_tokens, prefix)
+            for b in p.blocks[:shared]:
+                self._device.incref(b)
+            s.blocks = list(p.blocks[:shared])
+            if shared < len(p.blocks):  # suffix tokens land in the prefix's partial last block
+                dst = self._device.allocate()
+                copies.append(BlockCopy(p.blocks[shared], dst))
+                s.blocks.append(dst)
+        else:
+            s.blocks = []
+        while len(s.blocks) < self.blocks_for_tokens(s.num_tokens):
+            s.blocks.append(self._device.allocate())
+        s.on_cpu = [False] * len(s.blocks)
+        return copies
+
+    def _release(self, s: _Seq) -> None:
+        for b, cpu in zip(s.blocks, s.on_cpu):
+            (self._cpu if cpu else self._device).decref(b)
+        s.blocks = []
+        s.on_cpu = []
+
+    def _private_device_blocks(self, g: _Group) -> dict[int, int]:
+        """Device blocks referenced only by ``g``'s tables -> number of references, in order."""
+        refs: dict[int, int] = {}
+        for seq in g.seqs:
+            for b in self._seqs[seq].blocks:
+                refs[b] = refs.get(b, 0) + 1
+        return {b: n for b, n in refs.items() if self._device.refcount(b) == n}
+
+    def _cpu_blocks(self, g: _Group) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for seq in g.seqs:
+            s = self._seqs[seq]
+            for b, cpu in zip(s.blocks, s.on_cpu):
+                if cpu:
+                    refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def _move(
+        self,
+        g: _Group,
+        refs: dict[int, int],
+        src: BlockAllocator,
+        dst: BlockAllocator,
+        to_cpu: bool,
+    ) -> dict[int, int]:
+        """Re-home blocks ``refs`` (block -> references by ``g``) from ``src`` to ``dst``."""
+        mapping = {}
+        for b, n in refs.items():
+            new = dst.allocate()
+            if n > 1:
+                dst.incref(new, n - 1)
+            mapping[b] = new
+        for seq in g.seqs:
+            s = self._seqs[seq]
+            for i, (b, cpu) in enumerate(zip(s.blocks, s.on_cpu)):
+                if cpu != to_cpu and b in mapping:
+                    s.blocks[i] = mapping[b]
+                    s.on_cpu[i] = to_cpu
+        for b, n in refs.items():
+            src.decref(b, n)
+        return mapping
+
+    def _check_fits(
+        self,
+        num_tokens: int,
+        new_blocks: int,
+        prefix: PrefixId | None,
+        what: str,
+        total_blocks: int | None = None,
+    ) -> None:
+        """Raise KVCacheError if ``new_blocks`` could never be free, even with nothing running."""
+        reserved = sum(len(p.blocks) for p in self._prefixes.values())
+        capacity = self._device.num_blocks - reserved
+        if new_blocks <= capacity:
+            return
+        b = self.block_size
+        if total_blocks is None:
+            total_blocks = self.blocks_for_tokens(num_tokens)
+        shared = total_blocks - new_blocks
+        detail = f" ({shared} of them shared with prefix {prefix!r})" if prefix is not None else ""
+        reserved_txt = (
+            f", {reserved} of which are reserved by registered prefixes" if reserved else ""
+        )
+        raise KVCacheError(
+            f"KV cache too small for a {what} of {num_tokens} tokens: it needs "
+            f"{total_blocks} blocks of {b} tokens{detail}, but the device "
+            f"pool has {self._device.num_blocks} blocks ({self._device.num_blocks * b} token "
+            f"slots){reserved_txt}, so it can never be scheduled. Give the KV cache more memory "
+            f"(a larger KV memory fraction, more devices, or a smaller model shard) or shorten the "
+            f"request to at most {max(capacity, 0) * b} tokens (prompt + max new tokens)."
+        )

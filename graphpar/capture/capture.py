@@ -170,6 +170,27 @@ def _params_not_reaching_loss(ep) -> set[str]:
             and not any(ep.state_dict[s.target] is t for t in used)}
 
 
+def infer_modules(graph: Graph) -> None:
+    """Module paths for nodes the joint graph lost them on: a node belongs with the parameter
+    it reads, else with its most recently computed operand. Viz groups and the sharding ILP's
+    layer tying read these."""
+    owner: dict = {}
+    position: dict = {}
+    for v in graph.inputs:
+        if v.role in (Role.PARAM, Role.BUFFER) and "." in v.name:
+            owner[v] = v.name.rsplit(".", 1)[0]
+            position[v] = len(graph.nodes)  # a parameter read decides over anything else
+    for i, node in enumerate(graph.nodes):
+        if node.module is None:
+            known = [v for v in node.input_values if v in owner]
+            if known:
+                node.module = owner[max(known, key=lambda v: position.get(v, -1))]
+        if node.module is not None:
+            for out in node.outputs:
+                owner[out] = node.module
+                position[out] = i
+
+
 def _argument_names(module: torch.nn.Module, num_inputs: int, num_targets: int) -> list[str]:
     """The forward's own parameter names for the inputs, then `target`, `target_1`, ..."""
     try:
@@ -229,6 +250,7 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     for spec, arg_name in zip(user_specs, _argument_names(module, len(args), len(targets))):
         names[spec.arg.name] = arg_name
     graph, state = import_exported(ep, name, input_names=names)
+    infer_modules(graph)
     if tied:
         graph.attrs["tied"] = tied
     for out in graph.outputs:

@@ -90,8 +90,8 @@ def optimizer_from_name(name: str, lr: float | None = None) -> Optimizer:
     return kinds[name]() if lr is None else kinds[name](lr=lr)
 
 
-def _op(graph: Graph, op: str, *operands) -> Value:
-    return graph.create(op, list(operands), module="optimizer").output
+def _op(graph: Graph, op: str, *operands, module: str = "optimizer") -> Value:
+    return graph.create(op, list(operands), module=module).output
 
 
 def append_optimizer(graph: Graph, optimizer: Optimizer, state: dict[str, torch.Tensor],
@@ -117,7 +117,10 @@ def append_optimizer(graph: Graph, optimizer: Optimizer, state: dict[str, torch.
         for name in optimizer.state_names(param.name):
             slots.append(graph.add_input(name, param.type, Role.OPTIM_STATE))
             state[name] = torch.zeros(param.type.shape, dtype=param.type.dtype)
+        start = len(graph.nodes)
         new_param, new_slots = optimizer.emit(graph, param, out.value, slots, step)
+        for node in graph.nodes[start:]:  # grouped per parameter: "optimizer.blocks.0.fc"
+            node.module = f"optimizer.{param.name.rsplit('.', 1)[0]}"
         graph.add_output(new_param, OutputRole.UPDATE, param.name)
         for slot, new in zip(slots, new_slots):
             graph.add_output(new, OutputRole.UPDATE, slot.name)

@@ -195,7 +195,10 @@ def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | Non
 
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
-    solver.parameters.num_workers = 1  # one worker: the same plan for the same graph
+    # A portfolio of workers (the LP-based ones prove these quickly), interleaved so that the
+    # same graph always gives the same plan.
+    solver.parameters.num_workers = 8
+    solver.parameters.interleave_search = True
     solver.parameters.random_seed = 0
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -235,18 +238,15 @@ def _ns(seconds: float) -> int:
 
 
 def _edge_terms(model: cp_model.CpModel, matrix, src_bits, dst_bits) -> list:
-    """Cost terms of one edge: e_jk = src_j AND dst_k for the pairs that cost anything.
-
-    Zero-cost pairs need no variable; for the rest, e_jk >= src_j + dst_k - 1 suffices since
-    the objective pushes e down."""
-    terms = []
-    for j, row in enumerate(matrix):
-        for k, cost in enumerate(row):
-            if cost:
-                pair = model.NewBoolVar("")
-                model.Add(pair >= src_bits[j] + dst_bits[k] - 1)
-                terms.append(_ns(cost) * pair)
-    return terms
+    """Cost terms of one edge, linearized as in Alpa: e_jk = src_j AND dst_k through
+    sum_k e_jk = src_j and sum_j e_jk = dst_k, which keeps the LP relaxation tight."""
+    pairs = [[model.NewBoolVar("") for _ in row] for row in matrix]
+    for j, row in enumerate(pairs):
+        model.Add(sum(row) == src_bits[j])
+    for k in range(len(matrix[0])):
+        model.Add(sum(row[k] for row in pairs) == dst_bits[k])
+    return [_ns(cost) * pairs[j][k] for j, row in enumerate(matrix)
+            for k, cost in enumerate(row) if cost]
 
 
 def _tie_layers(problem: _Problem, model: cp_model.CpModel, onehot) -> int:

@@ -1,3 +1,12 @@
 """graphpar: compile an ordinary PyTorch model into a plan that runs on many devices."""
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `graphpar.compile` without importing torch and the compiler for `import graphpar` alone.
+    if name == "compile":
+        from graphpar.api import compile
+
+        return compile
+    raise AttributeError(f"module 'graphpar' has no attribute {name!r}")

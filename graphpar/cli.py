@@ -66,7 +66,22 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.ir.printer import format_count, print_graph
     from graphpar.passes import parse_pipeline
 
-    passes = parse_pipeline(args.passes)  # bad pipelines fail before any slow work
+    pipeline = args.passes
+    if args.mesh:
+        from graphpar.api import sharding_pipeline
+
+        pipeline = sharding_pipeline(args.passes, args.mesh, args.cluster, args.memory_limit or "",
+                                     args.time_limit)
+    elif args.run_cpu:
+        raise UsageError("--run-cpu runs a sharded plan: give --mesh too")
+    passes = parse_pipeline(pipeline)  # bad pipelines fail before any slow work
+    if args.mesh:  # bad meshes and clusters too
+        from graphpar.passes.autoshard.pass_ import mesh_for
+
+        mesh_size = mesh_for(args.mesh, args.cluster).size
+        if args.run_cpu and args.run_cpu != mesh_size:
+            raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+                             f"({mesh_size} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
@@ -83,6 +98,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
         (staging / ir_name).write_text(
             "\n".join(print_graph(g, show_source=True) for g in result.program))
         summary = result.summary()
+        if args.run_cpu:
+            with step(f"running the plan on {args.run_cpu} CPU ranks (gloo)"):
+                summary["run_cpu"] = run_on_cpu_ranks(result)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
         (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -99,11 +117,49 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for p in s["passes"]:
         print(f"  pass {p['name']:<16} {p['seconds_measured'] * 1e3:8.1f} ms   "
               f"nodes {p['nodes_before']} -> {p['nodes_after']}")
+    if "plan" in s:
+        p = s["plan"]
+        print(f"  plan       mesh {p['mesh']} on {p['cluster']}: step "
+              f"{p['step_seconds_estimated'] * 1e3:.3f} ms (compute "
+              f"{p['compute_seconds_estimated'] * 1e3:.3f} + communication "
+              f"{p['communication_seconds_estimated'] * 1e3:.3f}, estimated), "
+              f"{p['memory_bytes_per_device_estimated'] / 2**20:.1f} MiB per device (estimated), "
+              f"{p['reshards']} reshards")
+        print(f"  solver     {p['solver']['status']}, {p['solver']['variables']} variables, "
+              f"{p['solver']['solve_seconds']:.2f} s, gap {p['solver']['optimality_gap']}")
+    if "run_cpu" in s:
+        r = s["run_cpu"]
+        print(f"  run-cpu    {r['ranks']} ranks: max |error| vs eager {r['max_abs_error']:.2e}; "
+              f"bytes sent per rank {r['bytes_measured']:.0f} measured, "
+              f"{r['bytes_predicted']:.0f} predicted")
     top = ", ".join(f"{op} {n}" for op, n in list(s["ops"].items())[:8])
     print(f"  top ops    {top}")
     print(f"  wrote      {out / ir_name}, {out / 'report.json'}"
           + (f", {out / 'dumps'}/" if (out / "dumps").exists() and dump_dir else ""))
     return 0
+
+
+def run_on_cpu_ranks(result) -> dict:
+    """Run the compiled plan on CPU ranks over gloo and compare with eager PyTorch."""
+    import torch
+
+    from graphpar.api import lower
+
+    compiled = lower(result.captured, result.context)
+    spec = result.spec
+    args = spec.inputs + (spec.targets if result.mode == "train" else ())
+    outputs = compiled.run(*args, processes=True)
+    if result.mode == "train":
+        expected = spec.loss_fn(spec.module(*spec.inputs), *spec.targets)
+        got = outputs[compiled.loss_index()]
+    else:
+        with torch.no_grad():
+            expected = spec.module(*spec.inputs)
+        got = outputs[0]
+    return {"ranks": compiled.mesh.size,
+            "max_abs_error": float((got - expected).abs().max()),
+            "bytes_measured": max(compiled.bytes_sent, default=0.0),
+            "bytes_predicted": compiled.predicted_bytes}
 
 
 def _names(value: str | None) -> list[str]:
@@ -199,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dump-after", help="pass names (comma-separated) or 'all'")
     c.add_argument("--dump-before", help="pass names (comma-separated) or 'all'")
     c.add_argument("--out", default="graphpar-out", help="output directory")
+    c.add_argument("--mesh", help="auto-shard on a device mesh, e.g. 2x4 (2-D) or 8 (1-D)")
+    c.add_argument("--cluster", default="dgx-a100",
+                   help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
+    c.add_argument("--memory-limit", help="per-device memory limit, e.g. 40GB")
+    c.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, seconds")
+    c.add_argument("--run-cpu", type=int, metavar="N",
+                   help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
     c.set_defaults(fn=cmd_compile)
 
     d = sub.add_parser("dump", help="validate and print an IR file")

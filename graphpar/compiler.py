@@ -15,7 +15,7 @@ from graphpar.capture.optim import Optimizer
 from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, Program, Role
 from graphpar.ir.printer import node_flops
-from graphpar.passes import PassManager, parse_pipeline
+from graphpar.passes import PassContext, PassManager, parse_pipeline
 
 DEFAULT_PIPELINE = "cleanup"
 
@@ -42,6 +42,7 @@ class CompileResult:
     program: Program
     capture_seconds: float
     pass_manager: PassManager
+    context: PassContext = field(default_factory=lambda: PassContext())
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,8 +50,10 @@ class CompileResult:
         return next(iter(self.program))
 
     def summary(self) -> dict[str, Any]:
-        """The numbers of the report: counts, parameters, estimated FLOPs, pass times."""
+        """The numbers of the report: counts, parameters, estimated FLOPs, pass times, and
+        the sharding plan when there is one."""
         graph = self.graph
+        plan = self.context.options.get("plans", {}).get(graph.name)
         params = graph.inputs_with_role(Role.PARAM)
         flops = sum(node_flops(n) for g in self.program for n in g.nodes)
         ops = Counter(n.op for g in self.program for n in g.nodes)
@@ -71,8 +74,28 @@ class CompileResult:
                  "nodes_before": r.nodes_before, "nodes_after": r.nodes_after}
                 for r in self.pass_manager.records
             ],
+            **({"plan": plan_report(graph, plan)} if plan is not None else {}),
             **self.extra,
         }
+
+
+def plan_report(graph: Graph, plan) -> dict[str, Any]:
+    """The sharding plan as report data: estimated times, memory, layouts, solver stats."""
+    return {
+        "mesh": graph.attrs.get("mesh"),
+        "cluster": graph.attrs.get("cluster"),
+        "step_seconds_estimated": plan.step_seconds,
+        "compute_seconds_estimated": plan.compute_seconds,
+        "communication_seconds_estimated": plan.comm_seconds,
+        "memory_bytes_per_device_estimated": plan.memory_bytes,
+        "reshards": graph.attrs.get("reshards", 0),
+        "solver": plan.stats,
+        "input_layouts": {v.name: str(v.layout) for v in graph.inputs},
+        "node_layouts": [
+            {"index": i, "op": n.op, "module": n.module,
+             "outputs": [str(o.layout) for o in n.outputs]}
+            for i, n in enumerate(graph.nodes)],
+    }
 
 
 def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = None
@@ -97,8 +120,9 @@ def compile_model(spec: ModelSpec, mode: str = "infer",
     captured = capture(spec, mode, optimizer)
     capture_seconds = time.perf_counter() - start
     manager = PassManager(passes, **manager_options)
-    program = manager.run(captured.graph)
-    return CompileResult(spec, mode, captured, program, capture_seconds, manager)
+    context = PassContext()
+    program = manager.run(captured.graph, context)
+    return CompileResult(spec, mode, captured, program, capture_seconds, manager, context)
 
 
 def _graph_name(name: str) -> str:

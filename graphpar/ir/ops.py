@@ -344,3 +344,6 @@ _op("nll_loss_backward", C, lambda g, x, target, total_weight, weight=None, redu
     ignore_index=-100: aten.nll_loss_backward(g, x, target, weight, reduction, ignore_index,
                                               total_weight),
     "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}")
+
+# Collective ops live in their own module; importing the registry should bring them in too.
+import graphpar.ir.collectives  # noqa: E402,F401

@@ -1,11 +1,24 @@
-"""Alpa's intra-operator ILP, solved with OR-Tools CP-SAT.
+"""Alpa's intra-operator ILP, kept small, solved with OR-Tools.
 
-One integer choice per node (its strategy) and per graph input (its layout). The objective
-sums each node's compute time and, on every edge, the resharding time from the producer's
-result layout to the layout the consumer's strategy needs (table lookups, so an edge costs
-one constraint however many strategies its ends have). Per-device memory — parameters,
-gradients, optimizer state and the activations kept for the backward — stays under a limit.
-Identical layers (same module path up to the layer index) are tied to one solution.
+The unsimplified problem (`Problem`) has one choice per node (its strategy) and per graph input
+(its layout); the objective sums compute times and, on every edge, the resharding time from the
+producer's result layout to the layout the consumer needs (Alpa's Eq. 1), under a per-device
+memory limit. `Reduced` shrinks it before any solver sees it:
+
+1. Followers (elementwise, shape ops, reductions, norms, softmax, losses) are merged into the
+   decision of the operand they follow: for each choice of that operand's group, the follower
+   takes the strategy whose input layout matches. It adds no variables; its other edges attach
+   to the group's variable, and edges inside a group become per-choice constants.
+2. Groups in the same place of identical layers (module paths equal up to the layer index)
+   share ONE set of variables; edges between shared groups add up, so a layer's costs count
+   with their multiplicity and the edges between consecutive layers become edges between the
+   shared variables.
+3. Choices that no better than another choice of the same variable in every cost (and memory)
+   are dropped, and variables left with one choice become constants.
+
+What remains is solved with Alpa's linearization (a one-hot vector per variable, a pair
+variable per edge entry) by CP-SAT or by a MIP solver through pywraplp. The plan is then costed
+on the full graph, so reported times do not depend on the reductions.
 """
 
 from __future__ import annotations
@@ -13,9 +26,10 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ortools.sat.python import cp_model
+import numpy as np
 
 from graphpar.cost.collectives import resharding_cost
 from graphpar.errors import MemoryLimitError, ShardingError
@@ -24,13 +38,22 @@ from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.passes.autoshard.strategies import (
     Strategy,
+    dominant_operand,
     input_layouts,
+    is_follower,
+    node_signature,
     node_strategies,
     replicated,
 )
 
-TIME_UNIT = 1e-9  # the solver works in integer nanoseconds
+OBJECTIVE_UNIT = 1e-10  # seconds per integer objective unit (CP-SAT works in integers)
+MEMORY_TIEBREAK = 1.0 / (1 << 20)  # objective units per byte: ties go to the plan using less memory
 PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
+SOLVERS = ("cp-sat", "scip", "cbc", "highs")
+DEFAULT_SOLVER = "highs"
+
+# A hand plan's filter: (item, its choice) -> False to forbid that choice, True or None to allow.
+Allow = Callable[[object, object], "bool | None"]
 
 
 @dataclass
@@ -44,6 +67,7 @@ class Plan:
     comm_seconds: float = 0.0
     memory_bytes: int = 0
     stats: dict = field(default_factory=dict)
+    name: str = "ilp"
 
     @property
     def step_seconds(self) -> float:
@@ -55,227 +79,591 @@ class Plan:
         return self.node_strategy[value.producer].outputs[value.index]
 
 
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
 def _layer_key(node: Node, index_in_module: int) -> str | None:
     """`blocks.*.attn#3`: equal for the same node of two identical layers."""
-    if not node.module or not re.search(r"\.\d+(\.|$)", node.module):
+    if not node.module or not _LAYER_INDEX.search(node.module):
         return None
-    return re.sub(r"\.\d+(?=\.|$)", ".*", node.module, count=1) + f"#{index_in_module}"
+    return _LAYER_INDEX.sub(".*", node.module, count=1) + f"#{index_in_module}"
 
 
-class _Problem:
+def _input_key(value: Value) -> str | None:
+    """`blocks.*.attn.qkv.weight.exp_avg`: equal for the same input of two identical layers."""
+    if not value.name or not _LAYER_INDEX.search(value.name):
+        return None
+    return _LAYER_INDEX.sub(".*", value.name, count=1)
+
+
+# --- the unsimplified problem -------------------------------------------------------------------
+
+class Problem:
+    """Every graph input's candidate layouts and every node's strategies on one mesh, the edges
+    between them, and what each choice costs in time and memory."""
+
     def __init__(self, graph: Graph, mesh: Mesh, peak_flops: float):
-        self.graph, self.mesh = graph, mesh
-        self.items: list = []  # Values (graph inputs) and Nodes
-        self.choices: list[list] = []  # per item: strategies (nodes) or layouts (inputs)
-        self.index: dict = {}
+        self.graph, self.mesh, self.peak_flops = graph, mesh, peak_flops
+        self.items: list = [*graph.inputs, *graph.nodes]
+        self.index = {item: i for i, item in enumerate(self.items)}
+        self.position = {node: i for i, node in enumerate(graph.nodes)}
+        self.choices: list[list] = ([input_layouts(v, mesh) for v in graph.inputs]
+                                    + [node_strategies(n, mesh, peak_flops) for n in graph.nodes])
+        self.training = any(o.role is OutputRole.LOSS for o in graph.outputs)
+        self._layouts: dict[Layout, int] = {}
+        self._layout_list: list[Layout] = []
+        self._tables: dict[int, tuple] = {}  # id(choice list) -> layout ids of its choices
+        self._costs: dict[tuple, np.ndarray] = {}
+        self.compute = [self._compute(i) for i in range(len(self.items))]
+        self.memory = self._memory_terms()
+        self.edges = self._edges()
+
+    # Layouts are interned as small ints so that edge matrices are built by array indexing.
+    def layout_id(self, layout: Layout) -> int:
+        found = self._layouts.get(layout)
+        if found is None:
+            found = self._layouts[layout] = len(self._layout_list)
+            self._layout_list.append(layout)
+        return found
+
+    def table(self, i: int) -> tuple:
+        """(result layout ids per output, operand layout ids per operand), each an array over
+        item i's choices; for a graph input, ((its layout ids,), ())."""
+        choices = self.choices[i]
+        found = self._tables.get(id(choices))
+        if found is None:
+            if isinstance(self.items[i], Value):
+                found = ((np.array([self.layout_id(x) for x in choices]),), ())
+            else:
+                first = choices[0]
+                outs = tuple(np.array([self.layout_id(s.outputs[r]) for s in choices])
+                             for r in range(len(first.outputs)))
+                ins = tuple(np.array([-1 if s.inputs[k] is None else self.layout_id(s.inputs[k])
+                                      for s in choices]) for k in range(len(first.inputs)))
+                found = (outs, ins)
+            self._tables[id(choices)] = (choices, *found)  # keep the list alive with its id
+            return found
+        return found[1:]
+
+    def cost_matrix(self, value: Value, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
+        """Resharding seconds from each source layout to each destination layout of `value`."""
+        us, inv_s = np.unique(src_ids, return_inverse=True)
+        ud, inv_d = np.unique(dst_ids, return_inverse=True)
+        key = (value.type.shape, value.type.itemsize, us.tobytes(), ud.tobytes())
+        base = self._costs.get(key)
+        if base is None:
+            shape, itemsize, layouts = value.type.shape, value.type.itemsize, self._layout_list
+            base = np.array([[0.0 if a == b else resharding_cost(
+                shape, itemsize, layouts[a], layouts[b], self.mesh).seconds for b in ud]
+                for a in us])
+            self._costs[key] = base
+        return base[np.ix_(inv_s.ravel(), inv_d.ravel())]
+
+    def produced_ids(self, value: Value) -> np.ndarray:
+        """Layout ids `value` has under each choice of its producer."""
+        item = self.index[value if value.producer is None else value.producer]
+        return self.table(item)[0][value.index if value.producer is not None else 0]
+
+    def _compute(self, i: int) -> np.ndarray:
+        if isinstance(self.items[i], Value):
+            return np.zeros(len(self.choices[i]))
+        return np.array([s.compute_seconds for s in self.choices[i]])
+
+    def _memory_terms(self) -> dict[int, np.ndarray]:
+        """Bytes per choice of what lives on a device through a step: parameters (and their
+        gradients in training), buffers, optimizer state, and the activations the backward
+        reads."""
+        graph, mesh, terms = self.graph, self.mesh, {}
         for v in graph.inputs:
-            self._add(v, input_layouts(v, mesh))
-        for node in graph.nodes:
-            self._add(node, node_strategies(node, mesh, peak_flops))
+            if v.role in PERSISTENT:
+                factor = 2 if (self.training and v.role is Role.PARAM) else 1
+                i = self.index[v]
+                terms[i] = np.array([factor * lay.local_bytes(v.type.shape, v.type.itemsize, mesh)
+                                     for lay in self.choices[i]], dtype=float)
+        if self.training:
+            loss = next((o.value for o in graph.outputs if o.role is OutputRole.LOSS), None)
+            boundary = self.position.get(loss.producer, -1) if loss is not None else -1
+            for node in graph.nodes[:boundary + 1]:
+                for out in node.outputs:
+                    if any(self.position[u] > boundary for u in out.users):
+                        i = self.index[node]
+                        kept = np.array([s.outputs[out.index].local_bytes(
+                            out.type.shape, out.type.itemsize, mesh) for s in self.choices[i]],
+                            dtype=float)
+                        terms[i] = terms[i] + kept if i in terms else kept
+        return terms
 
-    def _add(self, item, choices) -> None:
-        self.index[item] = len(self.items)
-        self.items.append(item)
-        self.choices.append(choices)
+    def _edges(self) -> list[tuple[Value, int, int, int]]:
+        """(value, producer item, consumer item or -1 for the user, operand index or -1 when
+        the consumer is a graph input whose layout the value must take)."""
+        edges = []
+        for node in self.graph.nodes:
+            dst = self.index[node]
+            for k, v in enumerate(node.inputs):
+                if isinstance(v, Value):
+                    edges.append((v, self._src(v), dst, k))
+        for out in self.graph.outputs:
+            if out.role in (OutputRole.UPDATE, OutputRole.GRAD):  # back to the state's layout
+                edges.append((out.value, self._src(out.value),
+                              self.index[self.graph.input(out.target)], -1))
+            else:  # the user reads whole results
+                edges.append((out.value, self._src(out.value), -1, -1))
+        return edges
 
-    def produced(self, value: Value) -> list[Layout]:
-        """The layout `value` has under each choice of its producer."""
-        if value.producer is None:
-            return self.choices[self.index[value]]
-        return [s.outputs[value.index] for s in self.choices[self.index[value.producer]]]
+    def _src(self, v: Value) -> int:
+        return self.index[v if v.producer is None else v.producer]
 
-    def producer_item(self, value: Value):
-        return value if value.producer is None else value.producer
+    def needed_ids(self, dst: int, k: int) -> np.ndarray:
+        if dst < 0:
+            return np.array([self.layout_id(replicated(self.mesh))])
+        outs, ins = self.table(dst)
+        return outs[0] if k < 0 else ins[k]
+
+    def evaluate(self, picks: list[int]) -> tuple[float, float, float]:
+        """(compute seconds, communication seconds, memory bytes) of one choice per item, on
+        the full graph."""
+        compute = sum(float(c[p]) for c, p in zip(self.compute, picks))
+        comm = 0.0
+        for v, src, dst, k in self.edges:
+            a = self.produced_ids(v)[picks[src]]
+            b = self.needed_ids(dst, k)[0 if dst < 0 else picks[dst]]
+            if a != b and b >= 0:
+                comm += float(self.cost_matrix(v, np.array([a]), np.array([b]))[0, 0])
+        memory = sum(float(m[picks[i]]) for i, m in self.memory.items())
+        return compute, comm, memory
+
+    def plan(self, picks: list[int], name: str = "ilp") -> Plan:
+        plan = Plan(self.mesh, {}, {}, name=name)
+        for item, choices, p in zip(self.items, self.choices, picks):
+            if isinstance(item, Node):
+                plan.node_strategy[item] = choices[p]
+            else:
+                plan.input_layout[item] = choices[p]
+        compute, comm, memory = self.evaluate(picks)
+        plan.compute_seconds, plan.comm_seconds, plan.memory_bytes = compute, comm, int(memory)
+        return plan
+
+
+# --- the reduced problem ------------------------------------------------------------------------
+
+class Reduced:
+    """The problem after merging followers into groups and sharing variables between identical
+    layers: one variable (class) per group of equal groups, with per-choice costs and edges."""
+
+    def __init__(self, problem: Problem, simplify: bool = True, tie_layers: bool = True):
+        start = time.perf_counter()
+        self.problem = problem
+        n = len(problem.items)
+        self.root = list(range(n))
+        self.gmap = [np.arange(len(c)) for c in problem.choices]  # root choice -> own choice
+        self.followers = self._merge_followers() if simplify else 0
+        self.cls, self.roots = self._classes(tie_layers)
+        self.size = [len(problem.choices[roots[0]]) for roots in self.roots]
+        self.unary = [np.zeros(k) for k in self.size]
+        self.memory = [np.zeros(k) for k in self.size]
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self._costs()
+        self.build_seconds = time.perf_counter() - start
+
+    def class_of(self, item_index: int) -> int:
+        return self.cls[self.root[item_index]]
+
+    def _merge_followers(self) -> int:
+        """Point every follower at its dominant operand's group, with the strategy it takes
+        under each of the group's choices; followers with no matching strategy for some choice
+        keep a variable of their own."""
+        p, merged, cache = self.problem, 0, {}
+        for node in p.graph.nodes:
+            if not is_follower(node):
+                continue
+            d = dominant_operand(node, p.position)
+            if d is None:
+                continue
+            v = node.inputs[d]
+            src = p._src(v)
+            layouts = p.produced_ids(v)[self.gmap[src]]
+            i = p.index[node]
+            key = (id(p.choices[i]), d, layouts.tobytes())
+            follow = cache.get(key)
+            if follow is None:
+                wanted = p.table(i)[1][d]
+                compute = p.compute[i]
+                follow = []
+                for lay in layouts:
+                    match = np.flatnonzero(wanted == lay)
+                    if match.size == 0:
+                        follow = None
+                        break
+                    follow.append(int(match[np.argmin(compute[match])]))
+                follow = cache[key] = None if follow is None else np.array(follow)
+            if follow is None:
+                continue
+            self.root[i] = self.root[src]
+            self.gmap[i] = follow
+            merged += 1
+        return merged
+
+    def _classes(self, tie_layers: bool) -> tuple[list[int], list[list[int]]]:
+        p = self.problem
+        counters: dict[tuple, int] = defaultdict(int)
+        by_key: dict[tuple, int] = {}
+        roots: list[list[int]] = []
+        cls = [-1] * len(p.items)
+        for i, item in enumerate(p.items):
+            if self.root[i] != i:
+                continue
+            key = None
+            if tie_layers and isinstance(item, Node) and item.module:
+                sig = node_signature(item)
+                counters[(item.module, sig)] += 1
+                layer = _layer_key(item, counters[(item.module, sig)])
+                key = None if layer is None else (layer, sig)
+            elif tie_layers and isinstance(item, Value):
+                name = _input_key(item)
+                key = None if name is None else (name, item.type, item.role)
+            if key is not None and key in by_key:
+                c = by_key[key]
+            else:
+                c = len(roots)
+                roots.append([])
+                if key is not None:
+                    by_key[key] = c
+            roots[c].append(i)
+            cls[i] = c
+        return cls, roots
+
+    def _costs(self) -> None:
+        p = self.problem
+        for i in range(len(p.items)):
+            c, g = self.class_of(i), self.gmap[i]
+            self.unary[c] += p.compute[i][g]
+            if i in p.memory:
+                self.memory[c] += p.memory[i][g]
+        for v, src, dst, k in p.edges:
+            src_ids = p.produced_ids(v)[self.gmap[src]]
+            if dst < 0:
+                dst_ids = p.needed_ids(dst, k)
+            else:
+                dst_ids = p.needed_ids(dst, k)[self.gmap[dst]]
+            keep = dst_ids >= 0
+            if not keep.all():  # operands a strategy takes whole (never for tensors)
+                continue
+            matrix = p.cost_matrix(v, src_ids, dst_ids)
+            if not matrix.any():
+                continue
+            a = self.class_of(src)
+            if dst < 0:
+                self.unary[a] += matrix[:, 0]
+                continue
+            b = self.class_of(dst)
+            if a == b:  # one variable: only the diagonal can happen
+                self.unary[a] += np.diag(matrix)
+            elif a < b:
+                self._add_edge(a, b, matrix)
+            else:
+                self._add_edge(b, a, matrix.T)
+
+    def _add_edge(self, a: int, b: int, matrix: np.ndarray) -> None:
+        if (a, b) in self.edges:
+            self.edges[(a, b)] = self.edges[(a, b)] + matrix
+        else:
+            self.edges[(a, b)] = matrix.copy()
+
+    # --- restriction (hand plans) and solving ----------------------------------------------
+
+    def allowed(self, allow: Allow) -> list[np.ndarray]:
+        """Per class, the choices under which every member item's choice passes `allow`."""
+        p = self.problem
+        ok = [np.ones(k, dtype=bool) for k in self.size]
+        memo: dict[tuple, bool] = {}
+        for i, item in enumerate(p.items):
+            c = self.class_of(i)
+            choices = p.choices[i]
+            for a, j in enumerate(self.gmap[i]):
+                if not ok[c][a]:
+                    continue
+                verdict = allow(item, choices[j])
+                if verdict is False:
+                    ok[c][a] = False
+        del memo
+        return [np.flatnonzero(m) for m in ok]
+
+    def instance(self, keep: list[np.ndarray] | None = None) -> _Instance:
+        keep = keep if keep is not None else [np.arange(k) for k in self.size]
+        for c, kept in enumerate(keep):
+            if kept.size == 0:
+                raise ShardingError(f"no allowed choice for {self._describe(c)}")
+        inst = _Instance(
+            keep=[k.copy() for k in keep],
+            unary=[u[k] for u, k in zip(self.unary, keep)],
+            memory=[m[k] for m, k in zip(self.memory, keep)],
+            edges={(a, b): m[np.ix_(keep[a], keep[b])] for (a, b), m in self.edges.items()},
+        )
+        inst.prune()
+        return inst
+
+    def _describe(self, c: int) -> str:
+        item = self.problem.items[self.roots[c][0]]
+        if isinstance(item, Value):
+            return f"input %{item.name}"
+        return f"{item.op} in {item.module or 'the graph'}"
+
+    def solve(self, memory_limit: float | None = None, time_limit: float = 30.0,
+              solver: str = DEFAULT_SOLVER, allow: Allow | None = None,
+              name: str = "ilp") -> Plan:
+        """The cheapest plan (restricted by `allow`), costed on the full graph."""
+        start = time.perf_counter()
+        keep = self.allowed(allow) if allow is not None else None
+        inst = self.instance(keep)
+        reduce_seconds = time.perf_counter() - start
+        if memory_limit is not None and inst.least_memory() > memory_limit:
+            raise _memory_error(self, inst, memory_limit)
+        result = _SOLVERS[solver](inst, memory_limit, time_limit)
+        if result.status not in ("OPTIMAL", "FEASIBLE"):
+            if memory_limit is not None and result.status == "INFEASIBLE":
+                raise _memory_error(self, inst, memory_limit)
+            raise ShardingError(f"the sharding ILP found no plan ({result.status}) within "
+                                f"{time_limit} s; raise the time limit")
+        picks_by_class = [int(k[j]) for k, j in zip(inst.keep, result.picks)]
+        picks = [int(self.gmap[i][picks_by_class[self.class_of(i)]])
+                 for i in range(len(self.problem.items))]
+        plan = self.problem.plan(picks, name)
+        objective = inst.cost(result.picks)
+        plan.stats = {
+            "solver": solver,
+            "status": result.status,
+            "variables": result.variables,
+            "constraints": result.constraints,
+            "nodes": len(self.problem.graph.nodes),
+            "items": len(self.problem.items),
+            "followers": self.followers,
+            "groups": sum(len(r) for r in self.roots),
+            "classes": len(self.roots),
+            "tied_layers": sum(len(r) - 1 for r in self.roots),
+            "choices": sum(len(c) for c in self.problem.choices),
+            "free_choices": sum(len(k) for k in inst.keep if len(k) > 1),
+            "free_classes": sum(1 for k in inst.keep if len(k) > 1),
+            "edges": len(inst.edges),
+            "graph_edges": len(self.problem.edges),
+            "build_seconds": round(self.build_seconds, 3),
+            "reduce_seconds": round(reduce_seconds, 3),
+            "solve_seconds": round(result.seconds, 3),
+            "objective_seconds": objective,
+            "optimality_gap": result.gap,
+        }
+        return plan
 
 
 @dataclass
-class _Edge:
-    value: Value
-    src: int  # item index of the producer
-    dst: int | None  # item index of the consumer, or None for a fixed target layout
-    matrix: list[list[float]]  # seconds, [producer choice][consumer choice]
+class _Instance:
+    """What a solver sees: per class the choices still in play (indices into the class's
+    choices), their costs and memory, and the edge matrices between classes."""
 
+    keep: list[np.ndarray]
+    unary: list[np.ndarray]
+    memory: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
 
-def _cost_matrix(value: Value, srcs: list[Layout], dsts: list[Layout], mesh: Mesh
-                 ) -> list[list[float]]:
-    cache: dict[tuple[Layout, Layout], float] = {}
-    shape, itemsize = value.type.shape, value.type.itemsize
+    def free(self, c: int) -> bool:
+        return len(self.keep[c]) > 1
 
-    def cost(a: Layout, b: Layout) -> float:
-        if a == b:
-            return 0.0
-        if (a, b) not in cache:
-            cache[(a, b)] = resharding_cost(shape, itemsize, a, b, mesh).seconds
-        return cache[(a, b)]
+    def least_memory(self) -> float:
+        return float(sum(m.min() if m.size else 0.0 for m in self.memory))
 
-    return [[cost(a, b) for b in dsts] for a in srcs]
+    def cost(self, picks: list[int]) -> float:
+        """The objective in seconds (without the memory tie-break)."""
+        total = sum(float(u[j]) for u, j in zip(self.unary, picks))
+        return total + sum(float(m[picks[a], picks[b]]) for (a, b), m in self.edges.items())
 
+    def prune(self) -> None:
+        """Fold edges at single-choice classes into their neighbours, drop dominated choices,
+        until nothing changes."""
+        while True:
+            for (a, b), m in list(self.edges.items()):
+                if not self.free(a) or not self.free(b):
+                    if self.free(b):
+                        self.unary[b] = self.unary[b] + m[0, :]
+                    elif self.free(a):
+                        self.unary[a] = self.unary[a] + m[:, 0]
+                    else:
+                        self.unary[a] = self.unary[a] + m[0, 0]
+                    del self.edges[(a, b)]
+                elif not m.any():
+                    del self.edges[(a, b)]
+            if not self._drop_dominated():
+                return
 
-def build_edges(problem: _Problem) -> list[_Edge]:
-    graph, mesh = problem.graph, problem.mesh
-    edges = []
-    for node in graph.nodes:
-        dst = problem.index[node]
-        for i, v in enumerate(node.inputs):
-            if not isinstance(v, Value):
+    def _drop_dominated(self) -> bool:
+        incident: dict[int, list] = defaultdict(list)
+        for (a, b), m in self.edges.items():
+            incident[a].append(m)
+            incident[b].append(m.T)
+        changed = False
+        for c in range(len(self.keep)):
+            if not self.free(c):
                 continue
-            needed = [s.inputs[i] for s in problem.choices[dst]]
-            src = problem.index[problem.producer_item(v)]
-            edges.append(_Edge(v, src, dst, _cost_matrix(v, problem.produced(v), needed, mesh)))
-    full = replicated(mesh)
-    for out in graph.outputs:
-        v = out.value
-        src = problem.index[problem.producer_item(v)]
-        if out.role in (OutputRole.UPDATE, OutputRole.GRAD):  # back to the state's own layout
-            target = graph.input(out.target)
-            dst = problem.index[target]
-            matrix = _cost_matrix(v, problem.produced(v), problem.choices[dst], mesh)
-            edges.append(_Edge(v, src, dst, matrix))
-        else:  # the user reads whole results
-            matrix = _cost_matrix(v, problem.produced(v), [full], mesh)
-            edges.append(_Edge(v, src, None, matrix))
-    return edges
+            columns = [self.unary[c][:, None], self.memory[c][:, None], *incident[c]]
+            vectors = np.concatenate(columns, axis=1)
+            scale = np.abs(vectors).max(axis=0, initial=0.0) * 1e-12
+            le = (vectors[:, None, :] <= vectors[None, :, :] + scale).all(axis=2)  # a <= b
+            eq = le & le.T
+            order = np.arange(len(vectors))
+            beats = le & (~eq | (order[:, None] < order[None, :]))
+            np.fill_diagonal(beats, False)
+            dominated = beats.any(axis=0)
+            if dominated.any():
+                keep = ~dominated
+                self._restrict(c, keep)
+                changed = True
+        return changed
+
+    def _restrict(self, c: int, mask: np.ndarray) -> None:
+        self.keep[c] = self.keep[c][mask]
+        self.unary[c] = self.unary[c][mask]
+        self.memory[c] = self.memory[c][mask]
+        for (a, b), m in list(self.edges.items()):
+            if a == c:
+                self.edges[(a, b)] = m[mask, :]
+            elif b == c:
+                self.edges[(a, b)] = m[:, mask]
 
 
-def _memory_terms(problem: _Problem, training: bool) -> list[tuple[int, list[int]]]:
-    # Persistent state always counts; activations kept for the backward count in training.
-    """(item, bytes per choice) for what lives on a device through a step."""
-    graph, mesh = problem.graph, problem.mesh
-    terms = []
-    for v in graph.inputs:
-        if v.role in PERSISTENT:
-            factor = 2 if (training and v.role is Role.PARAM) else 1  # + its gradient
-            terms.append((problem.index[v], [
-                factor * lay.local_bytes(v.type.shape, v.type.itemsize, mesh)
-                for lay in problem.choices[problem.index[v]]]))
-    if training:
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        loss = next((o.value for o in graph.outputs if o.role is OutputRole.LOSS), None)
-        boundary = position.get(loss.producer, -1) if loss is not None else -1
-        for node in graph.nodes[:boundary + 1]:
-            for out in node.outputs:
-                if any(position[u] > boundary for u in out.users):  # kept for the backward
-                    terms.append((problem.index[node], [
-                        s.outputs[out.index].local_bytes(out.type.shape, out.type.itemsize, mesh)
-                        for s in problem.choices[problem.index[node]]]))
-    return terms
+@dataclass
+class _Result:
+    status: str
+    picks: list[int]
+    seconds: float
+    gap: float
+    variables: int
+    constraints: int
 
 
-def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | None = None,
-          time_limit: float = 30.0, tie_layers: bool = True) -> Plan:
-    """The cheapest plan for `graph` on `mesh` (see the module docstring)."""
-    start = time.perf_counter()
-    problem = _Problem(graph, mesh, peak_flops)
-    edges = build_edges(problem)
-    training = any(o.role is OutputRole.LOSS for o in graph.outputs)
-    memory = _memory_terms(problem, training)
-    build_seconds = time.perf_counter() - start
+def _objective_units(inst: _Instance, c: int) -> np.ndarray:
+    return inst.unary[c] / OBJECTIVE_UNIT + inst.memory[c] * MEMORY_TIEBREAK
+
+
+def _solve_cpsat(inst: _Instance, memory_limit: float | None, time_limit: float) -> _Result:
+    from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
-    # One-hot choices with linearized edge products (Alpa's formulation): a tight LP bound.
-    onehot = [[model.NewBoolVar("") for _ in c] for c in problem.choices]
-    for bits in onehot:
-        model.AddExactlyOne(bits)
-    objective = []
-    for i, item in enumerate(problem.items):
-        if isinstance(item, Node):
-            objective += [_ns(s.compute_seconds) * b for s, b in zip(problem.choices[i], onehot[i])]
-    for e in edges:
-        if e.dst is None:
-            objective += [_ns(row[0]) * b for row, b in zip(e.matrix, onehot[e.src])]
-        elif any(any(row) for row in e.matrix):
-            objective += _edge_terms(model, e.matrix, onehot[e.src], onehot[e.dst])
-    # Tie-break toward less memory (1 ns per MB): free choices store state sharded.
-    objective += [(per[k] >> 20) * b for i, per in memory for k, b in enumerate(onehot[i])]
-    tied = _tie_layers(problem, model, onehot) if tie_layers else 0
+    free = [c for c in range(len(inst.keep)) if inst.free(c)]
+    x = {c: [model.NewBoolVar("") for _ in inst.keep[c]] for c in free}
+    terms = []
+    for c in free:
+        model.AddExactlyOne(x[c])
+        terms += [(int(round(w)), b) for w, b in zip(_objective_units(inst, c), x[c])]
+    for (a, b), m in inst.edges.items():
+        pairs = [[model.NewBoolVar("") for _ in range(m.shape[1])] for _ in range(m.shape[0])]
+        for j, row in enumerate(pairs):
+            model.Add(sum(row) == x[a][j])
+        for k in range(m.shape[1]):
+            model.Add(sum(row[k] for row in pairs) == x[b][k])
+        units = np.rint(m / OBJECTIVE_UNIT).astype(np.int64)
+        terms += [(int(units[j, k]), pairs[j][k]) for j in range(m.shape[0])
+                  for k in range(m.shape[1]) if units[j, k]]
     if memory_limit is not None:
-        model.Add(sum(b * per[k] for i, per in memory for k, b in enumerate(onehot[i]))
-                  <= int(memory_limit))
-    model.Minimize(sum(objective))
-
+        fixed = sum(float(inst.memory[c][0]) for c in range(len(inst.keep)) if not inst.free(c))
+        model.Add(sum(int(w) * b for c in free for w, b in zip(inst.memory[c], x[c]))
+                  <= int(memory_limit - fixed))
+    model.Minimize(sum(w * b for w, b in terms if w))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
-    # A portfolio of workers (the LP-based ones prove these quickly), interleaved so that the
-    # same graph always gives the same plan.
+    # A portfolio of workers, interleaved so that the same graph always gives the same plan.
     solver.parameters.num_workers = 8
     solver.parameters.interleave_search = True
     solver.parameters.random_seed = 0
     status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if memory_limit is not None and status == cp_model.INFEASIBLE:
-            raise _memory_error(problem, memory, memory_limit)
-        raise ShardingError(f"the sharding ILP found no plan ({solver.StatusName(status)}) "
-                            f"within {time_limit} s; raise the time limit")
-    picked = [next(k for k, b in enumerate(bits) if solver.Value(b)) for bits in onehot]
-    plan = Plan(mesh, {}, {})
-    for i, item in enumerate(problem.items):
-        if isinstance(item, Node):
-            plan.node_strategy[item] = problem.choices[i][picked[i]]
-        else:
-            plan.input_layout[item] = problem.choices[i][picked[i]]
-    plan.compute_seconds = sum(s.compute_seconds for s in plan.node_strategy.values())
-    plan.comm_seconds = sum(e.matrix[picked[e.src]][0 if e.dst is None else picked[e.dst]]
-                            for e in edges)
-    plan.memory_bytes = sum(per[picked[i]] for i, per in memory)
-    objective_value, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
-    plan.stats = {
-        "status": solver.StatusName(status),
-        "variables": len(model.Proto().variables),
-        "constraints": len(model.Proto().constraints),
-        "choices": sum(len(c) for c in problem.choices),
-        "edges": len(edges),
-        "tied_layers": tied,
-        "build_seconds": round(build_seconds, 3),
-        "solve_seconds": round(solver.WallTime(), 3),
-        "optimality_gap": 0.0 if objective_value == 0 else
-        round(abs(objective_value - bound) / abs(objective_value), 6),
-    }
-    return plan
+    name = solver.StatusName(status)
+    picks = [0] * len(inst.keep)
+    gap = float("nan")
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        for c in free:
+            picks[c] = next(j for j, b in enumerate(x[c]) if solver.Value(b))
+        value, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+        gap = 0.0 if value == 0 else abs(value - bound) / abs(value)
+    proto = model.Proto()
+    return _Result(name, picks, solver.WallTime(), round(gap, 6), len(proto.variables),
+                   len(proto.constraints))
 
 
-def _ns(seconds: float) -> int:
-    return int(round(seconds / TIME_UNIT))
+def _solve_mip(backend: str) -> Callable:
+    def solve(inst: _Instance, memory_limit: float | None, time_limit: float) -> _Result:
+        from ortools.linear_solver import pywraplp
+
+        solver = pywraplp.Solver.CreateSolver(backend)
+        if solver is None:
+            raise ShardingError(f"OR-Tools was built without the {backend} solver")
+        solver.SetTimeLimit(int(time_limit * 1000))
+        if backend == "SCIP":
+            solver.SetSolverSpecificParametersAsString("randomization/randomseedshift = 0\n")
+        infinity = solver.infinity()
+        free = [c for c in range(len(inst.keep)) if inst.free(c)]
+        x = {c: [solver.BoolVar("") for _ in inst.keep[c]] for c in free}
+        objective = solver.Objective()
+        for c in free:
+            solver.Add(solver.Sum(x[c]) == 1)
+            for w, b in zip(_objective_units(inst, c), x[c]):
+                objective.SetCoefficient(b, float(w))
+        for (a, b), m in inst.edges.items():
+            # Pair variables may be continuous: with one-hot ends they can only be 0 or 1.
+            pairs = [[solver.NumVar(0.0, 1.0, "") for _ in range(m.shape[1])]
+                     for _ in range(m.shape[0])]
+            for j, row in enumerate(pairs):
+                solver.Add(solver.Sum(row) == x[a][j])
+            for k in range(m.shape[1]):
+                solver.Add(solver.Sum([row[k] for row in pairs]) == x[b][k])
+            units = m / OBJECTIVE_UNIT
+            for j in range(m.shape[0]):
+                for k in range(m.shape[1]):
+                    if units[j, k]:
+                        objective.SetCoefficient(pairs[j][k], float(units[j, k]))
+        if memory_limit is not None:
+            fixed = sum(float(inst.memory[c][0]) for c in range(len(inst.keep))
+                        if not inst.free(c))
+            row = solver.Constraint(-infinity, float(memory_limit - fixed))
+            for c in free:
+                for w, b in zip(inst.memory[c], x[c]):
+                    row.SetCoefficient(b, float(w))
+        objective.SetMinimization()
+        started = time.perf_counter()
+        status = solver.Solve()
+        seconds = time.perf_counter() - started
+        names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+                 pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
+        name = names.get(status, "UNKNOWN")
+        picks = [0] * len(inst.keep)
+        gap = float("nan")
+        if name in ("OPTIMAL", "FEASIBLE"):
+            for c in free:
+                picks[c] = int(np.argmax([b.solution_value() for b in x[c]]))
+            value, bound = objective.Value(), objective.BestBound()
+            gap = 0.0 if name == "OPTIMAL" or value == 0 else abs(value - bound) / abs(value)
+        return _Result(name, picks, seconds, round(gap, 6), solver.NumVariables(),
+                       solver.NumConstraints())
+    return solve
 
 
-def _edge_terms(model: cp_model.CpModel, matrix, src_bits, dst_bits) -> list:
-    """Cost terms of one edge, linearized as in Alpa: e_jk = src_j AND dst_k through
-    sum_k e_jk = src_j and sum_j e_jk = dst_k, which keeps the LP relaxation tight."""
-    pairs = [[model.NewBoolVar("") for _ in row] for row in matrix]
-    for j, row in enumerate(pairs):
-        model.Add(sum(row) == src_bits[j])
-    for k in range(len(matrix[0])):
-        model.Add(sum(row[k] for row in pairs) == dst_bits[k])
-    return [_ns(cost) * pairs[j][k] for j, row in enumerate(matrix)
-            for k, cost in enumerate(row) if cost]
+_SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mip("CBC"),
+            "highs": _solve_mip("HIGHS")}
 
 
-def _tie_layers(problem: _Problem, model: cp_model.CpModel, onehot) -> int:
-    """Nodes in the same place of identical layers take the same strategy."""
-    counters: dict[str, int] = defaultdict(int)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, item in enumerate(problem.items):
-        if not isinstance(item, Node) or not item.module:
-            continue
-        key = _layer_key(item, counters[item.module])
-        counters[item.module] += 1
-        if key is not None:
-            groups[key].append(i)
-    tied = 0
-    for members in groups.values():
-        first = members[0]
-        for other in members[1:]:
-            if problem.choices[other] == problem.choices[first]:
-                for a, b in zip(onehot[other], onehot[first]):
-                    model.Add(a == b)
-                tied += 1
-    return tied
+def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | None = None,
+          time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
+          solver: str = DEFAULT_SOLVER) -> Plan:
+    """The cheapest plan for `graph` on `mesh` (see the module docstring)."""
+    if solver not in _SOLVERS:
+        raise ShardingError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    problem = Problem(graph, mesh, peak_flops)
+    return Reduced(problem, simplify=simplify, tie_layers=tie_layers).solve(
+        memory_limit, time_limit, solver)
 
 
-def _memory_error(problem: _Problem, memory, limit: float) -> MemoryLimitError:
+def _memory_error(reduced: Reduced, inst: _Instance, limit: float) -> MemoryLimitError:
     from graphpar.cost.units import format_bytes
 
-    least = sum(min(per) for _, per in memory)
-    biggest = sorted(((min(per), problem.items[i]) for i, per in memory),
+    problem = reduced.problem
+    least = inst.least_memory()
+    biggest = sorted(((float(per.min()), problem.items[i]) for i, per in problem.memory.items()),
                      key=lambda t: -t[0])[:3]
     names = ", ".join(f"{getattr(item, 'name', None) or item.op} ({format_bytes(b)})"
                       for b, item in biggest)

@@ -1,7 +1,9 @@
-"""Strategies: for one node on one mesh, every way to map mesh axes to its factors, with costs."""
+"""Strategies: for one node on one mesh, every way to map mesh axes to its factors, with costs;
+and which nodes merely follow an operand (the ILP's graph simplification)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 from graphpar.ir.graph import Node, Value
 from graphpar.ir.layout import Layout, Partial, Replicate, Shard
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.ops import OpKind, get_op
 from graphpar.ir.printer import node_flops
 from graphpar.passes.autoshard.factors import FactorSpec, factor_spec
 
@@ -27,8 +30,30 @@ def replicated(mesh: Mesh) -> Layout:
     return Layout(tuple(Replicate() for _ in mesh.shape))
 
 
+def node_signature(node: Node) -> tuple:
+    """What a node's strategies depend on: op, attributes, operand and result types. Nodes in
+    the same place of identical layers have equal signatures."""
+    return (node.op, tuple(sorted(node.attrs.items())),
+            tuple(v.type if isinstance(v, Value) else v is None for v in node.inputs),
+            tuple(o.type for o in node.outputs))
+
+
+_CACHE: dict[tuple, list[Strategy]] = {}
+
+
 def node_strategies(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
-    """Every valid strategy, deduplicated; the all-replicated one is always first."""
+    """Every valid strategy, deduplicated; the all-replicated one is always first. Cached by
+    signature, so equal nodes share one (read-only) list."""
+    key = (node_signature(node), mesh, peak_flops)
+    found = _CACHE.get(key)
+    if found is None:
+        if len(_CACHE) > 100_000:
+            _CACHE.clear()
+        found = _CACHE[key] = _enumerate(node, mesh, peak_flops)
+    return found
+
+
+def _enumerate(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
     spec = factor_spec(node)
     flops = node_flops(node)
     full = replicated(mesh)
@@ -109,9 +134,46 @@ def _divides(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> bool:
 
 def input_layouts(value: Value, mesh: Mesh) -> list[Layout]:
     """Candidate layouts of a graph input: replicated first, then every even sharding."""
+    return _input_layouts(value.type.shape, mesh)
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_layouts(shape: tuple[int, ...], mesh: Mesh) -> list[Layout]:
     from graphpar.ir.layout import all_layouts
 
     full = replicated(mesh)
-    useful = [lay for lay in all_layouts(value.type.shape, mesh) if lay != full and all(
+    useful = [lay for lay in all_layouts(shape, mesh) if lay != full and all(
         p.is_replicate() for p, size in zip(lay.placements, mesh.shape) if size == 1)]
     return [full] + useful
+
+
+# --- graph simplification: which nodes follow an operand ----------------------------------------
+
+# Heavy ops keep a decision of their own; these cheap composites follow their largest operand.
+_CHEAP_COMPOSITES = frozenset({
+    "layer_norm", "layer_norm_with_stats", "layer_norm_backward", "rms_norm", "softmax",
+    "log_softmax", "softmax_backward", "log_softmax_backward", "nll_loss", "nll_loss_backward",
+    "batch_norm", "batch_norm_train", "batch_norm_backward",
+})
+_FOLLOWING_KINDS = (OpKind.ELEMENTWISE, OpKind.SHAPE, OpKind.REDUCTION)
+
+
+def is_follower(node: Node) -> bool:
+    """Cheap nodes (elementwise, shape ops, reductions, norms, softmax, losses) whose layout is
+    best decided by the operand they read: Alpa merges them into that operand's node."""
+    if node.op == "reshard":
+        return False
+    return get_op(node.op).kind in _FOLLOWING_KINDS or node.op in _CHEAP_COMPOSITES
+
+
+def dominant_operand(node: Node, position: dict[Node, int]) -> int | None:
+    """The operand a follower follows: the largest, ties to the one produced last (Alpa's
+    deepest operand); graph inputs count as produced first. None when it reads no tensor."""
+    best, best_key = None, None
+    for i, v in enumerate(node.inputs):
+        if not isinstance(v, Value):
+            continue
+        key = (v.type.numel, -1 if v.producer is None else position[v.producer])
+        if best_key is None or key > best_key:
+            best, best_key = i, key
+    return best

@@ -1,0 +1,96 @@
+"""The Python API: `graphpar.compile(module, inputs, mesh=..., mode=...)` and what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from graphpar.capture import Captured
+from graphpar.capture.optim import Optimizer
+from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.mesh import Mesh
+from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.ilp import Plan
+from graphpar.passes.lower_spmd import graph_mesh
+
+
+@dataclass
+class Compiled:
+    """A model compiled for a mesh: the sharded global graph, its plan and its device program.
+
+    `run(*inputs)` executes the device program on CPU ranks (all in this process, or one
+    process per rank over gloo) and returns global outputs, like calling the module.
+    """
+
+    captured: Captured  # the sharded global graph and the state tensors it starts from
+    spmd: Graph  # the program every device runs
+    plan: Plan
+    mesh: Mesh
+    bytes_sent: list[float] = field(default_factory=list)  # measured, per rank, last run
+
+    @property
+    def graph(self) -> Graph:
+        return self.captured.graph
+
+    @property
+    def predicted_bytes(self) -> float:
+        """Bytes each device sends per step, as the plan's cost model predicts them."""
+        return float(self.spmd.attrs.get("predicted_bytes_per_device", 0.0))
+
+    def rank_inputs(self, *args: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        from graphpar.runtime.spmd import shard_tensor
+
+        named = self.captured.bind(*args)
+        return [{v.name: shard_tensor(named[v.name], v.layout, self.mesh, device)
+                 for v in self.spmd.inputs} for device in range(self.mesh.size)]
+
+    def run(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+        from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess, unshard
+
+        per_rank = self.rank_inputs(*args)
+        runner = run_spmd_multiprocess if processes else run_spmd_in_process
+        outputs = runner(self.spmd, per_rank, self.mesh)
+        self.bytes_sent = list(outputs.bytes_sent)
+        return [unshard([rank[i] for rank in outputs], out.value.layout, self.mesh)
+                for i, out in enumerate(self.spmd.outputs)]
+
+    def step(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+        """One training step: run, then keep the updated parameters and optimizer state."""
+        outputs = self.run(*args, processes=processes)
+        self.captured.apply_updates(outputs)
+        return outputs
+
+    def loss_index(self) -> int:
+        return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)
+
+
+def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str = "1x4",
+            mode: str = "infer", loss_fn: Callable | None = None,
+            targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
+            cluster: str = "dgx-a100", memory_limit: str = "", time_limit: float = 30.0,
+            pipeline: str = "cleanup") -> Compiled:
+    """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program."""
+    from graphpar.compiler import ModelSpec, compile_model
+
+    spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
+    result = compile_model(spec, mode, sharding_pipeline(pipeline, mesh, cluster, memory_limit,
+                                                         time_limit), optimizer=optimizer)
+    return lower(result.captured, result.context)
+
+
+def sharding_pipeline(pipeline: str, mesh: str, cluster: str = "dgx-a100",
+                      memory_limit: str = "", time_limit: float = 30.0) -> str:
+    """`pipeline` followed by auto-shard with these options."""
+    options = [f"mesh={mesh}", f"cluster={cluster}", f"time_limit={time_limit}"]
+    if memory_limit:
+        options.append(f"memory_limit={memory_limit}")
+    return f"{pipeline},auto-shard{{{','.join(options)}}}"
+
+
+def lower(captured: Captured, ctx: PassContext) -> Compiled:
+    """The device program of an auto-sharded capture (its graph stays the global one)."""
+    plan = ctx.options["plans"][captured.graph.name]
+    program = PassManager(parse_pipeline("lower-spmd")).run(captured.graph.copy(), ctx)
+    return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph))

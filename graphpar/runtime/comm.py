@@ -1,0 +1,401 @@
+"""Communicators: one rank's view of a mesh, its collectives, and what each one sent.
+
+`Communicator` is the interface the reference executor calls for SPMD ops
+(`graphpar.backends.reference.run(graph, inputs, comm=...)`). It knows the mesh, its rank and
+coordinate, which ranks form its group along some mesh axes, and implements the free local
+steps itself; subclasses implement the collectives (`GlooCommunicator` over
+torch.distributed). The in-process executor performs collectives for a whole group at once
+with the `group_*` functions below, which are also what `GlooCommunicator` applies to the
+tensors it gathers, so both executors compute bit-identical results.
+
+Ranks are positions in the mesh's row-major order (0 .. mesh.size - 1); a rank's device id
+is `mesh.device_ids[rank]`. Send/recv name global ranks.
+
+Byte accounting follows the cost model exactly (`graphpar.cost.collectives`): each
+communicating node appends a `CommRecord` with the buffer size `nbytes` as the cost model
+defines it (all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the full
+input; all_to_all: the local buffer; send: the message) and `bytes_sent =
+collective_bytes(kind, nbytes, n)`, the logical collective's bytes per rank, whatever
+primitives the communicator used to implement it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from graphpar.cost.collectives import StepKind, collective_bytes
+from graphpar.errors import BackendError
+from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS, node_axes
+from graphpar.ir.graph import Node
+from graphpar.ir.mesh import Mesh
+
+__all__ = [
+    "CommRecord",
+    "Communicator",
+    "group_all_gather",
+    "group_all_reduce",
+    "group_all_to_all",
+    "group_outputs",
+    "group_reduce_scatter",
+    "reduce_tensors",
+]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """What one rank sent for one communicating node.
+
+    - `node`: the node's index in the graph (None for a direct method call);
+    - `op`: the IR op; `kind`: the cost model's StepKind value ("all_reduce", "send_recv");
+    - `axes`, `group_size`: the mesh axes and group size (send/recv: (), 2);
+    - `nbytes`: the buffer as the cost model defines it for `kind`;
+    - `bytes_sent`: `collective_bytes(kind, nbytes, group_size)`, bytes this rank sent
+      (0 for recv);
+    - `peer`: the other rank of a send/recv.
+    """
+
+    node: int | None
+    op: str
+    kind: str
+    axes: tuple[int, ...]
+    group_size: int
+    nbytes: float
+    bytes_sent: float
+    peer: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+# ------------------------------------------------------------------------- group semantics
+# Inputs in group order (row-major over the axes' coordinates, lower axis major).
+
+def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Reduce left to right in group order: the one definition both executors use, so their
+    results agree bit for bit. `avg` is the sum divided by the group size."""
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op in ("sum", "avg"):
+            out.add_(t)
+        elif op == "max":
+            torch.maximum(out, t, out=out)
+        elif op == "min":
+            torch.minimum(out, t, out=out)
+        else:
+            raise BackendError(f"unknown reduce op {op!r}; use sum, avg, max or min")
+    if op == "avg":
+        out.div_(len(tensors))
+    return out
+
+
+def group_all_reduce(xs: Sequence[torch.Tensor], op: str = "sum") -> torch.Tensor:
+    """The all-reduce result every member gets."""
+    return reduce_tensors(xs, op)
+
+
+def group_all_gather(xs: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The all-gather result every member gets."""
+    return torch.cat(list(xs), dim)
+
+
+def group_reduce_scatter(xs: Sequence[torch.Tensor], dim: int, op: str = "sum"
+                         ) -> list[torch.Tensor]:
+    """Each member's reduce-scatter result, in group order."""
+    reduced = reduce_tensors(xs, op)
+    return [c.clone() for c in _chunks(reduced, len(xs), dim)]
+
+
+def group_all_to_all(xs: Sequence[torch.Tensor], position: int, split_dim: int,
+                     concat_dim: int) -> torch.Tensor:
+    """Member `position`'s all-to-all result: chunk `position` of every member's tensor along
+    `split_dim`, concatenated along `concat_dim` in group order."""
+    n = len(xs)
+    return torch.cat([_chunks(x, n, split_dim)[position] for x in xs], concat_dim)
+
+
+def group_outputs(op: str, xs: Sequence[torch.Tensor], attrs: dict[str, Any]
+                  ) -> list[torch.Tensor]:
+    """Every member's result of group collective `op`, in group order."""
+    n = len(xs)
+    if op == "all_reduce":
+        r = group_all_reduce(xs, attrs.get("op", "sum"))
+        return [r] + [r.clone() for _ in range(n - 1)]
+    if op == "all_gather":
+        r = group_all_gather(xs, attrs["dim"])
+        return [r] + [r.clone() for _ in range(n - 1)]
+    if op == "reduce_scatter":
+        return group_reduce_scatter(xs, attrs["dim"], attrs.get("op", "sum"))
+    if op == "all_to_all":
+        return [group_all_to_all(xs, p, attrs["split_dim"], attrs["concat_dim"])
+                for p in range(n)]
+    raise BackendError(f"{op} is not a group collective ({', '.join(GROUP_OPS)})")
+
+
+def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    size = x.shape[dim]
+    if size % n:
+        raise BackendError(f"dim {dim} of a {tuple(x.shape)} tensor does not split into {n} "
+                           "equal chunks")
+    return list(torch.split(x, size // n, dim))
+
+
+def comm_nbytes(op: str, x: torch.Tensor, n: int) -> tuple[StepKind, float]:
+    """The cost model's kind and buffer size `nbytes` for SPMD op `op` on input `x`."""
+    if op == "all_reduce":
+        return StepKind.ALL_REDUCE, float(_nbytes(x))
+    if op == "all_gather":
+        return StepKind.ALL_GATHER, float(_nbytes(x) * n)
+    if op == "reduce_scatter":
+        return StepKind.REDUCE_SCATTER, float(_nbytes(x))
+    if op == "all_to_all":
+        return StepKind.ALL_TO_ALL, float(_nbytes(x))
+    if op in ("send", "recv"):
+        return StepKind.SEND_RECV, float(_nbytes(x))
+    raise BackendError(f"{op} does not communicate")
+
+
+# ------------------------------------------------------------------------- the interface
+
+class Communicator:
+    """One rank of a mesh: its coordinate and groups, the local steps, and the collectives.
+
+    Subclasses implement `_all_reduce`, `_all_gather`, `_reduce_scatter`, `_all_to_all`,
+    `_send` and `_recv` for groups of two or more; this class handles groups of one, checks
+    arguments, and records bytes (`records`, `bytes_sent`).
+    """
+
+    def __init__(self, mesh: Mesh, rank: int):
+        if not 0 <= rank < mesh.size:
+            raise BackendError(f"rank {rank} is not in mesh {mesh} ({mesh.size} devices)")
+        self.mesh = mesh
+        self.rank = rank
+        self.device = mesh.device_ids[rank]
+        self.coordinate = mesh.coordinate(self.device)
+        self.records: list[CommRecord] = []
+        self._node: int | None = None
+        self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(mesh {self.mesh}, rank {self.rank}, "
+                f"coordinate {self.coordinate})")
+
+    # ----------------------------------------------------------------- groups
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    def axes(self, axes: int | Sequence[int]) -> tuple[int, ...]:
+        """Mesh axes as an ascending tuple (the group order's convention)."""
+        return tuple(sorted(self.mesh.axes(axes)))
+
+    def group(self, axes: int | Sequence[int]) -> tuple[int, ...]:
+        """The ranks of my group along `axes`, in group order (row-major over the axes'
+        coordinates, lower axis major)."""
+        key = self.axes(axes)
+        if key not in self._groups:
+            devices = self.mesh.group_of(self.device, key)
+            self._groups[key] = tuple(self.mesh.device_ids.index(d) for d in devices)
+        return self._groups[key]
+
+    def position(self, axes: int | Sequence[int]) -> int:
+        """My index in my group along `axes`."""
+        return self.group(axes).index(self.rank)
+
+    # ----------------------------------------------------------------- bytes
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes this rank sent in all, per the cost model's definition of each collective."""
+        return sum(r.bytes_sent for r in self.records)
+
+    def bytes_by_node(self) -> dict[int | None, float]:
+        """Bytes sent per node index."""
+        out: dict[int | None, float] = {}
+        for r in self.records:
+            out[r.node] = out.get(r.node, 0.0) + r.bytes_sent
+        return out
+
+    def record(self, op: str, x: torch.Tensor, axes: tuple[int, ...], n: int,
+               peer: int | None = None, node: int | None = None) -> CommRecord:
+        """Append the record of one communicating op on input `x` (for recv: the message),
+        labelled with node index `node` (default: the node `execute` is running)."""
+        kind, nbytes = comm_nbytes(op, x, n)
+        sent = 0.0 if op == "recv" else collective_bytes(kind, nbytes, n)
+        rec = CommRecord(self._node if node is None else node, op, kind.value, axes, n,
+                         nbytes, sent, peer)
+        self.records.append(rec)
+        return rec
+
+    # ----------------------------------------------------------------- collectives
+
+    def all_reduce(self, x: torch.Tensor, axes: int | Sequence[int], op: str = "sum"
+                   ) -> torch.Tensor:
+        axes = self.axes(axes)
+        n = len(self.group(axes))
+        out = x.clone() if n == 1 else self._all_reduce(x, axes, op)
+        self.record("all_reduce", x, axes, n)
+        return out
+
+    def all_gather(self, x: torch.Tensor, axes: int | Sequence[int], dim: int) -> torch.Tensor:
+        axes = self.axes(axes)
+        n = len(self.group(axes))
+        out = x.clone() if n == 1 else self._all_gather(x, axes, dim % x.dim())
+        self.record("all_gather", x, axes, n)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, axes: int | Sequence[int], dim: int,
+                       op: str = "sum") -> torch.Tensor:
+        axes = self.axes(axes)
+        n = len(self.group(axes))
+        out = x.clone() if n == 1 else self._reduce_scatter(x, axes, dim % x.dim(), op)
+        self.record("reduce_scatter", x, axes, n)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, axes: int | Sequence[int], split_dim: int,
+                   concat_dim: int) -> torch.Tensor:
+        axes = self.axes(axes)
+        n = len(self.group(axes))
+        out = x.clone() if n == 1 else self._all_to_all(x, axes, split_dim % x.dim(),
+                                                         concat_dim % x.dim())
+        self.record("all_to_all", x, axes, n)
+        return out
+
+    def send(self, x: torch.Tensor, dst: int, tag: int = 0) -> torch.Tensor:
+        """Send `x` to global rank `dst` (may return before it is received; see `finish`)."""
+        self.check_peer(dst)
+        self._send(x, dst, tag)
+        self.record("send", x, (), 2, peer=dst)
+        return x
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int, tag: int = 0
+             ) -> torch.Tensor:
+        """Receive a tensor of `shape` and `dtype` from global rank `src`."""
+        self.check_peer(src)
+        out = self._recv(tuple(shape), dtype, src, tag)
+        self.record("recv", out, (), 2, peer=src)
+        return out
+
+    def finish(self) -> None:
+        """Wait until everything this rank sent has been delivered."""
+
+    def check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise BackendError(f"rank {self.rank}: peer rank {peer} is not another rank of the "
+                               f"{self.world_size}-rank world")
+
+    # ----------------------------------------------------------------- local steps (free)
+
+    def local_slice(self, x: torch.Tensor, axes: int | Sequence[int], dim: int) -> torch.Tensor:
+        """My chunk of `dim` (R -> S along `axes`)."""
+        n, p = len(self.group(axes)), self.position(axes)
+        return _chunks(x, n, dim % x.dim())[p].clone()
+
+    def local_zero(self, x: torch.Tensor, axes: int | Sequence[int], op: str = "sum"
+                   ) -> torch.Tensor:
+        """For `sum`: `x` at group position 0, zeros elsewhere (R -> P(sum)); for the other
+        reduce ops, `x` as it is (the reduction of equal copies is the copy)."""
+        if op != "sum" or self.position(axes) == 0:
+            return x.clone()
+        return torch.zeros_like(x)
+
+    def local_pad(self, x: torch.Tensor, axes: int | Sequence[int], dim: int) -> torch.Tensor:
+        """`x` at my position in a zero tensor `n` times larger along `dim` (S -> P(sum))."""
+        n, p = len(self.group(axes)), self.position(axes)
+        dim %= x.dim()
+        shape = list(x.shape)
+        size = shape[dim]
+        shape[dim] = size * n
+        out = x.new_zeros(shape)
+        out.narrow(dim, p * size, size).copy_(x)
+        return out
+
+    # ----------------------------------------------------------------- IR nodes
+
+    def execute(self, node: Node, args: Sequence[Any], index: int | None = None
+                ) -> torch.Tensor:
+        """Run SPMD node `node` on its operands `args` (what the reference executor calls).
+        `index` (the node's position in its graph) labels the byte record."""
+        op, attrs = node.op, node.attrs
+        if op == "send":
+            self._node = index
+            try:
+                return self.send(args[0], attrs["dst"], attrs.get("tag", 0))
+            finally:
+                self._node = None
+        if op == "recv":
+            from graphpar.ir.registry import dtype as torch_dtype
+
+            self._node = index
+            try:
+                return self.recv(attrs["shape"], torch_dtype(attrs["dtype"]), attrs["src"],
+                                 attrs.get("tag", 0))
+            finally:
+                self._node = None
+        axes = node_axes(node)
+        self.check_group_size(node)
+        x = args[0]
+        if op in LOCAL_OPS:
+            if op == "local_slice":
+                return self.local_slice(x, axes, attrs["dim"])
+            if op == "local_zero":
+                return self.local_zero(x, axes, attrs.get("op", "sum"))
+            return self.local_pad(x, axes, attrs["dim"])
+        self._node = index
+        try:
+            if op == "all_reduce":
+                return self.all_reduce(x, axes, attrs.get("op", "sum"))
+            if op == "all_gather":
+                return self.all_gather(x, axes, attrs["dim"])
+            if op == "reduce_scatter":
+                return self.reduce_scatter(x, axes, attrs["dim"], attrs.get("op", "sum"))
+            if op == "all_to_all":
+                return self.all_to_all(x, axes, attrs["split_dim"], attrs["concat_dim"])
+        finally:
+            self._node = None
+        raise BackendError(f"{op} is not an SPMD op a communicator runs")
+
+    def check_group_size(self, node: Node) -> None:
+        """Raise BackendError unless the node's `n` is its group's size on this mesh."""
+        axes = node_axes(node)
+        if max(axes) >= self.mesh.ndim:
+            raise BackendError(f"{node.op} runs along mesh axes {list(axes)} but mesh "
+                               f"{self.mesh} has {self.mesh.ndim} axes")
+        n = len(self.group(axes))
+        if node.attrs.get("n") != n:
+            raise BackendError(f"{node.op} says n={node.attrs.get('n')} but its group along "
+                               f"mesh axes {list(axes)} of mesh {self.mesh} has {n} devices; "
+                               "the program was lowered for another mesh")
+
+    # ----------------------------------------------------------------- to implement
+
+    def _all_reduce(self, x, axes, op):
+        raise self._unsupported("all_reduce")
+
+    def _all_gather(self, x, axes, dim):
+        raise self._unsupported("all_gather")
+
+    def _reduce_scatter(self, x, axes, dim, op):
+        raise self._unsupported("reduce_scatter")
+
+    def _all_to_all(self, x, axes, split_dim, concat_dim):
+        raise self._unsupported("all_to_all")
+
+    def _send(self, x, dst, tag):
+        raise self._unsupported("send")
+
+    def _recv(self, shape, dtype, src, tag):
+        raise self._unsupported("recv")
+
+    def _unsupported(self, op: str) -> BackendError:
+        return BackendError(f"{type(self).__name__} cannot run {op} on its own: a collective "
+                            "needs the other ranks (use run_spmd_in_process, or a "
+                            "GlooCommunicator in a torch.distributed job)")

@@ -1,0 +1,158 @@
+"""`GlooCommunicator`: one rank's collectives over torch.distributed process groups.
+
+One process group per mesh-axis group, created in the same order on every rank
+(`new_group` is collective). The collectives use what gloo has on CPU: by default every
+group collective is an `all_gather` followed by the same group computation the in-process
+executor runs (`graphpar.runtime.comm.group_*`), so reductions go left to right in group order
+and both executors agree bit for bit. `deterministic=False` uses gloo's `all_reduce` for
+all_reduce and reduce_scatter instead.
+
+Byte records count the logical collective per the cost model, not the primitives used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from graphpar.errors import BackendError
+from graphpar.ir.mesh import Mesh
+from graphpar.runtime.comm import (
+    Communicator,
+    group_all_gather,
+    group_all_reduce,
+    group_all_to_all,
+    reduce_tensors,
+)
+
+__all__ = ["CommunicationError", "GlooCommunicator", "all_axes"]
+
+
+class CommunicationError(BackendError):
+    """A torch.distributed call failed: a peer died or closed its connection, or a timeout."""
+
+
+@contextlib.contextmanager
+def _communicating(what: str) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:
+        raise CommunicationError(f"{what} failed in torch.distributed: {exc}") from exc
+
+_NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+
+
+def all_axes(ndim: int) -> list[tuple[int, ...]]:
+    """Every non-empty ascending tuple of mesh axes, in a fixed order."""
+    return [c for k in range(1, ndim + 1) for c in itertools.combinations(range(ndim), k)]
+
+
+class GlooCommunicator(Communicator):
+    """This process's rank of `mesh`, over an initialized torch.distributed world whose size is
+    the mesh's (rank r plays device `mesh.device_ids[r]`).
+
+    `axes`: the mesh-axis tuples collectives will use (every combination if None); process
+    groups are made for exactly these, in sorted order, so every rank must pass the same.
+    """
+
+    def __init__(self, mesh: Mesh, rank: int | None = None,
+                 axes: Iterable[Sequence[int]] | None = None, *, deterministic: bool = True):
+        if not dist.is_available() or not dist.is_initialized():
+            raise BackendError("GlooCommunicator needs torch.distributed initialized "
+                               "(init_process_group('gloo', ...)) first")
+        world = dist.get_world_size()
+        if world != mesh.size:
+            raise BackendError(f"the torch.distributed world has {world} ranks but mesh {mesh} "
+                               f"has {mesh.size} devices")
+        super().__init__(mesh, dist.get_rank() if rank is None else rank)
+        self.deterministic = deterministic
+        wanted = all_axes(mesh.ndim) if axes is None else sorted(
+            {tuple(sorted(mesh.axes(tuple(a)))) for a in axes})
+        self._process_groups: dict[tuple[int, ...], tuple[tuple[int, ...], object]] = {}
+        for ax in wanted:
+            for devices in mesh.groups(ax):
+                ranks = tuple(mesh.device_ids.index(d) for d in devices)
+                if len(ranks) == 1:
+                    continue
+                pg = dist.new_group(list(ranks), backend="gloo")
+                if self.rank in ranks:
+                    self._process_groups[ax] = (ranks, pg)
+        self._sends: list[tuple[object, torch.Tensor]] = []
+
+    # ----------------------------------------------------------------- helpers
+
+    def _pg(self, axes: tuple[int, ...]):
+        try:
+            ranks, pg = self._process_groups[axes]
+        except KeyError:
+            raise BackendError(f"rank {self.rank}: no process group for mesh axes {list(axes)}; "
+                               "create the GlooCommunicator with those axes") from None
+        return ranks, pg
+
+    def _gather(self, x: torch.Tensor, axes: tuple[int, ...]) -> list[torch.Tensor]:
+        """Every member's `x`, in group order."""
+        ranks, pg = self._pg(axes)
+        send = x.contiguous()
+        if send.dtype == torch.bool:
+            send = send.view(torch.uint8)
+        parts = [torch.empty_like(send) for _ in ranks]
+        with _communicating(f"all_gather over ranks {list(ranks)}"):
+            dist.all_gather(parts, send, group=pg)
+        # all_gather fills parts in the process group's rank order: ascending global rank
+        by_rank = dict(zip(sorted(ranks), parts))
+        out = [by_rank[r] for r in ranks]
+        return [p.view(torch.bool) for p in out] if x.dtype == torch.bool else out
+
+    def _native_all_reduce(self, x: torch.Tensor, axes: tuple[int, ...], op: str
+                           ) -> torch.Tensor:
+        ranks, pg = self._pg(axes)
+        out = x.clone().contiguous()
+        with _communicating(f"all_reduce over ranks {list(ranks)}"):
+            dist.all_reduce(out, op=_NATIVE_OPS[op], group=pg)
+        if op == "avg":
+            out.div_(len(ranks))
+        return out
+
+    # ----------------------------------------------------------------- collectives
+
+    def _all_reduce(self, x, axes, op):
+        if not self.deterministic:
+            return self._native_all_reduce(x, axes, op)
+        return group_all_reduce(self._gather(x, axes), op)
+
+    def _all_gather(self, x, axes, dim):
+        return group_all_gather(self._gather(x, axes), dim)
+
+    def _reduce_scatter(self, x, axes, dim, op):
+        n, p = len(self.group(axes)), self.position(axes)
+        if self.deterministic:
+            reduced = reduce_tensors(self._gather(x, axes), op)
+        else:
+            reduced = self._native_all_reduce(x, axes, op)
+        return torch.split(reduced, x.shape[dim] // n, dim)[p].clone()
+
+    def _all_to_all(self, x, axes, split_dim, concat_dim):
+        return group_all_to_all(self._gather(x, axes), self.position(axes), split_dim,
+                                concat_dim)
+
+    def _send(self, x, dst, tag):
+        buf = x.contiguous()
+        with _communicating(f"send to rank {dst}"):
+            self._sends.append((dist.isend(buf, dst=dst, tag=tag), buf))
+
+    def _recv(self, shape, dtype, src, tag):
+        out = torch.empty(shape, dtype=dtype)
+        with _communicating(f"recv from rank {src}"):
+            dist.recv(out, src=src, tag=tag)
+        return out
+
+    def finish(self) -> None:
+        with _communicating("waiting for sends"):
+            for work, _ in self._sends:
+                work.wait()
+        self._sends.clear()

@@ -78,7 +78,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if args.mesh:  # bad meshes and clusters too
         from graphpar.passes.autoshard.pass_ import mesh_for
 
-        mesh_size = mesh_for(args.mesh, args.cluster).size
+        from graphpar.errors import ShardingError
+
+        try:
+            mesh_size = mesh_for(args.mesh, args.cluster).size
+        except ShardingError as exc:
+            raise UsageError(f"--mesh {args.mesh}: {exc}") from None
         if args.run_cpu and args.run_cpu != mesh_size:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
                              f"({mesh_size} devices): run one CPU rank per device")

@@ -140,3 +140,31 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
     html = out.read_text()
     assert 'id="graphpar-data"' in html and "linear" in html
     assert "https://" not in html and "http://" not in html
+
+
+def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
+    code, out, _ = run_cli(capsys, "compile", "--example", "mlp:tiny", "--mesh", "2",
+                           "--cluster", "cpu", "--run-cpu", "2", "--out", tmp_path)
+    assert code == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["plan"]["mesh"] == "2" and report["plan"]["solver"]["status"] == "OPTIMAL"
+    assert report["run_cpu"]["max_abs_error"] < 1e-5
+    assert report["run_cpu"]["bytes_measured"] == pytest.approx(
+        report["run_cpu"]["bytes_predicted"])
+    assert "{" in (tmp_path / "mlp_tiny.gpir").read_text()  # layouts in the IR dump
+    assert "run-cpu    2 ranks" in out
+
+
+@pytest.mark.parametrize("argv, code, says", [
+    (["--mesh", "7"], 1, "mesh 7 divides no dimension of graph @mlp_tiny usefully"),
+    (["--mesh", "2", "--cluster", "nope"], 2, "unknown cluster preset 'nope'"),
+    (["--mesh", "2", "--memory-limit", "1KB"], 1, "no plan fits 1.0 kB per device"),
+    (["--mesh", "2x0"], 2, "mesh"),
+    (["--mesh", "2", "--run-cpu", "3"], 2, "--run-cpu 3 does not match mesh 2"),
+    (["--run-cpu", "2"], 2, "--run-cpu runs a sharded plan: give --mesh too"),
+])
+def test_bad_meshes_and_limits(tmp_path, capsys, argv, code, says):
+    got, _, err = run_cli(capsys, "compile", "--example", "mlp:tiny", "--out", tmp_path / "o",
+                          *argv)
+    assert got == code
+    assert says in err

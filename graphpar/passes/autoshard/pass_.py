@@ -17,8 +17,9 @@ from graphpar.errors import ClusterSpecError, ShardingError
 from graphpar.ir.graph import Graph, Node, OutputRole, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard.ilp import Plan, solve
-from graphpar.passes.autoshard.strategies import replicated
+from graphpar.passes.autoshard.strategies import node_strategies, replicated
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 
 
@@ -76,6 +77,22 @@ def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
     return len(inserted)
 
 
+def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
+    """A mesh on which no heavy op can be split is a user error, not a plan."""
+    heavy = [n for n in graph.nodes if get_op(n.op).kind in (OpKind.MATMUL, OpKind.COMPOSITE)]
+    if mesh.size == 1 or not heavy:
+        return
+    if any(len(node_strategies(n, mesh, 1.0)) > 1 for n in heavy):
+        return
+    sizes = sorted({d for n in heavy for o in n.outputs for d in o.type.shape if d > 1})
+    raise ShardingError(
+        f"mesh {text} divides no dimension of graph @{graph.name} usefully: no matmul, "
+        f"attention, norm or convolution can be split along any of its axes "
+        f"({' x '.join(map(str, mesh.shape))}). Dimension sizes in the graph: "
+        f"{', '.join(map(str, sizes[:12]))}{' ...' if len(sizes) > 12 else ''}. Choose mesh "
+        "axis sizes that divide the batch, hidden size or number of heads.")
+
+
 def _module(value: Value) -> str | None:
     return value.producer.module if value.producer is not None else None
 
@@ -100,6 +117,7 @@ class AutoShard(GraphPass):
         except ClusterSpecError:
             raise
         mesh = mesh_for(self.mesh, cluster)
+        _check_mesh_divides(graph, mesh, self.mesh)
         limit = parse_bytes(self.memory_limit) if self.memory_limit else None
         plan = solve(graph, mesh, cluster.peak_flops(self.dtype), limit, self.time_limit)
         reshards = shard_graph(graph, mesh, plan)

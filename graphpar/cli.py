@@ -76,9 +76,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         raise UsageError("--run-cpu runs a sharded plan: give --mesh too")
     passes = parse_pipeline(pipeline)  # bad pipelines fail before any slow work
     if args.mesh:  # bad meshes and clusters too
-        from graphpar.passes.autoshard.pass_ import mesh_for
-
         from graphpar.errors import ShardingError
+        from graphpar.passes.autoshard.pass_ import mesh_for
 
         try:
             mesh_size = mesh_for(args.mesh, args.cluster).size

@@ -375,7 +375,6 @@ class Reduced:
         """Per class, the choices under which every member item's choice passes `allow`."""
         p = self.problem
         ok = [np.ones(k, dtype=bool) for k in self.size]
-        memo: dict[tuple, bool] = {}
         for i, item in enumerate(p.items):
             c = self.class_of(i)
             choices = p.choices[i]
@@ -385,7 +384,6 @@ class Reduced:
                 verdict = allow(item, choices[j])
                 if verdict is False:
                     ok[c][a] = False
-        del memo
         return [np.flatnonzero(m) for m in ok]
 
     def instance(self, keep: list[np.ndarray] | None = None) -> _Instance:

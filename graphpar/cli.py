@@ -282,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--passes", default="cleanup")
     v.set_defaults(fn=cmd_viz)
 
+    from graphpar.cli_generate import add_generate_parser
+
+    add_generate_parser(sub)
+
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=cmd_passes)
     return parser

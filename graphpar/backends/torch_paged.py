@@ -1,0 +1,156 @@
+"""Paged attention in a few batched torch ops: the fast path where there is no CUDA kernel.
+
+Same functions, arguments and cache layout as :mod:`graphpar.backends.reference_paged` (the
+ground truth the CUDA kernels are tested against); tests check this module against it. The
+reference favours obviously-correct code (a loop over sequences for prefill, one gather per
+layer built from scratch); here each call is a handful of tensor ops over the whole batch:
+
+* decode: gather every sequence's blocks ``[seqs, blocks * block_size, kv_heads, D]`` (the
+  block table read of Eq. 4), then one fused ``scaled_dot_product_attention`` with the query
+  heads of a kv head as its query rows and a context-length mask;
+* prefill: the new tokens are scattered into a ``[seqs, max_new, heads, D]`` batch, attend to
+  their sequence's gathered context under a causal mask at their absolute positions, and are
+  gathered back.
+
+Results are computed in fp32 and cast back to the query's dtype, like the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from graphpar.backends.reference_paged import copy_blocks, gather_sequence_kv
+
+__all__ = ["copy_blocks", "gather_sequence_kv", "paged_attention", "paged_prefill_attention",
+           "reshape_and_cache"]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[seqs, blocks * block_size, kv_heads, D]``: each sequence's blocks, in order."""
+    seqs, num_blocks = blocks.shape
+    return cache.index_select(0, blocks.reshape(-1)).view(
+        seqs, num_blocks * cache.shape[1], cache.shape[2], cache.shape[3])
+
+
+class _Memo:
+    """The last step's block-table metadata: every layer of a step passes the same block tables
+    and lengths, so the index and mask tensors built from them are built once per step (what
+    vLLM's attention metadata does). Keyed by tensor identity and version."""
+
+    def __init__(self) -> None:
+        self.key: tuple = ()
+        self.value: tuple = ()
+
+    def get(self, build, *tensors: torch.Tensor, extra: tuple = ()):
+        key = tuple((t, t._version) for t in tensors) + extra
+        if len(key) == len(self.key) and all(
+                (a[0] is b[0] and a[1] == b[1]) if isinstance(a, tuple) else a == b
+                for a, b in zip(key, self.key)):
+            return self.value
+        self.value = build()
+        self.key = key
+        return self.value
+
+
+_decode_memo = _Memo()
+_prefill_memo = _Memo()
+_slots_memo = _Memo()
+
+
+def _slots(slot_mapping: torch.Tensor, device: torch.device):
+    """Slots as int64, and the mask of tokens to write when some are -1 (padding)."""
+    slots = slot_mapping.to(device=device, dtype=torch.long)
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        return slots[keep], keep
+    return slots, None
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write token i's K/V ``[tokens, kv_heads, D]`` at flat slot ``slot_mapping[i]`` (-1
+    skips), in place."""
+    _, _, kv_heads, head_size = key_cache.shape
+    slots, keep = _slots_memo.get(lambda: _slots(slot_mapping, key_cache.device), slot_mapping,
+                                  extra=(key_cache.device,))
+    if keep is not None:
+        key, value = key[keep], value[keep]
+    key_cache.view(-1, kv_heads, head_size).index_copy_(0, slots, key)
+    value_cache.view(-1, kv_heads, head_size).index_copy_(0, slots, value)
+
+
+def _decode_metadata(block_tables, context_lens, block_size, device):
+    lens = context_lens.to(device=device, dtype=torch.long)
+    longest = int(lens.max()) if lens.numel() else 0
+    num_blocks = -(-longest // block_size)
+    blocks = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
+    positions = torch.arange(num_blocks * block_size, device=device)
+    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
+    empty = (lens == 0)[:, None, None, None] if longest and int(lens.min()) == 0 else None
+    return longest, blocks, mask, empty
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    num_kv_heads: int | None = None) -> torch.Tensor:
+    """Decode attention (one query per sequence) over a paged cache: ``[seqs, heads, D]``."""
+    seqs, heads, head_size = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    longest, blocks, mask, empty = _decode_memo.get(
+        lambda: _decode_metadata(block_tables, context_lens, block_size, query.device),
+        block_tables, context_lens, extra=(block_size, query.device))
+    if seqs == 0 or longest == 0:
+        return torch.zeros_like(query)
+    k = _gather(key_cache, blocks).transpose(1, 2)  # [S, Hkv, T, D]
+    v = _gather(value_cache, blocks).transpose(1, 2)
+    q = query.view(seqs, kv_heads, heads // kv_heads, head_size)  # a kv head's queries as rows
+    if query.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out.reshape(seqs, heads, head_size).to(query.dtype)
+
+
+def _prefill_metadata(block_tables, context_lens, query_start_loc, tokens, block_size, device):
+    starts = query_start_loc.to(device=device, dtype=torch.long)
+    lens = context_lens.to(device=device, dtype=torch.long)
+    new = starts[1:] - starts[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(len(lens), device=device), new)
+    row = torch.arange(tokens, device=device) - starts[seq_of]
+    max_new, max_len = int(new.max()), int(lens.max())
+    num_blocks = -(-max_len // block_size)
+    blocks = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
+    q_pos = (lens - new)[:, None] + torch.arange(max_new, device=device)[None, :]  # [N, Q]
+    k_pos = torch.arange(num_blocks * block_size, device=device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None,
+                                                                                      None])
+    mask |= ~mask.any(dim=-1, keepdim=True)  # padding rows: anything finite, dropped below
+    return seq_of, row, max_new, blocks, mask[:, None]
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, num_kv_heads: int | None = None) -> torch.Tensor:
+    """Prefill attention: sequence s's new tokens (rows ``query_start_loc[s]:[s+1]``, the last of
+    its ``context_lens[s]`` cached tokens) attend causally to its whole context."""
+    tokens, heads, head_size = query.shape
+    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if tokens == 0:
+        return torch.zeros_like(query)
+    seq_of, row, max_new, blocks, mask = _prefill_memo.get(
+        lambda: _prefill_metadata(block_tables, context_lens, query_start_loc, tokens,
+                                  block_size, query.device),
+        block_tables, context_lens, query_start_loc, extra=(tokens, block_size, query.device))
+    q = query.new_zeros(blocks.shape[0], max_new, heads, head_size)
+    q[seq_of, row] = query
+    k = _gather(key_cache, blocks).transpose(1, 2)  # [N, Hkv, T, D]
+    v = _gather(value_cache, blocks).transpose(1, 2)
+    q = q.transpose(1, 2)
+    if query.dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2)[seq_of, row].to(query.dtype)

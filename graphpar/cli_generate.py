@@ -1,0 +1,283 @@
+"""`graphpar generate`: serve a causal LM over a file of prompts with the continuous-batching
+engine, showing progress and throughput while it runs.
+
+Wired into the `graphpar` command by graphpar.cli (``add_generate_parser``). The prompts file has
+one request per line: plain text (tokenized by ``--tokenizer``), a JSON list of token ids, or a
+JSON object ``{"prompt": text or ids, "max_tokens": 32, "temperature": 0.8, ...}`` whose other
+keys override the command line's sampling options for that request. Blank lines and lines
+starting with ``#`` are skipped. Results are JSON lines (stdout, or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from graphpar.errors import GraphparError, UsageError
+
+_SAMPLING_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "n", "beam_width",
+                  "length_penalty", "stop_token_ids", "stop", "ignore_eos", "seed"}
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `generate` subcommand to the `graphpar` parser's subparsers."""
+    g = subparsers.add_parser(
+        "generate", help="generate text for a file of prompts (continuous batching, paged "
+                         "attention)",
+        description="Serve a causal LM (a model file whose build() returns it, or --example) "
+                    "over a file of prompts with graphpar's continuous-batching engine.")
+    g.add_argument("model", nargs="?", help="model file defining build() (see README)")
+    g.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny or llama:tiny")
+    g.add_argument("--prompts", required=True, help="prompts file: one request per line")
+    g.add_argument("--out", help="write results here as JSON lines (default: stdout)")
+    g.add_argument("--tokenizer", default="bytes",
+                   help="'bytes' (UTF-8 bytes as token ids), or a local Hugging Face tokenizer "
+                        "directory")
+    s = g.add_argument_group("sampling (defaults for every request)")
+    s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=0, help="0: off")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("-n", "--n", type=int, default=1, help="parallel samples per prompt")
+    s.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams")
+    s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--seed", type=int, default=None)
+    e = g.add_argument_group("engine")
+    e.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument("--num-blocks", type=int, default=0,
+                   help="device KV blocks (default: from --kv-memory, or max-num-seqs full "
+                        "contexts)")
+    e.add_argument("--kv-memory", help="KV cache memory, e.g. 256MB (instead of --num-blocks)")
+    e.add_argument("--swap-blocks", type=int, default=None, help="CPU swap blocks")
+    e.add_argument("--preemption", choices=["auto", "swap", "recompute"], default="auto")
+    e.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    e.add_argument("--dtype", choices=sorted(_DTYPES), help="serve in this dtype")
+    e.add_argument("--kernel", choices=["auto", "torch", "reference", "cuda"], default="auto",
+                   help="paged-attention implementation")
+    e.add_argument("--quiet", action="store_true", help="no progress lines")
+    g.set_defaults(fn=cmd_generate)
+    return g
+
+
+@dataclass
+class _Line:
+    number: int
+    prompt: list[int]
+    overrides: dict[str, Any]
+
+
+class _Tokenizer:
+    """Text <-> token ids: UTF-8 bytes, or a local Hugging Face tokenizer."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.hf = None
+        if spec != "bytes":
+            path = Path(spec)
+            if not path.is_dir():
+                raise UsageError(f"--tokenizer {spec}: not 'bytes' and not a tokenizer directory")
+            try:
+                from transformers import AutoTokenizer
+
+                self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except Exception as exc:
+                raise UsageError(f"--tokenizer {spec}: cannot load it: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        if self.hf is not None:
+            return list(self.hf.encode(text))
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.hf is not None:
+            return self.hf.decode(ids)
+        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+def read_prompts(path: str, tokenizer: _Tokenizer) -> list[_Line]:
+    """The requests of a prompts file; a malformed line is a UsageError naming it."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--prompts {path}: no such file")
+    lines = []
+    for number, raw in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+        where = f"{path}:{number}"
+        overrides: dict[str, Any] = {}
+        if text[0] in "[{":
+            try:
+                item = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})"
+                                 ) from None
+            if isinstance(item, dict):
+                unknown = set(item) - _SAMPLING_KEYS - {"prompt"}
+                if "prompt" not in item or unknown:
+                    raise UsageError(
+                        f"{where}: a JSON request needs \"prompt\" and may set "
+                        f"{', '.join(sorted(_SAMPLING_KEYS))}" +
+                        (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
+                overrides = {k: v for k, v in item.items() if k != "prompt"}
+                item = item["prompt"]
+            if isinstance(item, str):
+                prompt = tokenizer.encode(item)
+            elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in item):
+                prompt = item
+            else:
+                raise UsageError(f"{where}: a prompt is text or a list of token ids")
+        else:
+            prompt = tokenizer.encode(text)
+        lines.append(_Line(number, prompt, overrides))
+    if not lines:
+        raise UsageError(f"--prompts {path}: no prompts in the file")
+    return lines
+
+
+def _bytes(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "B": 1}
+    upper = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if upper.endswith(unit):
+            try:
+                return int(float(upper[:-len(unit)]) * units[unit])
+            except ValueError:
+                break
+    raise UsageError(f"--kv-memory {text!r}: give a size such as 256MB or 2GB")
+
+
+def _load_model(args: argparse.Namespace):
+    import torch
+
+    from graphpar.cli import load_target
+
+    spec = load_target(args.model, args.example)
+    module = spec.module.eval()
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r} is not a torch device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA GPU")
+    module = module.to(device)
+    if args.dtype:
+        module = module.to(getattr(torch, _DTYPES[args.dtype]))
+    return spec, module
+
+
+def _sampling(args: argparse.Namespace, overrides: dict[str, Any], where: str):
+    from graphpar.runtime.sampling import SamplingParams
+
+    stop_ids = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
+    base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, n=args.n,
+                          beam_width=args.beam_width, stop_token_ids=stop_ids,
+                          ignore_eos=args.ignore_eos, seed=args.seed)
+    known = {f.name for f in fields(SamplingParams)}
+    try:
+        return replace(base, **{k: v for k, v in overrides.items() if k in known})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{where}: bad sampling option: {exc}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
+    from graphpar.cli import step
+    from graphpar.runtime.engine import EngineConfig
+    from graphpar.serve import LLM, progress_printer
+
+    if not args.model and not args.example:
+        raise UsageError("generate needs a model file or --example (e.g. --example gpt:tiny)")
+    tokenizer = _Tokenizer(args.tokenizer)
+    lines = read_prompts(args.prompts, tokenizer)
+    params = [_sampling(args, line.overrides, f"{args.prompts}:{line.number}") for line in lines]
+    config = EngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_bytes=_bytes(args.kv_memory) if args.kv_memory else 0,
+        swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        preemption_mode=None if args.preemption == "auto" else args.preemption,
+        kernel=args.kernel)
+    if args.block_size < 1 or args.max_num_seqs < 1:
+        raise UsageError("--block-size and --max-num-seqs must be at least 1")
+    with step("loading the model"):
+        spec, module = _load_model(args)
+    progress = None if args.quiet else (
+        lambda message: print(f"graphpar: {message} ...", file=sys.stderr, flush=True))
+    start = time.perf_counter()
+    llm = LLM(module, config, progress=progress)
+    engine = llm.engine
+    info = engine.info
+    if not args.quiet:
+        print(f"graphpar: serving {spec.name} ({info.family}: {info.num_layers} layers, "
+              f"{info.num_heads} heads / {info.num_kv_heads} kv heads of {info.head_size}, "
+              f"context {info.max_model_len}) on {engine.model.device}; KV cache "
+              f"{engine.block_manager.num_device_blocks} blocks of {config.block_size} tokens "
+              f"({engine.model.kv_bytes / 2**20:.1f} MiB); setup "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    on_step = None if args.quiet else progress_printer(engine, len(lines))
+    run_start = time.perf_counter()
+    ids = [engine.add_request(line.prompt, p) for line, p in zip(lines, params)]
+    results = {o.request_id: o for o in engine.run(on_step)}
+    if on_step is not None:
+        on_step.final(engine)  # type: ignore[attr-defined]
+    failed = 0
+    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
+    try:
+        for line, request_id in zip(lines, ids):
+            result = results[request_id]
+            record: dict[str, Any] = {"line": line.number, "prompt_tokens": len(line.prompt)}
+            if result.error:
+                failed += 1
+                record["error"] = result.error
+                print(f"graphpar: error: request on {args.prompts}:{line.number}: "
+                      f"{result.error}", file=sys.stderr)
+            else:
+                record["outputs"] = [{"text": tokenizer.decode(c.token_ids),
+                                      "token_ids": c.token_ids,
+                                      "finish_reason": c.finish_reason,
+                                      "cumulative_logprob": round(c.cumulative_logprob, 6)}
+                                     for c in result.outputs]
+                record["latency_s"] = round(result.latency or 0.0, 6)
+            out.write(json.dumps(record) + "\n")
+    finally:
+        if args.out:
+            out.close()
+    stats, seconds = engine.stats, time.perf_counter() - run_start
+    print(f"graphpar generate: {len(lines) - failed}/{len(lines)} requests served, "
+          f"{stats.generated_tokens} tokens generated in {seconds:.2f} s "
+          f"({stats.generated_tokens / max(seconds, 1e-9):.1f} tokens/s, measured), "
+          f"{stats.preemptions} preemptions" + (f", wrote {args.out}" if args.out else ""),
+          file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m graphpar.cli_generate``), with graphpar.cli's conventions."""
+    from graphpar.cli import _Parser
+
+    parser = _Parser(prog="graphpar")
+    add_generate_parser(parser.add_subparsers(dest="command", parser_class=_Parser))
+    try:
+        args = parser.parse_args(["generate", *(sys.argv[1:] if argv is None else argv)])
+        return args.fn(args)
+    except GraphparError as exc:
+        print(f"graphpar: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

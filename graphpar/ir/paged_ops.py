@@ -1,0 +1,176 @@
+"""IR ops of paged attention: `reshape_and_cache` writes K/V into cache blocks, `paged_attention`
+reads them through per-sequence block tables (PagedAttention, SOSP'23, Eq. 4).
+
+The cache layout is that of :mod:`graphpar.backends.reference_paged`: one key and one value
+cache per layer, ``[num_blocks, block_size, num_kv_heads, head_size]``; token ``i`` of a batch
+lives at flat slot ``slot_mapping[i] = block * block_size + offset``.
+
+In the IR both ops are functional: ``reshape_and_cache`` returns the new caches, which the graph
+returns as ``update(%key_cache.i)`` outputs. The implementations write in place and return the
+same tensors (the runtime donates the cache buffers, as XLA does with donated arguments), so a
+step costs the new tokens' bytes, not a copy of the cache.
+
+Kernels (the ``kernel`` attribute): ``auto`` (the default) sends CUDA tensors to the CUDA kernels
+of :mod:`graphpar.backends.cuda.paged_attention` when CuPy is installed and anything else to the
+batched torch path :mod:`graphpar.backends.torch_paged`; ``torch``, ``reference``
+(:mod:`graphpar.backends.reference_paged`, the ground truth) and ``cuda`` force one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from graphpar.backends import reference_paged, torch_paged
+from graphpar.errors import BackendError
+from graphpar.ir.registry import OpDef, OpKind, register
+from graphpar.ir.types import TensorType
+
+__all__ = ["KERNELS", "PAGED_OPS", "cuda_kernels_available", "default_scale", "paged_kernels"]
+
+KERNELS = ("auto", "torch", "reference", "cuda")
+PAGED_OPS = ("reshape_and_cache", "paged_attention")
+
+_cupy_ok: bool | None = None
+
+
+def cuda_kernels_available() -> bool:
+    global _cupy_ok
+    if _cupy_ok is None:
+        try:
+            import cupy  # noqa: F401
+            _cupy_ok = True
+        except ImportError:
+            _cupy_ok = False
+    return _cupy_ok
+
+
+def paged_kernels(tensor: torch.Tensor, kernel: str = "auto") -> Any:
+    """The module whose functions run the paged ops on ``tensor``'s device for ``kernel``."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "reference":
+        return reference_paged
+    use_cuda = tensor.is_cuda and cuda_kernels_available()
+    if kernel == "torch" or (kernel == "auto" and not use_cuda):
+        return torch_paged
+    if not tensor.is_cuda:
+        raise BackendError(f"kernel='cuda' needs CUDA tensors, got a tensor on {tensor.device}")
+    from graphpar.backends.cuda import paged_attention as cuda_paged
+
+    return cuda_paged
+
+
+# --- reshape_and_cache --------------------------------------------------------------------------
+
+def _reshape_and_cache(key_cache, value_cache, key, value, slot_mapping, kernel="auto"):
+    if key_cache.device.type != "meta":
+        paged_kernels(key_cache, kernel).reshape_and_cache(key, value, key_cache, value_cache,
+                                                           slot_mapping)
+    return key_cache, value_cache
+
+
+def _cache_rule(operands, attrs) -> list[TensorType]:
+    key_cache, value_cache, key, value, slots = operands
+    if key_cache.rank != 4 or key_cache != value_cache:
+        raise TypeError("key_cache and value_cache must be one [num_blocks, block_size, "
+                        f"kv_heads, head_size] type, got {key_cache} and {value_cache}")
+    expected = (key.shape[0], *key_cache.shape[2:]) if key.rank == 3 else None
+    if expected is None or key.shape != expected or value.shape != expected:
+        raise TypeError(f"key {key} and value {value} must be [tokens, kv_heads, head_size] "
+                        f"matching the cache {key_cache}")
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        raise TypeError(f"key/value dtype differs from the cache's ({key_cache})")
+    if slots.shape != (key.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slot_mapping must be int [{key.shape[0]}], got {slots}")
+    return [key_cache, value_cache]
+
+
+register(OpDef(
+    "reshape_and_cache", OpKind.COMPOSITE, _reshape_and_cache, num_outputs=2,
+    type_rule=_cache_rule,
+    doc="reshape_and_cache(key_cache, value_cache, key, value, slot_mapping) {kernel} -> "
+        "new key_cache, value_cache: token i's K/V [tokens, kv_heads, D] written at flat slot "
+        "slot_mapping[i] (-1 skips); in place at run time",
+))
+
+
+# --- paged_attention ----------------------------------------------------------------------------
+
+def _paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                     query_start_loc=None, scale=1.0, mode="decode", kernel="auto"):
+    if query.device.type == "meta":
+        return torch.empty_like(query)
+    kernels = paged_kernels(query, kernel)
+    if mode == "decode":
+        rows = query.shape[0]
+        if rows < block_tables.shape[0]:
+            block_tables, context_lens = block_tables[:rows], context_lens[:rows]
+        return kernels.paged_attention(query, key_cache, value_cache, block_tables,
+                                       context_lens, scale)
+    used = int(query_start_loc[-1])
+    if used == query.shape[0]:
+        return kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables,
+                                               context_lens, query_start_loc, scale)
+    out = torch.zeros_like(query)  # rows past the last sequence are padding
+    out[:used] = kernels.paged_prefill_attention(query[:used], key_cache, value_cache,
+                                                 block_tables, context_lens, query_start_loc,
+                                                 scale)
+    return out
+
+
+def _attention_rule(operands, attrs) -> list[TensorType]:
+    query, key_cache, value_cache, tables, lens = operands[:5]
+    starts = operands[5] if len(operands) > 5 else None
+    mode = attrs.get("mode", "decode")
+    if query.rank != 3 or key_cache.rank != 4 or key_cache != value_cache:
+        raise TypeError(f"query {query} must be [tokens, heads, head_size] and the caches one "
+                        f"[num_blocks, block_size, kv_heads, head_size] type")
+    tokens, heads, head_size = query.shape
+    kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_size or heads % kv_heads or query.dtype != key_cache.dtype:
+        raise TypeError(f"query {query} does not fit the cache {key_cache} (head size, dtype, "
+                        "or heads not a multiple of kv heads)")
+    if tables.rank != 2 or lens.shape != (tables.shape[0],):
+        raise TypeError(f"block_tables {tables} must be [seqs, max_blocks] and context_lens "
+                        f"[seqs], got {lens}")
+    if mode == "decode":
+        if tables.shape[0] < tokens:
+            raise TypeError(f"decode has one query per sequence: {tokens} queries, "
+                            f"{tables.shape[0]} block-table rows")
+    elif mode == "prefill":
+        if starts is None or starts.shape != (tables.shape[0] + 1,):
+            raise TypeError(f"prefill needs query_start_loc [seqs + 1] = "
+                            f"[{tables.shape[0] + 1}], got {starts}")
+    else:
+        raise TypeError(f"mode must be 'decode' or 'prefill', got {mode!r}")
+    if attrs.get("kernel", "auto") not in KERNELS:
+        raise TypeError(f"kernel must be one of {', '.join(KERNELS)}")
+    return [query]
+
+
+def _attention_flops(operands, results, attrs) -> int:
+    """Upper bound: every query over a full block table (q k^T and a v, 2 FLOP per MAC)."""
+    query, key_cache, _, tables = operands[:4]
+    tokens, heads, head_size = query.shape
+    context = tables.shape[1] * key_cache.shape[1]
+    return 4 * tokens * heads * head_size * context
+
+
+register(OpDef(
+    "paged_attention", OpKind.COMPOSITE, _paged_attention, type_rule=_attention_rule,
+    flop_rule=_attention_flops,
+    doc="paged_attention(query, key_cache, value_cache, block_tables, context_lens, "
+        "query_start_loc?) {scale, mode, kernel}: causal attention of [tokens, heads, D] queries "
+        "over K/V read through per-sequence block tables; mode=decode: one query per sequence, "
+        "mode=prefill: sequence s owns rows query_start_loc[s]:[s+1], the last of its "
+        "context_lens[s] cached tokens (rows past query_start_loc[-1] are padding: zeros); a "
+        "sequence with context_lens 0 gets zeros",
+))
+
+
+def default_scale(head_size: int) -> float:
+    return 1.0 / math.sqrt(head_size)
+

@@ -1,0 +1,148 @@
+"""Sampling parameters and the samplers of the serving engine: greedy, temperature, top-k,
+top-p (nucleus), parallel samples and beam search."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from graphpar.errors import GenerationError
+
+__all__ = ["BeamCandidate", "SamplingParams", "beam_candidates", "beam_score", "sample_tokens"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is decoded.
+
+    ``temperature == 0`` is greedy. ``n`` independent samples share the prompt's KV blocks
+    (copy-on-write). ``beam_width > 0`` is beam search: ``beam_width`` beams, the best ``n``
+    finished hypotheses returned, scored ``sum logprob / generated_len ** length_penalty``.
+    Generation stops at ``max_tokens`` new tokens, the model's context length, an EOS token
+    (unless ``ignore_eos``), a token of ``stop_token_ids``, or a token sequence of ``stop``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[tuple[int, ...], ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(tuple(int(t) for t in s) for s in self.stop))
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 and not self.use_beam_search
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the request holds at once (samples or beams)."""
+        return self.beam_width if self.use_beam_search else self.n
+
+    def validate(self) -> None:
+        """Raise GenerationError for values no request can use."""
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.beam_width >= 0, f"beam_width must be >= 0, got {self.beam_width}"),
+            (not self.use_beam_search or self.n <= self.beam_width,
+             f"n ({self.n}) must be <= beam_width ({self.beam_width})"),
+            (not self.use_beam_search or self.temperature == 0,
+             "beam search is deterministic: leave temperature at 0"),
+            (all(len(s) > 0 for s in self.stop), "stop sequences must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise GenerationError(message)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+                        ) -> torch.Tensor:
+    """Logits with everything outside each row's top-k and top-p nucleus set to -inf."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above this one
+    drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator | None]
+                  ) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` ``[rows, vocab]`` under that row's params.
+
+    Returns the tokens and their log-probabilities under the model (log-softmax of the raw
+    logits, before temperature and filtering). Greedy rows take the argmax (first on ties, as
+    torch and Hugging Face do); sampled rows draw from ``softmax(logits / T)`` restricted to
+    top-k and top-p, with the row's generator.
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
+        top_k = torch.tensor([params[i].top_k for i in sampled], device=logits.device)
+        top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)
+        scaled = _filter_top_k_top_p(logits[rows] / temps[:, None], top_k, top_p)
+        probs = scaled.softmax(dim=-1).cpu()
+        for j, i in enumerate(sampled):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
+@dataclass(frozen=True)
+class BeamCandidate:
+    """A possible extension of beam ``parent`` by ``token``: cumulative logprob ``score``."""
+
+    parent: int
+    token: int
+    score: float
+
+
+def beam_candidates(logits: torch.Tensor, cumulative: Sequence[float], width: int
+                    ) -> list[BeamCandidate]:
+    """The ``2 * width`` best one-token extensions of the running beams, best first.
+
+    ``logits`` ``[beams, vocab]``; ``cumulative[b]`` is beam ``b``'s summed logprob. Ties are
+    broken by (beam, token) order, as ``torch.topk`` on the flattened scores does.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    scores = logprobs + torch.tensor(cumulative, dtype=torch.float32,
+                                     device=logprobs.device)[:, None]
+    vocab = scores.shape[-1]
+    k = min(2 * width, scores.numel())
+    values, flat = scores.flatten().topk(k)
+    return [BeamCandidate(int(i) // vocab, int(i) % vocab, float(v))
+            for v, i in zip(values.tolist(), flat.tolist())]
+
+
+def beam_score(cumulative: float, generated: int, length_penalty: float) -> float:
+    """Hypothesis score: summed logprob over generated length ** length_penalty."""
+    return cumulative / (max(generated, 1) ** length_penalty)
+

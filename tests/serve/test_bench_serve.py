@@ -1,0 +1,20 @@
+"""The serving benchmark script runs and writes its JSON (numbers are not asserted here)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "serve.py"
+
+
+def test_serve_bench_writes_rows(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "serve.json"
+    assert bench.main(["--models", "gpt:tiny", "--batch", "2", "--requests", "4",
+                       "--repeat", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["system"], r["batch"]) for r in result["rows"]] == [("naive", 2), ("engine", 2)]
+    assert all(r["same_tokens"] for r in result["rows"])
+    assert "tok/s" in capsys.readouterr().out

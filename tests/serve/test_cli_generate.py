@@ -1,0 +1,49 @@
+"""`graphpar generate`: prompts file in, JSON lines out, bad requests reported, others served."""
+
+import json
+
+import pytest
+
+from graphpar.cli_generate import main
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("# one request per line\n"
+                    "Hello, world\n"
+                    "[1, 2, 3, 4]\n"
+                    '{"prompt": "The fox", "max_tokens": 3, "temperature": 0.8, "seed": 1}\n'
+                    '{"prompt": [5, 6, 7], "beam_width": 2, "n": 2, "max_tokens": 4}\n'
+                    + "x" * 40 + "\n")
+    return path
+
+
+def test_generate_serves_and_reports_bad_requests(prompts_file, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    status = main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--max-tokens",
+                   "5", "--out", str(out), "--max-num-seqs", "2"])
+    assert status == 1  # one request failed; the others were served
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["line"] for r in records] == [2, 3, 4, 5, 6]
+    assert len(records[0]["outputs"][0]["token_ids"]) == 5
+    assert records[1]["prompt_tokens"] == 4
+    assert len(records[2]["outputs"][0]["token_ids"]) == 3
+    assert len(records[3]["outputs"]) == 2
+    assert "too long for the model's context of 32" in records[4]["error"]
+    err = capsys.readouterr().err
+    assert "graphpar: error: request on" in err and ":6:" in err
+    assert "4/5 requests served" in err and "tokens/s" in err
+    assert "requests |" in err  # progress lines while it runs
+    assert "Traceback" not in err
+
+
+def test_generate_usage_errors(tmp_path, capsys):
+    assert main(["--example", "gpt:tiny", "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.txt"
+    bad.write_text('{"prompt": [1, 2], "colour": 3}\n')
+    assert main(["--example", "gpt:tiny", "--prompts", str(bad)]) == 2
+    assert "unknown: colour" in capsys.readouterr().err
+    assert main(["--prompts", str(bad)]) == 2
+    assert "needs a model file or --example" in capsys.readouterr().err

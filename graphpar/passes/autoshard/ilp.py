@@ -3,22 +3,25 @@
 The unsimplified problem (`Problem`) has one choice per node (its strategy) and per graph input
 (its layout); the objective sums compute times and, on every edge, the resharding time from the
 producer's result layout to the layout the consumer needs (Alpa's Eq. 1), under a per-device
-memory limit. `Reduced` shrinks it before any solver sees it:
+memory limit. `Reduced` shrinks it before a solver sees it, without changing its optimum on the
+graphs we measured (docs/autoshard.md):
 
-1. Followers (elementwise, shape ops, reductions, norms, softmax, losses) are merged into the
-   decision of the operand they follow: for each choice of that operand's group, the follower
-   takes the strategy whose input layout matches. It adds no variables; its other edges attach
-   to the group's variable, and edges inside a group become per-choice constants.
-2. Groups in the same place of identical layers (module paths equal up to the layer index)
-   share ONE set of variables; edges between shared groups add up, so a layer's costs count
-   with their multiplicity and the edges between consecutive layers become edges between the
-   shared variables.
-3. Choices that no better than another choice of the same variable in every cost (and memory)
-   are dropped, and variables left with one choice become constants.
+1. Followers — elementwise ops, shape ops, norms, softmax, losses — ride on the choice of the
+   operand they follow (the largest; for optimizer updates, the state they update): for each
+   choice of that operand's group they take the strategy that reads it as it is. They add no
+   variables; their other edges attach to the group's variable, and edges inside a group become
+   per-choice constants. Nodes where following could cost keep a choice (`_may_follow`).
+2. Groups in the same place of identical layers (module paths equal up to the layer index,
+   equal signatures) share ONE set of variables; edges between them add up, so costs inside
+   repeated layers count with their multiplicity and the edges between consecutive layers
+   become edges between the shared variables.
+3. Choices no better than another choice of the same variable in every cost and in memory are
+   dropped, variables left with one choice become constants, and edge pair variables are kept
+   per block of equal rows and columns.
 
-What remains is solved with Alpa's linearization (a one-hot vector per variable, a pair
-variable per edge entry) by CP-SAT or by a MIP solver through pywraplp. The plan is then costed
-on the full graph, so reported times do not depend on the reductions.
+What remains is Alpa's linearization (one-hot choices, pair variables per edge), solved by a
+MIP solver through pywraplp (HiGHS by default; CBC, SCIP) or by CP-SAT. The plan is then costed
+on the full graph, so the times it reports do not depend on the reductions.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard.strategies import (
     Strategy,
     dominant_operand,
@@ -50,7 +54,7 @@ OBJECTIVE_UNIT = 1e-10  # seconds per integer objective unit (CP-SAT works in in
 MEMORY_TIEBREAK = 1.0 / (1 << 20)  # objective units per byte: ties go to the plan using less memory
 PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
 SOLVERS = ("cp-sat", "scip", "cbc", "highs")
-DEFAULT_SOLVER = "highs"
+DEFAULT_SOLVER = "highs"  # the fastest on our graphs (docs/autoshard.md)
 
 # A hand plan's filter: (item, its choice) -> False to forbid that choice, True or None to allow.
 Allow = Callable[[object, object], "bool | None"]
@@ -146,18 +150,20 @@ class Problem:
         return found[1:]
 
     def cost_matrix(self, value: Value, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
-        """Resharding seconds from each source layout to each destination layout of `value`."""
-        us, inv_s = np.unique(src_ids, return_inverse=True)
-        ud, inv_d = np.unique(dst_ids, return_inverse=True)
-        key = (value.type.shape, value.type.itemsize, us.tobytes(), ud.tobytes())
-        base = self._costs.get(key)
-        if base is None:
-            shape, itemsize, layouts = value.type.shape, value.type.itemsize, self._layout_list
+        """Resharding seconds from each source layout to each destination layout of `value`
+        (read-only: cached, and shared by the edges of identical layers)."""
+        shape, itemsize = value.type.shape, value.type.itemsize
+        key = (shape, itemsize, src_ids.tobytes(), dst_ids.tobytes())
+        found = self._costs.get(key)
+        if found is None:
+            us, inv_s = np.unique(src_ids, return_inverse=True)
+            ud, inv_d = np.unique(dst_ids, return_inverse=True)
+            layouts = self._layout_list
             base = np.array([[0.0 if a == b else resharding_cost(
                 shape, itemsize, layouts[a], layouts[b], self.mesh).seconds for b in ud]
                 for a in us])
-            self._costs[key] = base
-        return base[np.ix_(inv_s.ravel(), inv_d.ravel())]
+            found = self._costs[key] = base[np.ix_(inv_s.ravel(), inv_d.ravel())]
+        return found
 
     def produced_ids(self, value: Value) -> np.ndarray:
         """Layout ids `value` has under each choice of its producer."""
@@ -246,6 +252,28 @@ class Problem:
 
 # --- the reduced problem ------------------------------------------------------------------------
 
+def _may_follow(node: Node, operand: Value, returned: set[Value],
+                anchored: Callable[[Value], bool]) -> bool:
+    """Whether following `operand` loses nothing that matters. A node keeps its own choice
+    when where to reshard is a real decision:
+
+    - its result is read in several places: resharding once before the node beats resharding
+      after it on every use;
+    - it joins two full-size values (a residual add, an activation's backward): either side
+      may be the one to reshard — unless one side is optimizer state, which updates follow;
+    - it reduces its operand (a bias gradient): it can read a replicated operand sliced, for
+      free, and compute only its share.
+    """
+    if any(len(out.users) + (out in returned) > 1 for out in node.outputs):
+        return False
+    if get_op(node.op).kind is OpKind.REDUCTION and any(
+            out.type.numel < operand.type.numel for out in node.outputs):
+        return False
+    return anchored(operand) or not any(
+        isinstance(w, Value) and w is not operand and w.type.numel == operand.type.numel
+        and w.type.rank == operand.type.rank for w in node.inputs)
+
+
 class Reduced:
     """The problem after merging followers into groups and sharing variables between identical
     layers: one variable (class) per group of equal groups, with per-choice costs and edges."""
@@ -270,38 +298,48 @@ class Reduced:
 
     def _merge_followers(self) -> int:
         """Point every follower at its dominant operand's group, with the strategy it takes
-        under each of the group's choices; followers with no matching strategy for some choice
-        keep a variable of their own."""
+        under each of the group's choices. A node keeps a choice of its own where following
+        could cost: see `_may_follow`."""
         p, merged, cache = self.problem, 0, {}
+
+        def anchored(v: Value) -> bool:  # in a group led by a parameter or optimizer state
+            lead = p.items[self.root[p._src(v)]]
+            return isinstance(lead, Value) and lead.role in PERSISTENT
+
+        # Results the user reads count as uses; new state written back does not.
+        returned = {o.value for o in p.graph.outputs
+                    if o.role not in (OutputRole.UPDATE, OutputRole.GRAD)}
         for node in p.graph.nodes:
-            if not is_follower(node):
-                continue
-            d = dominant_operand(node, p.position)
-            if d is None:
+            d = dominant_operand(node, p.position, anchored) if is_follower(node) else None
+            if d is None or not _may_follow(node, node.inputs[d], returned, anchored):
                 continue
             v = node.inputs[d]
-            src = p._src(v)
+            src, i = p._src(v), p.index[node]
             layouts = p.produced_ids(v)[self.gmap[src]]
-            i = p.index[node]
             key = (id(p.choices[i]), d, layouts.tobytes())
-            follow = cache.get(key)
-            if follow is None:
-                wanted = p.table(i)[1][d]
-                compute = p.compute[i]
-                follow = []
-                for lay in layouts:
-                    match = np.flatnonzero(wanted == lay)
-                    if match.size == 0:
-                        follow = None
-                        break
-                    follow.append(int(match[np.argmin(compute[match])]))
-                follow = cache[key] = None if follow is None else np.array(follow)
-            if follow is None:
+            if key not in cache:
+                cache[key] = self._follow(i, d, layouts)
+            if cache[key] is None:
                 continue
             self.root[i] = self.root[src]
-            self.gmap[i] = follow
+            self.gmap[i] = cache[key]
             merged += 1
         return merged
+
+    def _follow(self, i: int, d: int, layouts: np.ndarray) -> np.ndarray | None:
+        """Item i's strategy for each layout of its operand d: one that reads the operand as
+        it is and splits no more than it (inheriting its sharding, as in Alpa), the cheapest
+        such; None if some layout has none."""
+        p = self.problem
+        wanted = p.table(i)[1][d]
+        split = np.array([sum(f is not None for f in s.axis_factors) for s in p.choices[i]])
+        follow = []
+        for lay in layouts:
+            match = np.flatnonzero(wanted == lay)
+            if match.size == 0:
+                return None
+            follow.append(int(match[np.lexsort((p.compute[i][match], split[match]))[0]]))
+        return np.array(follow)
 
     def _classes(self, tie_layers: bool) -> tuple[list[int], list[list[int]]]:
         p = self.problem
@@ -536,6 +574,17 @@ class _Result:
     constraints: int
 
 
+def _edge_blocks(m: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray]:
+    """Alpa's pair variables per block of equal rows and equal columns rather than per entry:
+    choices with the same row (e.g. the same result layout) need no pair of their own. The
+    LP bound is unchanged (a transport problem between the blocks, at the same costs)."""
+    row_of = np.unique(m, axis=0, return_inverse=True)[1].ravel()
+    col_of = np.unique(m, axis=1, return_inverse=True)[1].ravel()
+    rows = [np.flatnonzero(row_of == g) for g in range(row_of.max() + 1)]
+    cols = [np.flatnonzero(col_of == h) for h in range(col_of.max() + 1)]
+    return rows, cols, m[np.ix_([r[0] for r in rows], [c[0] for c in cols])]
+
+
 def _objective_units(inst: _Instance, c: int) -> np.ndarray:
     return inst.unary[c] / OBJECTIVE_UNIT + inst.memory[c] * MEMORY_TIEBREAK
 
@@ -551,14 +600,16 @@ def _solve_cpsat(inst: _Instance, memory_limit: float | None, time_limit: float)
         model.AddExactlyOne(x[c])
         terms += [(int(round(w)), b) for w, b in zip(_objective_units(inst, c), x[c])]
     for (a, b), m in inst.edges.items():
-        pairs = [[model.NewBoolVar("") for _ in range(m.shape[1])] for _ in range(m.shape[0])]
-        for j, row in enumerate(pairs):
-            model.Add(sum(row) == x[a][j])
-        for k in range(m.shape[1]):
-            model.Add(sum(row[k] for row in pairs) == x[b][k])
-        units = np.rint(m / OBJECTIVE_UNIT).astype(np.int64)
-        terms += [(int(units[j, k]), pairs[j][k]) for j in range(m.shape[0])
-                  for k in range(m.shape[1]) if units[j, k]]
+        rows, cols, costs = _edge_blocks(m)
+        pairs = [[model.NewBoolVar("") for _ in range(costs.shape[1])]
+                 for _ in range(costs.shape[0])]
+        for g, row in enumerate(pairs):
+            model.Add(sum(row) == sum(x[a][j] for j in rows[g]))
+        for h in range(costs.shape[1]):
+            model.Add(sum(row[h] for row in pairs) == sum(x[b][k] for k in cols[h]))
+        units = np.rint(costs / OBJECTIVE_UNIT).astype(np.int64)
+        terms += [(int(units[g, h]), pairs[g][h]) for g in range(costs.shape[0])
+                  for h in range(costs.shape[1]) if units[g, h]]
     if memory_limit is not None:
         fixed = sum(float(inst.memory[c][0]) for c in range(len(inst.keep)) if not inst.free(c))
         model.Add(sum(int(w) * b for c in free for w, b in zip(inst.memory[c], x[c]))
@@ -591,9 +642,10 @@ def _solve_mip(backend: str) -> Callable:
         solver = pywraplp.Solver.CreateSolver(backend)
         if solver is None:
             raise ShardingError(f"OR-Tools was built without the {backend} solver")
+        solver.SuppressOutput()
         solver.SetTimeLimit(int(time_limit * 1000))
-        if backend == "SCIP":
-            solver.SetSolverSpecificParametersAsString("randomization/randomseedshift = 0\n")
+        if backend == "HIGHS":
+            solver.SetSolverSpecificParametersAsString("output_flag = false\n")
         infinity = solver.infinity()
         free = [c for c in range(len(inst.keep)) if inst.free(c)]
         x = {c: [solver.BoolVar("") for _ in inst.keep[c]] for c in free}
@@ -603,18 +655,20 @@ def _solve_mip(backend: str) -> Callable:
             for w, b in zip(_objective_units(inst, c), x[c]):
                 objective.SetCoefficient(b, float(w))
         for (a, b), m in inst.edges.items():
+            rows, cols, costs = _edge_blocks(m)
             # Pair variables may be continuous: with one-hot ends they can only be 0 or 1.
-            pairs = [[solver.NumVar(0.0, 1.0, "") for _ in range(m.shape[1])]
-                     for _ in range(m.shape[0])]
-            for j, row in enumerate(pairs):
-                solver.Add(solver.Sum(row) == x[a][j])
-            for k in range(m.shape[1]):
-                solver.Add(solver.Sum([row[k] for row in pairs]) == x[b][k])
-            units = m / OBJECTIVE_UNIT
-            for j in range(m.shape[0]):
-                for k in range(m.shape[1]):
-                    if units[j, k]:
-                        objective.SetCoefficient(pairs[j][k], float(units[j, k]))
+            pairs = [[solver.NumVar(0.0, 1.0, "") for _ in range(costs.shape[1])]
+                     for _ in range(costs.shape[0])]
+            for g, row in enumerate(pairs):
+                solver.Add(solver.Sum(row) == solver.Sum([x[a][j] for j in rows[g]]))
+            for h in range(costs.shape[1]):
+                solver.Add(solver.Sum([row[h] for row in pairs])
+                           == solver.Sum([x[b][k] for k in cols[h]]))
+            units = costs / OBJECTIVE_UNIT
+            for g in range(costs.shape[0]):
+                for h in range(costs.shape[1]):
+                    if units[g, h]:
+                        objective.SetCoefficient(pairs[g][h], float(units[g, h]))
         if memory_limit is not None:
             fixed = sum(float(inst.memory[c][0]) for c in range(len(inst.keep))
                         if not inst.free(c))
@@ -623,8 +677,10 @@ def _solve_mip(backend: str) -> Callable:
                 for w, b in zip(inst.memory[c], x[c]):
                     row.SetCoefficient(b, float(w))
         objective.SetMinimization()
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, 0.0)  # optimal, not within 1e-4
         started = time.perf_counter()
-        status = solver.Solve()
+        status = solver.Solve(params)
         seconds = time.perf_counter() - started
         names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
                  pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}

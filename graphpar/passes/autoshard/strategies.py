@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from graphpar.ir.graph import Node, Value
@@ -166,14 +167,19 @@ def is_follower(node: Node) -> bool:
     return get_op(node.op).kind in _FOLLOWING_KINDS or node.op in _CHEAP_COMPOSITES
 
 
-def dominant_operand(node: Node, position: dict[Node, int]) -> int | None:
-    """The operand a follower follows: the largest, ties to the one produced last (Alpa's
-    deepest operand); graph inputs count as produced first. None when it reads no tensor."""
+def dominant_operand(node: Node, position: dict[Node, int],
+                     anchored: Callable[[Value], bool] | None = None) -> int | None:
+    """The operand a follower follows: the largest, of the highest rank (never one broadcast
+    against another); among equals, one `anchored` (in the ILP: derived from parameters or
+    optimizer state, so optimizer updates follow the state they update), then the one produced
+    last (Alpa's deepest operand; graph inputs count as produced first). None when the node
+    reads no tensor."""
     best, best_key = None, None
     for i, v in enumerate(node.inputs):
         if not isinstance(v, Value):
             continue
-        key = (v.type.numel, -1 if v.producer is None else position[v.producer])
+        key = (v.type.numel, v.type.rank, anchored is not None and anchored(v),
+               -1 if v.producer is None else position[v.producer])
         if best_key is None or key > best_key:
             best, best_key = i, key
     return best

@@ -1,0 +1,232 @@
+"""Hand-written parallel plans, costed like the ILP's: data parallel, ZeRO, Megatron-LM tensor
+parallel, and data x tensor parallel.
+
+Each plan is a rule per mesh axis, applied as a filter on the choices of the same reduced ILP
+the auto-sharder solves (`Reduced.solve(allow=...)`):
+
+- a *data* axis shards a batch factor of every heavy op (matmul, attention, conv, embedding)
+  and replicates parameters and optimizer state — or, for ZeRO, shards the optimizer state
+  (`zero`) or parameters and optimizer state (`zero-3`) over it;
+- a *tensor* axis shards parameters as Megatron-LM does (QKV and MLP-up column-parallel, the
+  attention and MLP-down projections row-parallel, the LM head by vocabulary, the rest
+  replicated; optimizer state like its parameter) and shards a non-batch factor of every heavy
+  op (attention: its heads).
+
+Everything else — elementwise ops, reshapes, norms, where to all-reduce or reduce-scatter — is
+left to the solver, so a hand plan is the best plan of its family under the cost model, and it
+is always valid. The ILP's own choices include every hand plan's, so its plan is never worse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphpar.errors import MemoryLimitError, ShardingError
+from graphpar.ir.graph import Node, Role, Value
+from graphpar.ir.layout import Layout, Replicate, Shard
+from graphpar.passes.autoshard.factors import factor_spec
+from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
+from graphpar.passes.autoshard.strategies import Strategy, is_follower
+
+HAND_PLANS = ("data", "zero", "zero-3", "megatron", "data+megatron")
+
+# Megatron-LM's layouts by module name: column-parallel linears split their output features
+# (weight dim 0 of nn.Linear's [out, in]; bias too), row-parallel ones their input features.
+_COLUMN = {"qkv", "q_proj", "k_proj", "v_proj", "query", "key", "value", "c_attn", "up",
+           "up_proj", "gate", "gate_proj", "fc1", "c_fc", "w1", "w3", "lm_head"}
+_ROW = {"proj", "o_proj", "out_proj", "c_proj", "down", "down_proj", "fc2", "w2", "dense"}
+# Batched expert weights [E, in, out] (graphpar.models.moe): w_in is column-, w_out row-parallel.
+_EXPERT = {"w_in": -1, "w_out": -2}
+_STATE_SUFFIXES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+
+class NotApplicable(ShardingError):
+    """The hand plan does not exist for this graph or mesh (say why)."""
+
+
+@dataclass(frozen=True)
+class _Rules:
+    data_axes: tuple[int, ...]
+    tensor_axes: tuple[int, ...]
+    shard_state: bool = False  # ZeRO: optimizer state sharded over the data axes
+    shard_params: bool = False  # ZeRO-3: parameters too
+
+
+def megatron_dim(name: str, rank: int) -> int | None:
+    """The dim Megatron-LM shards a parameter (or its optimizer state) along, None to
+    replicate it."""
+    parts = name.split(".")
+    while parts and parts[-1] in _STATE_SUFFIXES:
+        parts = parts[:-1]
+    if not parts:
+        return None
+    if parts[-1] in _EXPERT:
+        return _EXPERT[parts[-1]] % rank
+    if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
+        return None
+    module = parts[-2]
+    if module in _COLUMN:
+        return 0
+    if module in _ROW and parts[-1] == "weight" and rank == 2:
+        return 1
+    return None
+
+
+def batch_factors(problem) -> dict[Node, set[int]]:
+    """Per node, the factors that index the batch: tensor dims derived from dim 0 of the
+    graph's activation inputs, followed through every op's factors."""
+    graph = problem.graph
+    dims: dict[Value, set[int]] = {v: ({0} if v.role is Role.INPUT and v.type.rank else set())
+                                   for v in graph.inputs}
+    found: dict[Node, set[int]] = {}
+    for node in graph.nodes:
+        spec = factor_spec(node)
+        factors: set[int] = set()
+        if spec is not None:
+            for k, v in enumerate(node.inputs):
+                if isinstance(v, Value) and k < len(spec.operands) and spec.operands[k]:
+                    factors |= {spec.operands[k][d] for d in dims.get(v, ())
+                                if spec.operands[k][d] is not None}
+        found[node] = factors
+        for r, out in enumerate(node.outputs):
+            dims[out] = ({d for d, f in enumerate(spec.results[r]) if f in factors}
+                         if spec is not None else set())
+    return found
+
+
+def _axis_roles(name: str, mesh) -> _Rules:
+    axes = tuple(a for a, n in enumerate(mesh.shape) if n > 1)
+    if not axes:
+        raise NotApplicable(f"mesh {mesh} has one device")
+    if name == "data":
+        return _Rules(axes, ())
+    if name == "zero":
+        return _Rules(axes, (), shard_state=True)
+    if name == "zero-3":
+        return _Rules(axes, (), shard_state=True, shard_params=True)
+    if name == "megatron":
+        return _Rules((), axes)
+    if name == "data+megatron":
+        if len(mesh.shape) != 2 or mesh.shape[0] == 1 or mesh.shape[1] == 1:
+            raise NotApplicable(f"data x tensor parallelism needs a 2-D mesh, got {mesh}")
+        return _Rules((0,), (1,))
+    raise ShardingError(f"unknown hand plan {name!r}; choose one of {', '.join(HAND_PLANS)}")
+
+
+class _Filter:
+    """The `allow` filter of one hand plan: which choices each item may take."""
+
+    def __init__(self, reduced: Reduced, rules: _Rules):
+        self.problem, self.rules = reduced.problem, rules
+        self.batch = batch_factors(self.problem)
+        self._required: dict[tuple, dict] = {}
+        # Megatron's vocab-parallel embedding needs a masked lookup the IR's `embedding` does
+        # not express; on a tensor axis the solver picks the embedding tables' layout.
+        tables = {n.inputs[0].name for n in self.problem.graph.nodes
+                  if n.op == "embedding" and isinstance(n.inputs[0], Value)}
+        self.tables = {v for v in self.problem.graph.inputs if v.name in tables or any(
+            (v.name or "").startswith(t + ".") for t in tables)}
+
+    def __call__(self, item, choice) -> bool | None:
+        if isinstance(item, Value):
+            return self._input(item, choice) if item.role in (
+                Role.PARAM, Role.OPTIM_STATE, Role.BUFFER) else None
+        if is_follower(item) or item.op in ("full", "arange"):
+            return None
+        return self._heavy(item, choice)
+
+    def _input(self, value: Value, layout: Layout) -> bool:
+        rules = self.rules
+        sharded = self._shardable(value)
+        for a in rules.data_axes:
+            shard = (rules.shard_params if value.role is Role.PARAM else
+                     rules.shard_state and value.role is Role.OPTIM_STATE)
+            if shard and sharded.get(a):
+                if not layout[a].is_shard():
+                    return False
+            elif not layout[a].is_replicate():
+                return False
+        for a in rules.tensor_axes:
+            if value in self.tables:
+                continue
+            dim = megatron_dim(value.name or "", value.type.rank)
+            want = Replicate() if dim is None else Shard(dim)
+            if layout[a] != want:
+                return False
+        return True
+
+    def _shardable(self, value: Value) -> dict[int, bool]:
+        """Per data axis, whether some candidate layout of `value` shards it there (a scalar or
+        an indivisible vector stays replicated under ZeRO)."""
+        key = ("input", value.type.shape, value.name)
+        if key not in self._required:
+            choices = self.problem.choices[self.problem.index[value]]
+            self._required[key] = {a: any(lay[a].is_shard() for lay in choices)
+                                   for a in self.rules.data_axes}
+        return self._required[key]
+
+    def _heavy(self, node: Node, strategy: Strategy) -> bool:
+        batch = self.batch.get(node, set())
+        possible = self._possible(node, batch)
+        for a in self.rules.data_axes:
+            f = strategy.axis_factors[a]
+            if (f not in batch) if possible[a] else (f is not None):
+                return False
+        for a in self.rules.tensor_axes:
+            f = strategy.axis_factors[a]
+            if f in batch or (f is None and possible[a]):
+                return False
+        return True
+
+    def _possible(self, node: Node, batch: set[int]) -> dict[int, bool]:
+        """Per axis, whether some strategy of `node` meets the axis' rule (else the rule is
+        relaxed to replicating there)."""
+        choices = self.problem.choices[self.problem.index[node]]
+        key = (id(choices), frozenset(batch))
+        if key not in self._required:
+            rules = self.rules
+            need = {a: any(s.axis_factors[a] in batch for s in choices) for a in rules.data_axes}
+            need.update({a: any(s.axis_factors[a] is not None and s.axis_factors[a] not in batch
+                                for s in choices) for a in rules.tensor_axes})
+            self._required[key] = need
+        return self._required[key]
+
+
+def _check_megatron(reduced: Reduced, rules: _Rules) -> None:
+    if not rules.tensor_axes:
+        return
+    dims = {megatron_dim(v.name or "", v.type.rank) for v in reduced.problem.graph.inputs
+            if v.role is Role.PARAM}
+    if dims <= {None, 0}:
+        raise NotApplicable("no row-parallel linears (attention/MLP output projections) in "
+                            "the graph: Megatron-LM's layout does not apply")
+
+
+def hand_plan(reduced: Reduced, name: str, memory_limit: float | None = None,
+              time_limit: float = 30.0, solver: str = DEFAULT_SOLVER) -> Plan:
+    """The hand plan `name` (one of HAND_PLANS) as the best plan its rules allow. Raises
+    NotApplicable when it does not exist for this graph or mesh, MemoryLimitError when it
+    does not fit."""
+    rules = _axis_roles(name, reduced.problem.mesh)
+    _check_megatron(reduced, rules)
+    try:
+        return reduced.solve(memory_limit, time_limit, solver, allow=_Filter(reduced, rules),
+                             name=name)
+    except MemoryLimitError:
+        raise
+    except ShardingError as e:
+        raise NotApplicable(str(e)) from None
+
+
+def hand_plans(reduced: Reduced, memory_limit: float | None = None, time_limit: float = 30.0,
+               solver: str = DEFAULT_SOLVER) -> dict[str, Plan | str]:
+    """Every hand plan, or for those that do not apply or fit, why not."""
+    result: dict[str, Plan | str] = {}
+    for name in HAND_PLANS:
+        try:
+            result[name] = hand_plan(reduced, name, memory_limit, time_limit, solver)
+        except NotApplicable as e:
+            result[name] = f"n/a: {e}"
+        except MemoryLimitError:
+            result[name] = "does not fit in memory"
+    return result

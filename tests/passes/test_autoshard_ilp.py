@@ -1,0 +1,193 @@
+"""The reduced auto-sharding ILP: exact simplification, shared layer variables, hand plans, and
+the plans it finds for training steps (Megatron-LM's at batch 1, data parallel at a large
+batch, sharded state under a memory limit)."""
+
+from collections import Counter, defaultdict
+
+import pytest
+
+from graphpar.capture import Adam, capture_training
+from graphpar.errors import MemoryLimitError
+from graphpar.ir.graph import Role
+from graphpar.ir.layout import Layout
+from graphpar.ir.verify import verify
+from graphpar.models import example_batch, get_model
+from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.hand_plans import HAND_PLANS, batch_factors, hand_plan, hand_plans
+from graphpar.passes.autoshard.ilp import Problem, Reduced, _layer_key
+from graphpar.passes.autoshard.pass_ import cluster_for, mesh_for, shard_graph
+from graphpar.passes.autoshard.strategies import node_signature
+
+CLUSTER = cluster_for("dgx-a100")
+PEAK = CLUSTER.peak_flops("fp32")
+
+
+def training_graph(batch: int, **config):
+    """A GPT training step with Adam, captured with uninitialized weights, after cleanup."""
+    ex = get_model("gpt", "125M", device="meta", train=True, **config)
+    module = ex.module.to_empty(device="cpu")  # shapes matter here, not values
+    inputs, targets = example_batch("gpt", ex.config, batch)
+    graph = capture_training(module, inputs, ex.loss_fn, targets, Adam()).graph
+    PassManager(parse_pipeline("cleanup")).run(graph, PassContext())
+    return graph
+
+
+@pytest.fixture(scope="module")
+def gpt125_batch1():
+    """One GPT-125M-shaped block (full hidden size, heads and sequence), batch 1."""
+    return training_graph(1, n_layers=1, vocab_size=2048)
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    """Two small blocks at a large batch (8192 tokens, 4x the hidden size of 512): data
+    parallelism should win."""
+    return training_graph(64, n_layers=2, d_model=512, n_heads=8, vocab_size=512, seq_len=128)
+
+
+def reduced(graph, mesh: str, **kw) -> Reduced:
+    return Reduced(Problem(graph, mesh_for(mesh, CLUSTER), PEAK), **kw)
+
+
+@pytest.mark.parametrize("graph", ["small_gpt", "gpt125_batch1"])
+def test_simplification_keeps_the_optimum_with_fewer_variables(graph, request):
+    graph = request.getfixturevalue(graph)
+    for tie in (False, True):
+        exact = reduced(graph, "4", simplify=False, tie_layers=tie).solve()
+        simple = reduced(graph, "4", tie_layers=tie).solve()
+        assert exact.stats["status"] == simple.stats["status"] == "OPTIMAL"
+        assert simple.step_seconds == pytest.approx(exact.step_seconds, rel=1e-9)
+        assert simple.stats["followers"] > 0
+        assert simple.stats["variables"] < exact.stats["variables"] / 2
+    # The objective the solver minimized is the plan's cost on the full graph.
+    assert simple.stats["objective_seconds"] == pytest.approx(simple.step_seconds, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def tiny_gpts():
+    """The same tiny GPT with 2 and with 4 layers."""
+    return {n: training_graph(2, n_layers=n, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
+            for n in (2, 4)}
+
+
+def test_identical_layers_share_one_set_of_variables(tiny_gpts):
+    graphs = tiny_gpts
+    plans = {n: reduced(g, "4").solve() for n, g in graphs.items()}
+    # Two more layers add no variable: they reuse the shared ones.
+    assert plans[2].stats["variables"] == plans[4].stats["variables"]
+    assert plans[4].stats["tied_layers"] > plans[2].stats["tied_layers"]
+    groups = defaultdict(set)
+    counters = Counter()
+    for node in graphs[4].nodes:
+        sig = node_signature(node)
+        counters[(node.module, sig)] += 1
+        key = _layer_key(node, counters[(node.module, sig)]) if node.module else None
+        if key is not None and ".mlp" in key:
+            groups[(key, sig)].add(plans[4].node_strategy[node])
+    assert groups and all(len(strategies) == 1 for strategies in groups.values())
+    weights = {v.name: plans[4].input_layout[v] for v in graphs[4].inputs}
+    assert len({weights[f"blocks.{i}.mlp.up.weight"] for i in range(4)}) == 1
+
+
+def test_hand_plans_are_valid_and_never_better_than_the_ilp(small_gpt):
+    red = reduced(small_gpt, "2x4")
+    ilp = red.solve()
+    plans = hand_plans(red)
+    assert set(plans) == set(HAND_PLANS)
+    assert not any(isinstance(plan, str) for plan in plans.values()), plans
+    for name, plan in plans.items():
+        if isinstance(plan, str):
+            continue
+        assert plan.name == name and plan.stats["status"] == "OPTIMAL"
+        assert ilp.step_seconds <= plan.step_seconds * (1 + 1e-9), name
+        graph = small_gpt.copy()
+        by_name = {v.name: v for v in graph.inputs}
+        nodes = dict(zip(small_gpt.nodes, graph.nodes))
+        moved = type(plan)(plan.mesh, {nodes[n]: s for n, s in plan.node_strategy.items()},
+                           {by_name[v.name]: lay for v, lay in plan.input_layout.items()})
+        shard_graph(graph, plan.mesh, moved)
+        verify(graph)
+    replicated = Layout.parse("{R,R}")
+    data, tp = plans["data"], plans["data+megatron"]
+    batch = batch_factors(red.problem)
+    for v in small_gpt.inputs_with_role(Role.PARAM):
+        assert data.input_layout[v] == replicated
+    for node in small_gpt.find("matmul"):
+        assert all(f in batch[node] for f in data.node_strategy[node].axis_factors)
+    qkv = next(v for v in small_gpt.inputs if v.name == "blocks.0.attn.qkv.weight")
+    proj = next(v for v in small_gpt.inputs if v.name == "blocks.0.attn.proj.weight")
+    assert str(tp.input_layout[qkv]) == "{R,S(0)}"  # column-parallel on the tensor axis
+    assert str(tp.input_layout[proj]) == "{R,S(1)}"  # row-parallel
+    zero = plans["zero"]
+    state = next(v for v in small_gpt.inputs if v.name == "blocks.0.mlp.up.weight.exp_avg")
+    assert zero.input_layout[state].is_sharded and zero.memory_bytes < data.memory_bytes
+
+
+def _forward(graph) -> list:
+    loss = next(o.value.producer for o in graph.outputs if o.role.value == "loss")
+    return graph.nodes[:graph.nodes.index(loss)]
+
+
+def test_training_at_batch_one_finds_megatron(gpt125_batch1):
+    graph = gpt125_batch1.copy()
+    ctx = PassContext()
+    PassManager(parse_pipeline("auto-shard{mesh=4}")).run(graph, ctx)
+    params = {v.name: str(v.layout) for v in graph.inputs}
+    assert params["blocks.0.attn.qkv.weight"] == "{S(0)}"  # column-parallel
+    assert params["blocks.0.mlp.up.weight"] == "{S(0)}"
+    assert params["blocks.0.attn.proj.weight"] == "{S(1)}"  # row-parallel
+    assert params["blocks.0.mlp.down.weight"] == "{S(1)}"
+    forward = _forward(graph)
+    matmul = {n.module.rsplit(".", 1)[-1]: n for n in forward if n.op == "matmul"}
+    assert str(matmul["qkv"].output.layout) == "{S(1)}"  # output features split
+    assert str(matmul["up"].output.layout) == "{S(1)}"
+    attention = next(n for n in forward if n.op == "attention_with_lse")
+    assert str(attention.outputs[0].layout) == "{S(1)}"  # by heads
+    assert str(matmul["proj"].output.layout) == "{P}"  # partial sums
+    assert str(matmul["down"].output.layout) == "{P}"
+    # Megatron's two reductions per block (all-reduce, or reduce-scatter + all-gather).
+    reductions = [n for n in forward if n.op == "reshard" and n.inputs[0].layout.is_partial
+                  and n.module.startswith("blocks.0")]
+    assert len(reductions) == 2
+    assert {r.module for r in reductions} == {"blocks.0.attn.proj", "blocks.0.mlp.down"}
+
+
+def test_large_batch_small_model_is_data_parallel(small_gpt):
+    plan = reduced(small_gpt, "4").solve()
+    batch = batch_factors(Problem(small_gpt, mesh_for("4", CLUSTER), PEAK))
+    heavy = [n for n in small_gpt.nodes if n.op in ("matmul", "attention_with_lse",
+                                                      "attention_backward")]
+    for node in heavy:
+        assert plan.node_strategy[node].axis_factors[0] in batch[node], node
+    for v in small_gpt.inputs_with_role(Role.PARAM):
+        if v.type.rank == 2 and v.name.startswith("blocks."):  # weight matrices
+            assert plan.layout_of(v).is_replicated, v.name
+
+
+def test_memory_limit_shards_state_and_parameters(small_gpt):
+    red = reduced(small_gpt, "4")
+    data, zero = hand_plan(red, "data"), hand_plan(red, "zero")
+    free = red.solve()
+    limit = 0.72 * data.memory_bytes  # below data parallel's and ZeRO's (states only)
+    for name in ("data", "zero"):
+        with pytest.raises(MemoryLimitError):
+            hand_plan(red, name, memory_limit=limit)
+    plan = red.solve(memory_limit=limit)
+    assert plan.memory_bytes <= limit < zero.memory_bytes
+    weights = [v for v in small_gpt.inputs_with_role(Role.PARAM) if v.type.rank == 2]
+    assert any(plan.layout_of(v).is_sharded for v in weights)
+    assert plan.step_seconds >= free.step_seconds * (1 - 1e-9)
+    with pytest.raises(MemoryLimitError, match="no plan fits"):
+        red.solve(memory_limit=1e6)
+
+
+def test_solvers_agree_and_plans_are_deterministic(tiny_gpts):
+    graph = tiny_gpts[4]
+    red = reduced(graph, "4")
+    first = red.solve()
+    again = reduced(graph, "4").solve()
+    assert first.node_strategy == again.node_strategy
+    assert first.input_layout == again.input_layout
+    for solver in ("cp-sat", "scip", "cbc"):
+        other = red.solve(solver=solver)
+        assert other.step_seconds == pytest.approx(first.step_seconds, rel=1e-6), solver

@@ -236,8 +236,6 @@ class DecoderAdapter(nn.Module):
         cached = getattr(self, "_info", None)
         if cached is not None:
             return cached
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()),
-                     torch.float32)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
         pos = torch.arange(2, device=device)[None]
@@ -254,8 +252,8 @@ class DecoderAdapter(nn.Module):
             family=self.family, num_layers=len(state.present),
             num_heads=state.query_heads[0], num_kv_heads=key.shape[1], head_size=key.shape[3],
             vocab_size=logits.shape[-1], max_model_len=self.max_model_len(),
-            eos_token_ids=self.eos_token_ids(), dtype=key.dtype if dtype is None else dtype)
-        object.__setattr__(self, "_info", info)
+            eos_token_ids=self.eos_token_ids(), dtype=key.dtype)
+        object.__setattr__(self, "_info", info)  # plain attribute, not a submodule
         return info
 
 

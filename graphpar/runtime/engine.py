@@ -210,6 +210,11 @@ class LLMEngine:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary "
                                   f"(0..{info.vocab_size - 1})")
+        if params.num_seqs > self.config.max_num_seqs:
+            what = "beams" if params.use_beam_search else "parallel samples"
+            raise GenerationError(
+                f"{params.num_seqs} {what} do not fit in a step of at most max_num_seqs="
+                f"{self.config.max_num_seqs} sequences; raise max_num_seqs or lower n/beam_width")
         if len(prompt) >= info.max_model_len:
             raise GenerationError(
                 f"prompt of {len(prompt)} tokens is too long for the model's context of "
@@ -238,6 +243,12 @@ class LLMEngine:
         """Run one iteration; returns the requests that finished in it (errors included)."""
         finished, self._done = self._done, []
         plan = self.scheduler.schedule()
+        if plan.kind == "idle" and self.scheduler.has_work() and not finished:
+            sched = self.scheduler
+            raise GenerationError(
+                f"the scheduler can run nothing: {len(sched.waiting)} waiting, "
+                f"{len(sched.swapped)} swapped, {len(sched.recompute)} preempted requests, "
+                f"{self.block_manager.num_free_blocks()} free KV blocks (an engine bug)")
         self._copies(plan)
         start = time.perf_counter()
         if plan.prefill or plan.decode:

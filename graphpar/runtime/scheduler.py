@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -330,8 +329,3 @@ class Scheduler:
 def _insert_by_arrival(queue: list[Request], request: Request) -> None:
     queue.append(request)
     queue.sort(key=lambda r: r.arrival_time)
-
-
-def iter_seqs(requests: Iterable[Request]) -> Iterable[Sequence]:
-    for request in requests:
-        yield from request.seqs

@@ -174,9 +174,10 @@ def test_bad_requests_fail_alone(models):
     llm = LLM(models("gpt"), max_num_seqs=4, block_size=4, num_blocks=6)
     good = prompts([3, 4], seed=14)
     outputs = llm.generate(
-        [good[0], [1] * 70, [2] * 20, [], [300], good[1], [5, 6]],
+        [good[0], [1] * 70, [2] * 20, [], [300], good[1], [5, 6], [7]],
         [SamplingParams(max_tokens=5)] * 5 + [SamplingParams(max_tokens=5),
-                                              SamplingParams(top_p=0.0)])
+                                              SamplingParams(top_p=0.0),
+                                              SamplingParams(beam_width=5)])
     errors = [o.error for o in outputs]
     assert errors[0] is None and errors[5] is None
     assert "prompt of 70 tokens is too long for the model's context of 64" in errors[1]
@@ -184,6 +185,7 @@ def test_bad_requests_fail_alone(models):
     assert "empty prompt" in errors[3]
     assert "token id 300 is outside the vocabulary" in errors[4]
     assert "top_p must be in (0, 1]" in errors[6]
+    assert "5 beams do not fit in a step of at most max_num_seqs=4" in errors[7]
     assert tokens([outputs[0], outputs[5]]) == [eager_greedy(models("gpt"), p, 5) for p in good]
 
 

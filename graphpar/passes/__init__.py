@@ -1,6 +1,11 @@
 """Passes over the IR and the pass manager that runs them."""
 
-from graphpar.passes import autoshard, cleanup, lower_spmd  # noqa: F401  (registers passes)
+from graphpar.passes import (  # noqa: F401  (registers the passes)
+    autoshard,
+    cleanup,
+    lower_spmd,
+    paged_attention,
+)
 from graphpar.passes.manager import (
     GraphPass,
     Pass,

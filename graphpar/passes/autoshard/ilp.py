@@ -87,7 +87,8 @@ _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 def _layer_key(node: Node, index_in_module: int) -> str | None:
-    """`blocks.*.attn#3`: equal for the same node of two identical layers."""
+    """`blocks.*.attn#3`: equal for the same node of two identical layers (`index_in_module`:
+    the node's rank among the nodes of its module with its signature)."""
     if not node.module or not _LAYER_INDEX.search(node.module):
         return None
     return _LAYER_INDEX.sub(".*", node.module, count=1) + f"#{index_in_module}"
@@ -448,6 +449,9 @@ class Reduced:
               solver: str = DEFAULT_SOLVER, allow: Allow | None = None,
               name: str = "ilp") -> Plan:
         """The cheapest plan (restricted by `allow`), costed on the full graph."""
+        if solver not in _SOLVERS:
+            raise ShardingError(f"unknown ILP solver {solver!r}; choose one of "
+                                f"{', '.join(SOLVERS)}")
         start = time.perf_counter()
         keep = self.allowed(allow) if allow is not None else None
         inst = self.instance(keep)
@@ -705,8 +709,6 @@ def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | Non
           time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
           solver: str = DEFAULT_SOLVER) -> Plan:
     """The cheapest plan for `graph` on `mesh` (see the module docstring)."""
-    if solver not in _SOLVERS:
-        raise ShardingError(f"unknown ILP solver {solver!r}; choose one of {', '.join(SOLVERS)}")
     problem = Problem(graph, mesh, peak_flops)
     return Reduced(problem, simplify=simplify, tie_layers=tie_layers).solve(
         memory_limit, time_limit, solver)

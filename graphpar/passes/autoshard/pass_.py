@@ -100,7 +100,7 @@ def _module(value: Value) -> str | None:
 @register_pass("auto-shard")
 @dataclass
 class AutoShard(GraphPass):
-    """Choose a layout for every value by Alpa's ILP (OR-Tools CP-SAT) and mark reshards."""
+    """Choose a layout for every value by Alpa's ILP (OR-Tools) and mark reshards."""
 
     mesh: str = "1x4"
     cluster: str = "dgx-a100"

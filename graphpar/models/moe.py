@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from graphpar.models.common import INIT_STD, init_weights, lm_loss, require, seeded, token_batch
+from graphpar.models import gpt
+from graphpar.models.common import INIT_STD, init_weights, require, seeded
 from graphpar.models.layers import (
     FeedForward,
     PreLNBlock,
@@ -195,17 +196,9 @@ def build(config: MoEConfig, seed: int = 0) -> MoELM:
         return MoELM(config)
 
 
-def example_batch(
-    config: MoEConfig, batch_size: int, generator: torch.Generator
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """Inputs (token ids [B, S],) and targets (the next token at each position [B, S],)."""
-    ids, labels = token_batch(config.vocab_size, batch_size, config.seq_len, generator)
-    return (ids,), (labels,)
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy averaged over every position (no load-balancing loss)."""
-    return lm_loss(logits, labels)
+# Batches and loss are a language model's, as for GPT (no load-balancing loss).
+example_batch = gpt.example_batch
+loss_fn = gpt.loss_fn
 
 
 def param_count(config: MoEConfig) -> int:

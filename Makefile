@@ -13,9 +13,9 @@ $(BIN)/graphpar: pyproject.toml
 
 setup: $(BIN)/graphpar
 
-# Compile the bundled example GPT model on the default mesh and print the report.
+# Compile the bundled example GPT (125M shape) for a 2x4 DGX-A100 mesh and print the report.
 run: setup
-	$(BIN)/graphpar compile --example gpt:125M --out graphpar-out
+	$(BIN)/graphpar compile --example gpt:125M --mesh 2x4 --out graphpar-out
 
 # The viz browser test renders in Debian's headless chromium: install it when missing and we can.
 chromium:

@@ -167,40 +167,34 @@ _NCCL_LATENCY_NOTE = (
     "Latencies are per-step alphas estimated from typical nccl-tests small-message times "
     "(not spec-sheet values); measure them for precise small-message costs.")
 
+_DGX_A100 = Cluster(
+    name="dgx-a100",
+    device="A100-SXM4-40GB",
+    num_nodes=1,
+    devices_per_node=8,
+    intra_node_bandwidth=300e9,
+    intra_node_latency=1e-6,
+    inter_node_bandwidth=200e9,
+    inter_node_latency=5e-6,
+    device_memory=40 * _GiB,
+    peak_flops_fp32=19.5e12,
+    peak_flops_fp16=312e12,
+    peak_flops_bf16=312e12,
+    source=(
+        "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional (12 links x 25 GB/s per "
+        "direction = 300 GB/s per direction, all-to-all through NVSwitch), FP32 19.5 "
+        "TFLOPS, FP16/BF16 tensor core 312 TFLOPS dense, 40 GB HBM2 (40 GiB). DGX A100 "
+        "datasheet: 8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute = 8 x "
+        "25 GB/s = 200 GB/s per node. " + _NCCL_LATENCY_NOTE),
+)
+
 _PRESET_LIST = [
-    Cluster(
-        name="dgx-a100",
-        device="A100-SXM4-40GB",
-        num_nodes=1,
-        devices_per_node=8,
-        intra_node_bandwidth=300e9,
-        intra_node_latency=1e-6,
-        inter_node_bandwidth=200e9,
-        inter_node_latency=5e-6,
-        device_memory=40 * _GiB,
-        peak_flops_fp32=19.5e12,
-        peak_flops_fp16=312e12,
-        peak_flops_bf16=312e12,
-        source=(
-            "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional (12 links x 25 GB/s per "
-            "direction = 300 GB/s per direction, all-to-all through NVSwitch), FP32 19.5 "
-            "TFLOPS, FP16/BF16 tensor core 312 TFLOPS dense, 40 GB HBM2 (40 GiB). DGX A100 "
-            "datasheet: 8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute = 8 x "
-            "25 GB/s = 200 GB/s per node. " + _NCCL_LATENCY_NOTE),
-    ),
-    Cluster(
+    _DGX_A100,
+    dataclasses.replace(  # the same machine with 80 GB parts
+        _DGX_A100,
         name="dgx-a100-80gb",
         device="A100-SXM4-80GB",
-        num_nodes=1,
-        devices_per_node=8,
-        intra_node_bandwidth=300e9,
-        intra_node_latency=1e-6,
-        inter_node_bandwidth=200e9,
-        inter_node_latency=5e-6,
         device_memory=80 * _GiB,
-        peak_flops_fp32=19.5e12,
-        peak_flops_fp16=312e12,
-        peak_flops_bf16=312e12,
         source="As dgx-a100 (DGX A100 640GB): A100 80GB HBM2e (80 GiB). " + _NCCL_LATENCY_NOTE,
     ),
     Cluster(

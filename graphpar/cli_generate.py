@@ -64,6 +64,10 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=sorted(_DTYPES), help="serve in this dtype")
     e.add_argument("--kernel", choices=["auto", "torch", "reference", "cuda"], default="auto",
                    help="paged-attention implementation")
+    e.add_argument("--tensor-parallel", "--tp", type=int, default=1, metavar="N",
+                   help="shard the model over N CPU ranks (gloo processes)")
+    e.add_argument("--tp-plan", choices=["auto", "megatron"], default="auto",
+                   help="tensor-parallel plan: the ILP's (auto) or Megatron-LM's")
     e.add_argument("--quiet", action="store_true", help="no progress lines")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -197,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
     from graphpar.cli import step
     from graphpar.runtime.engine import EngineConfig
-    from graphpar.serve import LLM, progress_printer
+    from graphpar.serve import LLM
 
     if not args.model and not args.example:
         raise UsageError("generate needs a model file or --example (e.g. --example gpt:tiny)")
@@ -210,21 +214,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=None if args.preemption == "auto" else args.preemption,
-        kernel=args.kernel)
-    if args.block_size < 1 or args.max_num_seqs < 1:
-        raise UsageError("--block-size and --max-num-seqs must be at least 1")
+        kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan)
+    if args.block_size < 1 or args.max_num_seqs < 1 or args.tensor_parallel < 1:
+        raise UsageError("--block-size, --max-num-seqs and --tensor-parallel must be at least 1")
     with step("loading the model"):
         spec, module = _load_model(args)
     progress = None if args.quiet else (
         lambda message: print(f"graphpar: {message} ...", file=sys.stderr, flush=True))
     start = time.perf_counter()
-    llm = LLM(module, config, progress=progress)
-    engine = llm.engine
+    with LLM(module, config, progress=progress) as llm:
+        return _serve(args, llm, spec, lines, params, tokenizer, start)
+
+
+def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start: float) -> int:
+    from graphpar.serve import progress_printer
+
+    engine, config = llm.engine, llm.engine.config
     info = engine.info
     if not args.quiet:
         print(f"graphpar: serving {spec.name} ({info.family}: {info.num_layers} layers, "
               f"{info.num_heads} heads / {info.num_kv_heads} kv heads of {info.head_size}, "
-              f"context {info.max_model_len}) on {engine.model.device}; KV cache "
+              f"context {info.max_model_len}) on {_where(engine)}; KV cache "
               f"{engine.block_manager.num_device_blocks} blocks of {config.block_size} tokens "
               f"({engine.model.kv_bytes / 2**20:.1f} MiB); setup "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -263,6 +273,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{stats.preemptions} preemptions" + (f", wrote {args.out}" if args.out else ""),
           file=sys.stderr)
     return 1 if failed else 0
+
+
+def _where(engine) -> str:
+    tp = engine.config.tensor_parallel
+    device = engine.model.device
+    return f"{tp} tensor-parallel {device} ranks ({engine.config.tp_plan} plan)" if tp > 1 \
+        else str(device)
 
 
 def main(argv: list[str] | None = None) -> int:

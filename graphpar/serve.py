@@ -79,6 +79,16 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  show_progress: bool = False) -> list[RequestOutput]:
@@ -99,4 +109,5 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              **options) -> list[RequestOutput]:
     """One-shot: build an engine for ``model`` and generate for ``prompts``."""
-    return LLM(model, **options).generate(prompts, params)
+    with LLM(model, **options) as llm:
+        return llm.generate(prompts, params)

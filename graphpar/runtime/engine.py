@@ -44,6 +44,9 @@ class EngineConfig:
     as many as fit in ``kv_cache_bytes`` (default: enough for ``max_num_seqs`` sequences of the
     model's full context). ``swap_blocks``: CPU swap space, in blocks (default: as many as the
     device pool). ``kernel``: ``auto``, ``reference`` or ``cuda`` (see graphpar.ir.paged_ops).
+    ``tensor_parallel``: CPU ranks to shard the model over (gloo processes; one block manager,
+    every rank holds its kv heads of each block); ``tp_plan``: ``auto`` (the ILP) or
+    ``megatron`` (see graphpar.passes.autoshard.serving).
     """
 
     block_size: int = 16
@@ -55,6 +58,8 @@ class EngineConfig:
     watermark: float = 0.01
     preemption_mode: str | None = None  # None (auto), "swap" or "recompute"
     kernel: str = "auto"
+    tensor_parallel: int = 1
+    tp_plan: str = "auto"
     seed: int = 0
 
 
@@ -146,7 +151,9 @@ class LLMEngine:
         num_blocks = config.num_blocks or self._blocks_for(info)
         swap = num_blocks if config.swap_blocks is None else config.swap_blocks
         self.model = PagedDecoder(model, block_size=config.block_size, num_blocks=num_blocks,
-                                  num_cpu_blocks=swap, kernel=config.kernel, progress=progress)
+                                  num_cpu_blocks=swap, kernel=config.kernel,
+                                  tensor_parallel=config.tensor_parallel,
+                                  tp_plan=config.tp_plan, progress=progress)
         self.info = self.model.info
         self.block_manager = BlockManager(
             num_blocks, swap, config.block_size,
@@ -256,6 +263,16 @@ class LLMEngine:
         self.stats.model_seconds += time.perf_counter() - start
         self._update_stats(plan)
         return finished
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (the engine cannot step after)."""
+        self.model.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def run(self, on_step: Callable[[LLMEngine], None] | None = None) -> list[RequestOutput]:
         """Step until every request has finished; outputs in the order requests were added."""

@@ -5,7 +5,8 @@ call; a serving engine runs the same few graphs hundreds of times a second, so
 :class:`CompiledGraph` does that work once: every value gets a slot in a flat list, every node
 becomes (reference function, operand slots, attributes, result slots, slots to free). Running it
 executes the same torch references in the same order as the reference executor (tests check the
-two agree), with no per-node dictionary work.
+two agree), with no per-node dictionary work. With a communicator (one rank of a device
+program), collectives and rank-local steps go to it, as in the reference executor.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from graphpar.backends.reference import node_error
 from graphpar.errors import GraphparError
+from graphpar.ir.collectives import SPMD_OPS
 from graphpar.ir.graph import Graph, Value
 from graphpar.ir.ops import get_op
 
@@ -25,10 +27,11 @@ class CompiledGraph:
     """``run(inputs)`` = ``reference.run(graph, inputs)``, with the per-call lookups hoisted.
 
     ``checked``: graph inputs whose shape and dtype are checked on each call (the ones that
-    change between calls); the others are trusted after the first call.
+    change between calls); the others are trusted after the first call. ``comm``: this rank's
+    :class:`~graphpar.runtime.comm.Communicator` for a device program with collectives.
     """
 
-    def __init__(self, graph: Graph, checked: tuple[str, ...] = ()) -> None:
+    def __init__(self, graph: Graph, checked: tuple[str, ...] = (), comm=None) -> None:
         self.graph = graph
         slot: dict[Value, int] = {}
         for v in graph.values():
@@ -47,8 +50,15 @@ class CompiledGraph:
                              for v in node.inputs)
             frees = tuple(slot[v] for v in set(node.input_values)
                           if last_use[v] == i and v not in keep and not v.is_input)
-            self.steps.append((get_op(node.op).reference, operands, dict(node.attrs),
-                               tuple(slot[o] for o in node.outputs), frees, node))
+            if node.op in SPMD_OPS:
+                if comm is None:
+                    raise GraphparError(f"graph @{graph.name} communicates ({node.op}): run it "
+                                        "with a communicator")
+                fn, attrs = _communicating(comm, node, i), {}
+            else:
+                fn, attrs = get_op(node.op).reference, dict(node.attrs)
+            self.steps.append((fn, operands, attrs, tuple(slot[o] for o in node.outputs),
+                               frees, node))
         self.outputs = [slot[o.value] for o in graph.outputs]
         self._first = True
 
@@ -83,3 +93,9 @@ class CompiledGraph:
                 for f in frees:
                     env[f] = None
         return [env[i] for i in self.outputs]
+
+
+def _communicating(comm, node, index: int):
+    def run(*args):
+        return comm.execute(node, args, index=index)
+    return run

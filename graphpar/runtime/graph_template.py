@@ -2,7 +2,8 @@
 
 graphpar's IR has static shapes, but a serving step's token count changes every iteration. A
 :class:`GraphTemplate` is fitted from a base graph and, per symbol, one graph captured with only
-that symbol changed. The graphs must be the same program (ops, operands, attributes, order);
+that symbol changed. The graphs must be the same program (ops, operands, attributes, order;
+the graph's own attributes are the base graph's);
 every integer that differs between them (a dimension of a type, a ``reshape`` shape, an
 ``arange`` end, ...) is fitted as ``c + sum_s a_s * s`` with integer slopes. ``specialize(T=37)``
 then rebuilds the graph with those integers evaluated, without capturing again.
@@ -117,7 +118,9 @@ class GraphTemplate:
             step = size - base_sizes[sym]
             if step == 0:
                 raise TemplateError(f"variant of {sym} has the base size {size}")
-            if map_ints(graph, lambda v: 0) != zero:
+            skeleton = map_ints(graph, lambda v: 0)
+            skeleton.attrs = zero.attrs  # graph attributes (estimates, notes) may differ by size
+            if skeleton != zero:
                 raise TemplateError(
                     f"graph @{base.name} captured at {sym}={size} is a different program than at "
                     f"{sym}={base_sizes[sym]}: ops, operands or attributes changed with the size")

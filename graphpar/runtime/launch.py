@@ -36,7 +36,7 @@ from graphpar.ir.printer import print_graph
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.spmd import GraphArg, Inputs, MeshArg, SpmdResult, load_program
 
-__all__ = ["free_port", "main", "run_multiprocess"]
+__all__ = ["free_port", "main", "run_multiprocess", "torchrun_env"]
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.01
@@ -56,6 +56,24 @@ def _loopback_ifname() -> str | None:
     except OSError:
         return None
     return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """This process's environment plus what torchrun gives rank `rank` of `world` on this
+    machine (rendezvous on 127.0.0.1:`port`), with graphpar importable."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env.update({
+        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(world),
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank),
+        "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
+    })
+    env.setdefault("OMP_NUM_THREADS", "1")  # world_size processes share this machine's cores
+    ifname = _loopback_ifname()
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = ifname
+    return env
 
 
 def run_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs], mesh: MeshArg = None,
@@ -108,22 +126,11 @@ def _launch(jobdir: Path, world: int, timeout: float) -> SpmdResult:
     for f in jobdir.glob("error*.txt"):
         f.unlink()
     port = free_port()
-    package_root = str(Path(__file__).resolve().parents[2])
-    base = dict(os.environ)
-    base.update({
-        "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "ROLE_WORLD_SIZE": str(world),
-        "PYTHONPATH": os.pathsep.join(p for p in (package_root, base.get("PYTHONPATH")) if p),
-    })
-    base.setdefault("OMP_NUM_THREADS", "1")  # world_size processes share this machine's cores
-    ifname = _loopback_ifname()
-    if ifname:
-        base["GLOO_SOCKET_IFNAME"] = ifname
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         for rank in range(world):
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            env = torchrun_env(rank, world, port)
             log = open(jobdir / f"log{rank}.txt", "wb")  # closed below
             logs.append(log)
             procs.append(subprocess.Popen(

@@ -316,6 +316,31 @@ def _attention_backward(node):
                       [{}, {}, {}], blocked={s, sk, d, dv})
 
 
+@rule("reshape_and_cache")
+def _reshape_and_cache(node):
+    """Only the kv-heads dim shards: each device writes its heads of every new token into its
+    own slice of the caches (a token split would leave each device a cache of other tokens)."""
+    cache, key = _shape(node.inputs[0]), _shape(node.inputs[2])
+    blocks, slots, t, k, d = range(5)
+    sizes = [cache[0], cache[1], key[0], key[1], key[2]]
+    caches = (blocks, slots, k, d)
+    return FactorSpec(sizes, [caches, caches, (t, k, d), (t, k, d), (t,)], [caches, caches],
+                      [{}, {}], blocked={blocks, slots, t, d})
+
+
+@rule("paged_attention")
+def _paged_attention(node):
+    """Heads shard, as in vLLM's tensor parallelism: query heads with their kv heads (GQA
+    groups stay whole); with one kv head (MQA) every device reads the whole, replicated cache.
+    Block tables and context lengths are read whole by every device."""
+    q, cache, tables = _shape(node.inputs[0]), _shape(node.inputs[1]), _shape(node.inputs[3])
+    t, h, d, blocks, slots, n, m = range(7)
+    kv = (blocks, slots, None if cache[2] == 1 else h, d)
+    operands = [(t, h, d), kv, kv, (n, m), (n,)] + [(None,)] * (len(node.inputs) - 5)
+    return FactorSpec([q[0], q[1], q[2], cache[0], cache[1], tables[0], tables[1]], operands,
+                      [(t, h, d)], [{}], blocked={t, d, blocks, slots, n, m})
+
+
 def _norm(node, num_weights):
     """Norms over trailing `shape` dims: those are blocked, leading dims are free."""
     x = _shape(node.inputs[0])

@@ -32,9 +32,9 @@ HAND_PLANS = ("data", "zero", "zero-3", "megatron", "data+megatron")
 
 # Megatron-LM's layouts by module name: column-parallel linears split their output features
 # (weight dim 0 of nn.Linear's [out, in]; bias too), row-parallel ones their input features.
-_COLUMN = {"qkv", "q_proj", "k_proj", "v_proj", "query", "key", "value", "c_attn", "up",
-           "up_proj", "gate", "gate_proj", "fc1", "c_fc", "w1", "w3", "lm_head"}
-_ROW = {"proj", "o_proj", "out_proj", "c_proj", "down", "down_proj", "fc2", "w2", "dense"}
+_COLUMN = {"qkv", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "query", "key", "value",
+           "c_attn", "up", "up_proj", "gate", "gate_proj", "fc1", "c_fc", "w1", "w3", "lm_head"}
+_ROW = {"proj", "wo", "o_proj", "out_proj", "c_proj", "down", "down_proj", "fc2", "w2", "dense"}
 # Batched expert weights [E, in, out] (graphpar.models.moe): w_in is column-, w_out row-parallel.
 _EXPERT = {"w_in": -1, "w_out": -2}
 _STATE_SUFFIXES = ("exp_avg", "exp_avg_sq", "momentum_buffer")

@@ -120,7 +120,7 @@ class TensorParallelRanks:
                             .clone() for name in persistent}, self.jobdir / f"weights{rank}.pt")
             self._start(axes)
             self.comm = GlooCommunicator(self.mesh, 0, axes)
-            own = {name: shard_tensor(state[name], layouts[name], self.mesh, 0)
+            own = {name: shard_tensor(state[name], layouts[name], self.mesh, 0).contiguous()
                    for name in persistent}
             self.rank = load_rank(self.jobdir, own, self.comm)
             self._collective(dist.barrier)  # every worker has loaded its programs

@@ -47,3 +47,19 @@ def test_generate_usage_errors(tmp_path, capsys):
     assert "unknown: colour" in capsys.readouterr().err
     assert main(["--prompts", str(bad)]) == 2
     assert "needs a model file or --example" in capsys.readouterr().err
+
+
+def test_generate_on_two_tensor_parallel_ranks(prompts_file, tmp_path, capsys):
+    """The same greedy tokens as one rank, served by two (gloo) ranks."""
+    outs = []
+    for tp in ("1", "2"):
+        out = tmp_path / f"tp{tp}.jsonl"
+        assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--max-tokens",
+                     "5", "--out", str(out), "--tp", tp, "--tp-plan", "megatron"]) == 1
+        outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    greedy = [0, 1]  # lines 2 and 3: greedy requests
+    assert [outs[1][i]["outputs"] for i in greedy] == [outs[0][i]["outputs"] for i in greedy]
+    err = capsys.readouterr().err
+    assert "on 2 tensor-parallel cpu ranks (megatron plan)" in err
+    assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--tp", "0"]) == 2
+    assert "--tensor-parallel must be at least 1" in capsys.readouterr().err

@@ -19,6 +19,10 @@ Both sides must produce the same tokens (greedy); the table says so.
 
     python tools/bench/serve.py                         # gpt:tiny, llama:tiny; batch 1, 8, 16
     python tools/bench/serve.py --models gpt:tiny --batch 8 --requests 32 --out r.json
+    python tools/bench/serve.py --models gpt:125M --batch 8 --requests 16 --tensor-parallel 2
+
+With ``--tensor-parallel N`` the engine runs on N CPU ranks (gloo processes, each with
+``--threads`` torch threads; the naive side keeps one process), system ``engine-tpN``.
 
 Prints a table and writes ``serve.json`` next to this file (or ``--out``). Engine setup
 (capture, pass, templates) is timed separately and not part of the throughput.
@@ -77,7 +81,9 @@ def run_engine(llm: LLM, prompts, params) -> tuple[dict, list[list[int]]]:
     seconds = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outputs]
     generated = sum(len(t) for t in tokens)
-    row = {"system": "engine", "seconds": seconds, "generated_tokens": generated,
+    tp = llm.engine.config.tensor_parallel
+    row = {"system": "engine" if tp == 1 else f"engine-tp{tp}", "seconds": seconds,
+           "generated_tokens": generated,
            "tokens_per_s": generated / seconds, "steps": stats.steps - steps,
            "preemptions": stats.preemptions - preemptions,
            **_latency_stats([o.finish_time - start for o in outputs])}
@@ -92,19 +98,19 @@ def run_naive(module, prompts, params, batch: int) -> tuple[dict, list[list[int]
     return row, result.tokens
 
 
-def measure(module, prompts, params, batch: int, repeat: int
+def measure(module, prompts, params, batch: int, repeat: int, tp: int = 1
             ) -> tuple[dict, list[list[int]], dict, list[list[int]]]:
     """Warm up both sides once, then run them alternately ``repeat`` times; keep each side's
     median run (by seconds), so load from other processes hits both alike."""
     start = time.perf_counter()
-    llm = LLM(module, max_num_seqs=batch)
-    setup = time.perf_counter() - start
-    run_engine(llm, prompts, params)  # warm-up: builds the step programs of every bucket
-    run_naive(module, prompts, params, batch)
-    engine_runs, naive_runs = [], []
-    for _ in range(repeat):
-        engine_runs.append(run_engine(llm, prompts, params))
-        naive_runs.append(run_naive(module, prompts, params, batch))
+    with LLM(module, max_num_seqs=batch, tensor_parallel=tp) as llm:
+        setup = time.perf_counter() - start
+        run_engine(llm, prompts, params)  # warm-up: builds the step programs of every bucket
+        run_naive(module, prompts, params, batch)
+        engine_runs, naive_runs = [], []
+        for _ in range(repeat):
+            engine_runs.append(run_engine(llm, prompts, params))
+            naive_runs.append(run_naive(module, prompts, params, batch))
     engine = sorted(engine_runs, key=lambda r: r[0]["seconds"])[len(engine_runs) // 2]
     naive = sorted(naive_runs, key=lambda r: r[0]["seconds"])[len(naive_runs) // 2]
     engine[0]["setup_s"] = setup
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured runs per side (alternating); the median is reported")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: steady numbers on a shared machine)")
+    parser.add_argument("--tensor-parallel", type=int, default=1,
+                        help="CPU ranks the engine shards the model over")
     parser.add_argument("--out", default=str(Path(__file__).with_name("serve.json")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -141,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         params = [SamplingParams(max_tokens=n) for n in lengths]
         for batch in batches:
             engine, engine_tokens, naive, naive_tokens = measure(module, prompts, params,
-                                                                 batch, args.repeat)
+                                                                 batch, args.repeat,
+                                                                 args.tensor_parallel)
             same = engine_tokens == naive_tokens
             speedup = engine["tokens_per_s"] / naive["tokens_per_s"]
             for row in (naive, engine):
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                      "mean_output": ALPACA[1], "sigma": ALPACA[2], "context": CONTEXT,
                      "requests": args.requests, "seed": args.seed, "arrival": "all at t=0"},
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
-                    "torch": torch.__version__, "threads": args.threads},
+                    "torch": torch.__version__, "threads": args.threads,
+                    "tensor_parallel": args.tensor_parallel},
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -68,6 +69,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shard the model over N CPU ranks (gloo processes)")
     e.add_argument("--tp-plan", choices=["auto", "megatron"], default="auto",
                    help="tensor-parallel plan: the ILP's (auto) or Megatron-LM's")
+    e.add_argument("--dump-programs", metavar="DIR",
+                   help="write the prefill/decode programs it runs (IR text) to DIR")
     e.add_argument("--quiet", action="store_true", help="no progress lines")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -238,6 +241,10 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
               f"{engine.block_manager.num_device_blocks} blocks of {config.block_size} tokens "
               f"({engine.model.kv_bytes / 2**20:.1f} MiB); setup "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        if config.tensor_parallel > 1:
+            print(f"graphpar: {engine.model.ranks.summary()}", file=sys.stderr, flush=True)
+    if args.dump_programs:
+        _dump_programs(engine.model, Path(args.dump_programs), args.quiet)
     on_step = None if args.quiet else progress_printer(engine, len(lines))
     run_start = time.perf_counter()
     ids = [engine.add_request(line.prompt, p) for line, p in zip(lines, params)]
@@ -273,6 +280,18 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
           f"{stats.preemptions} preemptions" + (f", wrote {args.out}" if args.out else ""),
           file=sys.stderr)
     return 1 if failed else 0
+
+
+def _dump_programs(model, directory: Path, quiet: bool) -> None:
+    from graphpar.ir.printer import print_graph
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, graph in model.programs().items():
+        tmp = directory / f".{name}.tmp"
+        tmp.write_text(print_graph(graph, show_source=True))
+        os.replace(tmp, directory / name)
+    if not quiet:
+        print(f"graphpar: wrote {', '.join(model.programs())} to {directory}", file=sys.stderr)
 
 
 def _where(engine) -> str:

@@ -345,5 +345,7 @@ _op("nll_loss_backward", C, lambda g, x, target, total_weight, weight=None, redu
                                               total_weight),
     "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}")
 
-# Collective ops live in their own module; importing the registry should bring them in too.
+# Collective and paged-attention ops live in their own modules; importing the registry brings
+# them in too.
 import graphpar.ir.collectives  # noqa: E402,F401
+import graphpar.ir.paged_ops  # noqa: E402,F401  (paged attention's ops, likewise)

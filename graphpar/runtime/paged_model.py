@@ -375,6 +375,17 @@ class PagedDecoder:
     def value_caches(self) -> list[torch.Tensor]:
         return self.ranks.value_caches
 
+    def programs(self) -> dict[str, Graph]:
+        """The programs it runs, at their base sizes, by file name: ``prefill.gpir`` and
+        ``decode.gpir`` (paged, whole model) and, on tensor-parallel ranks, the device programs
+        ``prefill.spmd.gpir`` and ``decode.spmd.gpir``."""
+        found = {f"{name}.gpir": graphs[0] for name, graphs in self.graphs.items()}
+        for name in self.graphs:
+            template = getattr(self.ranks, f"{name}_template")
+            if template.base.attrs.get("spmd"):
+                found[f"{name}.spmd.gpir"] = template.base
+        return found
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank)."""
         self.ranks.close()

@@ -122,6 +122,8 @@ class TensorParallelRanks:
             self.comm = GlooCommunicator(self.mesh, 0, axes)
             own = {name: shard_tensor(state[name], layouts[name], self.mesh, 0).contiguous()
                    for name in persistent}
+            self.weight_bytes = sum(_nbytes(state[name]) for name in persistent)
+            self.rank_weight_bytes = sum(_nbytes(t) for t in own.values())
             self.rank = load_rank(self.jobdir, own, self.comm)
             self._collective(dist.barrier)  # every worker has loaded its programs
         except BaseException:
@@ -131,6 +133,21 @@ class TensorParallelRanks:
         self.decode_template = self.rank.decode_template
         self.key_caches = self.rank.key_caches
         self.value_caches = self.rank.value_caches
+
+    def summary(self) -> str:
+        """What the plan does, in a line: collectives per step, each rank's share."""
+        decode = self.programs["decode"]
+        collectives = {name: sum(1 for n in p.base.nodes if n.op in GROUP_OPS)
+                       for name, p in self.programs.items()}
+        cache = next(v.type for v in decode.base.inputs if v.name == "key_cache.0")
+        whole = next(v.type for v in self.programs["decode"].plan.input_layout
+                     if v.name == "key_cache.0")
+        mib = 2**20
+        return (f"{decode.plan.name.removeprefix('serving-')} plan on {self.tp} ranks: "
+                f"{collectives['decode']} collectives per decode step, "
+                f"{collectives['prefill']} per prefill step; rank 0 holds "
+                f"{self.rank_weight_bytes / mib:.1f} of {self.weight_bytes / mib:.1f} MiB of "
+                f"weights and {cache.shape[2]} of {whole.shape[2]} kv heads of every block")
 
     # --- start-up ---------------------------------------------------------------------------
 
@@ -287,6 +304,10 @@ class TensorParallelRanks:
             if text:
                 tails.append(f"\nrank {rank}:\n" + "\n".join(text.splitlines()[-10:]))
         return "".join(tails)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _graphs(program) -> list[Graph]:

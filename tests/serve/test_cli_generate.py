@@ -5,6 +5,7 @@ import json
 import pytest
 
 from graphpar.cli_generate import main
+from graphpar.ir.parser import load
 
 
 @pytest.fixture
@@ -55,11 +56,24 @@ def test_generate_on_two_tensor_parallel_ranks(prompts_file, tmp_path, capsys):
     for tp in ("1", "2"):
         out = tmp_path / f"tp{tp}.jsonl"
         assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--max-tokens",
-                     "5", "--out", str(out), "--tp", tp, "--tp-plan", "megatron"]) == 1
+                     "5", "--out", str(out), "--tp", tp, "--tp-plan", "megatron",
+                     "--dump-programs", str(tmp_path / f"programs{tp}")]) == 1
         outs.append([json.loads(line) for line in out.read_text().splitlines()])
+    assert sorted(p.name for p in (tmp_path / "programs1").iterdir()) == [
+        "decode.gpir", "prefill.gpir"]
+    # each rank's decode program: its 2 of 4 heads, its kv heads of the cache, the collectives
+    (device,) = load(str(tmp_path / "programs2" / "decode.spmd.gpir"))
+    attention = [n for n in device.nodes if n.op == "paged_attention"]
+    assert len(attention) == 2 and attention[0].inputs[0].type.shape[1] == 2
+    assert device.input("key_cache.0").type.shape[2] == 2
+    assert sum(n.op in ("reduce_scatter", "all_gather") for n in device.nodes) == 10
     greedy = [0, 1]  # lines 2 and 3: greedy requests
     assert [outs[1][i]["outputs"] for i in greedy] == [outs[0][i]["outputs"] for i in greedy]
     err = capsys.readouterr().err
     assert "on 2 tensor-parallel cpu ranks (megatron plan)" in err
+    # Megatron: 2 layers x 2 row-parallel sums (a reduce-scatter and an all-gather each), and 2
+    # all-gathers around the vocabulary-parallel LM head
+    assert "megatron plan on 2 ranks: 10 collectives per decode step" in err
+    assert "2 of 4 kv heads of every block" in err
     assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--tp", "0"]) == 2
     assert "--tensor-parallel must be at least 1" in capsys.readouterr().err

@@ -36,7 +36,7 @@ from graphpar.ir.printer import print_graph
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.spmd import GraphArg, Inputs, MeshArg, SpmdResult, load_program
 
-__all__ = ["free_port", "main", "run_multiprocess", "torchrun_env"]
+__all__ = ["free_port", "main", "report_rank_error", "run_multiprocess", "torchrun_env"]
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.01
@@ -255,21 +255,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.replace(tmp, jobdir / f"result{rank}.pt")
         return 0
     except BaseException as exc:  # report everything (before peers notice), exit non-zero
-        if _from_peer(exc):  # a collective broke, most likely because another rank died
-            message = f"[peer] {exc}"
-        elif isinstance(exc, GraphparError):
-            message = str(exc)
-        else:
-            message = traceback.format_exc()
-        try:
-            (jobdir / f"error{rank}.txt").write_text(message)
-        except OSError:
-            pass
-        print(message, file=sys.stderr)
-        return 1
+        return report_rank_error(jobdir, rank, exc)
     finally:
         if initialized:
             torch.distributed.destroy_process_group()
+
+
+def report_rank_error(jobdir: Path, rank: int, exc: BaseException) -> int:
+    """Write rank `rank`'s failure to `error<rank>.txt` (where the launcher looks) and stderr;
+    returns the exit status 1. A broken collective (another rank most likely died) is marked
+    `[peer]`, a GraphparError is its message, anything else its traceback."""
+    if _from_peer(exc):
+        message = f"[peer] {exc}"
+    elif isinstance(exc, GraphparError):
+        message = str(exc)
+    else:
+        message = traceback.format_exc()
+    try:
+        (jobdir / f"error{rank}.txt").write_text(message)
+    except OSError:
+        pass
+    print(message, file=sys.stderr)
+    return 1
 
 
 def _from_peer(exc: BaseException | None) -> bool:

@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -48,7 +47,7 @@ from graphpar.ir.graph import Graph, Role
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import print_graph
 from graphpar.runtime.graph_template import GraphTemplate
-from graphpar.runtime.launch import LOOPBACK, free_port, torchrun_env
+from graphpar.runtime.launch import LOOPBACK, free_port, report_rank_error, torchrun_env
 from graphpar.runtime.paged_model import ModelRank
 
 __all__ = ["TensorParallelRanks", "load_rank", "main"]
@@ -281,8 +280,9 @@ class TensorParallelRanks:
     def _worker_error(self) -> str | None:
         for rank in range(1, self.tp):
             path = self.jobdir / f"error{rank}.txt"
-            if path.exists():
-                return f"tensor-parallel rank {rank} failed: {path.read_text().strip()}"
+            text = path.read_text().strip() if path.exists() else ""
+            if text and not text.startswith("[peer]"):  # its own error, not a broken link
+                return f"tensor-parallel rank {rank} failed: {text}"
         for rank, proc in enumerate(self._procs, start=1):
             code = proc.poll()
             if code not in (None, 0):
@@ -361,13 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             getattr(model, command[0])(*command[1:])
         return 0
     except BaseException as exc:  # report it where the driver looks, exit non-zero
-        message = str(exc) if isinstance(exc, GraphparError) else traceback.format_exc()
-        try:
-            (jobdir / f"error{rank}.txt").write_text(message)
-        except OSError:
-            pass
-        print(message, file=sys.stderr)
-        return 1
+        return report_rank_error(jobdir, rank, exc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -7,10 +7,12 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.ops import get_op
 
 
-def describe(node: Node, graph: Graph | None = None) -> str:
-    """`node 12 (matmul) at gpt.py:42 in blocks.0.attn`: how errors point at a node."""
-    graph = graph or node.graph
-    index = graph.nodes.index(node) if graph is not None and node in graph.nodes else "?"
+def describe(node: Node, graph: Graph | None = None, index: int | None = None) -> str:
+    """`node 12 (matmul) at gpt.py:42 in blocks.0.attn`: how errors point at a node. Pass the
+    node's `index` when it is known: finding it is a scan of the graph."""
+    if index is None:
+        graph = graph or node.graph
+        index = graph.nodes.index(node) if graph is not None and node in graph.nodes else "?"
     text = f"node {index} ({node.op})"
     if node.loc:
         text += f" at {node.loc}"
@@ -30,8 +32,8 @@ def verify(graph: Graph, check_types: bool = True) -> None:
             raise VerificationError(f"graph @{graph.name}: input %{v.name} is defined twice")
         names.add(v.name)
         defined.add(v)
-    for node in graph.nodes:
-        where = f"graph @{graph.name}, {describe(node, graph)}"
+    for index, node in enumerate(graph.nodes):
+        where = f"graph @{graph.name}, {describe(node, graph, index)}"
         if node.graph is not graph:
             raise VerificationError(f"{where}: the node does not belong to this graph")
         try:

@@ -103,8 +103,8 @@ def check_program(graph: Graph, mesh: Mesh) -> None:
     if text is not None and parse_mesh_shape(text) != mesh.shape:
         raise BackendError(f"graph @{graph.name} is a program for mesh {text} but runs on "
                            f"mesh {mesh}")
-    for node in graph.nodes:
-        where = f"graph @{graph.name}, {describe(node, graph)}"
+    for index, node in enumerate(graph.nodes):
+        where = f"graph @{graph.name}, {describe(node, graph, index)}"
         if node.op == "reshard":
             raise BackendError(f"{where}: a reshard node is left in a device program; run "
                                "lower-spmd to turn it into collectives")

@@ -69,6 +69,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="shard the model over N CPU ranks (gloo processes)")
     e.add_argument("--tp-plan", choices=["auto", "megatron"], default="auto",
                    help="tensor-parallel plan: the ILP's (auto) or Megatron-LM's")
+    e.add_argument("--cluster", default="cpu",
+                   help="cluster preset or file the tensor-parallel plan is costed on")
     e.add_argument("--dump-programs", metavar="DIR",
                    help="write the prefill/decode programs it runs (IR text) to DIR")
     e.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -217,7 +219,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         preemption_mode=None if args.preemption == "auto" else args.preemption,
-        kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan)
+        kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
+        tp_cluster=args.cluster)
     if args.block_size < 1 or args.max_num_seqs < 1 or args.tensor_parallel < 1:
         raise UsageError("--block-size, --max-num-seqs and --tensor-parallel must be at least 1")
     with step("loading the model"):

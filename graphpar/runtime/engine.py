@@ -46,7 +46,8 @@ class EngineConfig:
     device pool). ``kernel``: ``auto``, ``reference`` or ``cuda`` (see graphpar.ir.paged_ops).
     ``tensor_parallel``: CPU ranks to shard the model over (gloo processes; one block manager,
     every rank holds its kv heads of each block); ``tp_plan``: ``auto`` (the ILP) or
-    ``megatron`` (see graphpar.passes.autoshard.serving).
+    ``megatron`` (see graphpar.passes.autoshard.serving); ``tp_cluster``: the cluster preset or
+    file the ILP costs the ranks with (``cpu``; tools/bench/gloo_cluster.py measures one).
     """
 
     block_size: int = 16
@@ -60,6 +61,7 @@ class EngineConfig:
     kernel: str = "auto"
     tensor_parallel: int = 1
     tp_plan: str = "auto"
+    tp_cluster: str = "cpu"
     seed: int = 0
 
 
@@ -153,7 +155,8 @@ class LLMEngine:
         self.model = PagedDecoder(model, block_size=config.block_size, num_blocks=num_blocks,
                                   num_cpu_blocks=swap, kernel=config.kernel,
                                   tensor_parallel=config.tensor_parallel,
-                                  tp_plan=config.tp_plan, progress=progress)
+                                  tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
+                                  progress=progress)
         self.info = self.model.info
         self.block_manager = BlockManager(
             num_blocks, swap, config.block_size,

@@ -206,13 +206,15 @@ class PagedDecoder:
             the head size is not one they are built for.
         tensor_parallel: ranks to shard the model over (CPU processes over gloo).
         tp_plan: ``auto`` (the ILP's plan) or ``megatron``; see
-            :mod:`graphpar.passes.autoshard.serving`.
+            :mod:`graphpar.passes.autoshard.serving`. tp_cluster: the cluster (preset or file)
+            the plan is costed on.
         progress: called with a message before each slow setup step.
     """
 
     def __init__(self, model: torch.nn.Module, *, block_size: int = 16, num_blocks: int = 256,
                  num_cpu_blocks: int = 0, kernel: str = "auto", tensor_parallel: int = 1,
-                 tp_plan: str = "auto", progress: Callable[[str], None] | None = None) -> None:
+                 tp_plan: str = "auto", tp_cluster: str = "cpu",
+                 progress: Callable[[str], None] | None = None) -> None:
         if kernel not in KERNELS:
             raise GenerationError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         if tensor_parallel < 1:
@@ -284,8 +286,8 @@ class PagedDecoder:
 
             say(f"planning for {tensor_parallel} tensor-parallel ranks ({tp_plan})")
             self.ranks = TensorParallelRanks(self.graphs, state, tensor_parallel, plan=tp_plan,
-                                             num_cpu_blocks=num_cpu_blocks, kernel=kernel,
-                                             progress=say)
+                                             cluster=tp_cluster, num_cpu_blocks=num_cpu_blocks,
+                                             kernel=kernel, progress=say)
         self.prefill_template = self.ranks.prefill_template
         self.decode_template = self.ranks.decode_template
 

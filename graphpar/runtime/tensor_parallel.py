@@ -83,14 +83,15 @@ class TensorParallelRanks:
         graphs: the decoder's global paged programs, ``name -> (base graph, base sizes,
             {symbol: (size, graph)})`` with names "decode" and "prefill".
         state: the whole model's weights by graph input name.
-        tp: the number of ranks. plan: "auto" or "megatron" (serving plans).
+        tp: the number of ranks. plan: "auto" or "megatron" (serving plans), costed on
+            ``cluster`` (a preset name or cluster file).
         timeout: seconds a collective or the start-up may wait for a peer.
     """
 
     def __init__(self, graphs: Mapping[str, tuple[Graph, dict, dict]],
                  state: dict[str, torch.Tensor], tp: int, *, plan: str = "auto",
-                 num_cpu_blocks: int = 0, kernel: str = "auto", timeout: float = 300.0,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 cluster: str = "cpu", num_cpu_blocks: int = 0, kernel: str = "auto",
+                 timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
         from graphpar.passes.autoshard.serving import plan_serving
         from graphpar.runtime.gloo import GlooCommunicator
         from graphpar.runtime.spmd import shard_tensor
@@ -100,7 +101,7 @@ class TensorParallelRanks:
                                   "tensor-parallel serving starts its own gloo process group")
         say = progress or (lambda message: None)
         self.tp, self.timeout = tp, timeout
-        self.programs = plan_serving(graphs, tp, plan)
+        self.programs = plan_serving(graphs, tp, plan, cluster)
         self.mesh = Mesh((tp,))
         self.jobdir = Path(tempfile.mkdtemp(prefix="graphpar-tp-"))
         self._procs: list[subprocess.Popen] = []

@@ -20,6 +20,7 @@ Both sides must produce the same tokens (greedy); the table says so.
     python tools/bench/serve.py                         # gpt:tiny, llama:tiny; batch 1, 8, 16
     python tools/bench/serve.py --models gpt:tiny --batch 8 --requests 32 --out r.json
     python tools/bench/serve.py --models gpt:125M --batch 8 --requests 16 --tensor-parallel 2
+    python tools/bench/serve.py ... --tensor-parallel 2 --tp-cluster tools/bench/gloo_cluster.json
 
 With ``--tensor-parallel N`` the engine runs on N CPU ranks (gloo processes, each with
 ``--threads`` torch threads; the naive side keeps one process), system ``engine-tpN``.
@@ -98,12 +99,12 @@ def run_naive(module, prompts, params, batch: int) -> tuple[dict, list[list[int]
     return row, result.tokens
 
 
-def measure(module, prompts, params, batch: int, repeat: int, tp: int = 1
-            ) -> tuple[dict, list[list[int]], dict, list[list[int]]]:
+def measure(module, prompts, params, batch: int, repeat: int, tp: int = 1,
+            tp_cluster: str = "cpu") -> tuple[dict, list[list[int]], dict, list[list[int]]]:
     """Warm up both sides once, then run them alternately ``repeat`` times; keep each side's
     median run (by seconds), so load from other processes hits both alike."""
     start = time.perf_counter()
-    with LLM(module, max_num_seqs=batch, tensor_parallel=tp) as llm:
+    with LLM(module, max_num_seqs=batch, tensor_parallel=tp, tp_cluster=tp_cluster) as llm:
         setup = time.perf_counter() - start
         run_engine(llm, prompts, params)  # warm-up: builds the step programs of every bucket
         run_naive(module, prompts, params, batch)
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch CPU threads (1: steady numbers on a shared machine)")
     parser.add_argument("--tensor-parallel", type=int, default=1,
                         help="CPU ranks the engine shards the model over")
+    parser.add_argument("--tp-cluster", default="cpu",
+                        help="cluster preset or file the tensor-parallel plan is costed on")
     parser.add_argument("--out", default=str(Path(__file__).with_name("serve.json")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -150,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in batches:
             engine, engine_tokens, naive, naive_tokens = measure(module, prompts, params,
                                                                  batch, args.repeat,
-                                                                 args.tensor_parallel)
+                                                                 args.tensor_parallel,
+                                                                 args.tp_cluster)
             same = engine_tokens == naive_tokens
             speedup = engine["tokens_per_s"] / naive["tokens_per_s"]
             for row in (naive, engine):
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                      "requests": args.requests, "seed": args.seed, "arrival": "all at t=0"},
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                     "torch": torch.__version__, "threads": args.threads,
-                    "tensor_parallel": args.tensor_parallel},
+                    "tensor_parallel": args.tensor_parallel, "tp_cluster": args.tp_cluster},
         "rows": rows,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -123,7 +123,7 @@ class AutoShard(GraphPass):
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
             "mesh": self.mesh,
-            "cluster": cluster.name,
+            "cluster": self.cluster,  # the preset name or file: lower-spmd reads it again
             "estimated_compute_s": round(plan.compute_seconds, 9),
             "estimated_comm_s": round(plan.comm_seconds, 9),
             "estimated_memory_bytes": int(plan.memory_bytes),

@@ -141,9 +141,9 @@ def plan_serving(programs: Mapping[str, tuple[Graph, Mapping[str, int],
         except ShardingError as exc:
             raise ShardingError(f"no {plan} tensor-parallel plan for the {name} program on "
                                 f"{tp} ranks: {exc}") from None
-        lowered = {sym: (size, _lower(graph, base, solved, mesh, cluster_spec.name))
+        lowered = {sym: (size, _lower(graph, base, solved, mesh, cluster))
                    for sym, (size, graph) in variants.items()}
-        program = ServingProgram(name, _lower(base, base, solved, mesh, cluster_spec.name),
+        program = ServingProgram(name, _lower(base, base, solved, mesh, cluster),
                                  dict(base_sizes), lowered, solved)
         program.layouts = {v.name: solved.input_layout[v] for v in base.inputs}
         for v in base.inputs:
@@ -155,7 +155,8 @@ def plan_serving(programs: Mapping[str, tuple[Graph, Mapping[str, int],
 
 def _lower(graph: Graph, base: Graph, plan: Plan, mesh: Mesh, cluster: str) -> Graph:
     """`graph` (the base graph or one captured at other sizes) sharded by the base graph's plan
-    and lowered to its device program."""
+    and lowered to its device program (`cluster`: the preset name or file, which lower-spmd
+    reads again to pick the same collectives the plan priced)."""
     copy = graph.copy()
     if len(copy.nodes) != len(base.nodes) or len(copy.inputs) != len(base.inputs):
         raise ShardingError(f"graph @{graph.name} is not the program @{base.name} at other "

@@ -3,38 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphpar.models.common import init_weights, lm_loss, require, seeded
+from graphpar.models.common import TransformerConfig, init_weights, lm_loss, seeded
 from graphpar.models.layers import FeedForward, SelfAttention, attention_params, feed_forward_params
 
 
 @dataclass(frozen=True)
-class BertConfig:
-    """Sizes of a BERT; seq_len is both the number of learned positions and the example length.
+class BertConfig(TransformerConfig):
+    """Sizes of a BERT (see TransformerConfig).
 
     With pooler=True the model also returns next-sentence logits from the [CLS] position, and
     the loss adds their cross entropy against a second label tensor.
     """
 
-    vocab_size: int = 256
-    seq_len: int = 32
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    mlp_ratio: int = 4
+    family: ClassVar[str] = "BERT"
+    norm_eps: float = 1e-12
     type_vocab_size: int = 2
     pooler: bool = False
-    norm_eps: float = 1e-12
-
-    def __post_init__(self) -> None:
-        require(
-            self.d_model % self.n_heads == 0,
-            f"BERT d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
-        )
 
 
 PRESETS: dict[str, BertConfig] = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,28 @@ def require(condition: bool, message: str) -> None:
     """Raise UsageError(message) unless condition holds; for config checks."""
     if not condition:
         raise UsageError(message)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The sizes GPT, BERT and the MoE LM share; seq_len is both the number of learned positions
+    and the example length. `family` names the model in errors."""
+
+    family: ClassVar[str] = "transformer"
+    vocab_size: int = 256
+    seq_len: int = 32
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        require(
+            self.d_model % self.n_heads == 0,
+            f"{self.family} d_model ({self.d_model}) must be divisible by n_heads "
+            f"({self.n_heads})",
+        )
 
 
 def token_batch(

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from graphpar.models.common import init_weights, lm_loss, require, seeded, token_batch
+from graphpar.models.common import (
+    TransformerConfig,
+    init_weights,
+    lm_loss,
+    seeded,
+    token_batch,
+)
 from graphpar.models.layers import (
     FeedForward,
     PreLNBlock,
@@ -17,24 +25,12 @@ from graphpar.models.layers import (
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    """Sizes of a GPT; seq_len is both the number of learned positions and the example length."""
+class GPTConfig(TransformerConfig):
+    """Sizes of a GPT (see TransformerConfig)."""
 
-    vocab_size: int = 256
-    seq_len: int = 32
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    mlp_ratio: int = 4
+    family: ClassVar[str] = "GPT"
     # Tied: the LM head reuses the token embedding (GPT-2, and how Alpa's names count).
     tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        require(
-            self.d_model % self.n_heads == 0,
-            f"GPT d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
-        )
 
 
 def _alpa(n_layers: int, d_model: int, n_heads: int) -> GPTConfig:
@@ -60,24 +56,22 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-class GPT(nn.Module):
-    """Token ids [B, S] -> next-token logits [B, S, vocab]."""
+class DecoderLM(nn.Module):
+    """Token ids [B, S] -> next-token logits [B, S, vocab]: token and learned position
+    embeddings, the blocks `make_blocks()` returns, a final LayerNorm and an LM head. GPT and the
+    MoE LM are this frame with their own blocks."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerConfig,
+                 make_blocks: Callable[[], Iterable[nn.Module]]) -> None:
         super().__init__()
         self.config = config
         d = config.d_model
         self.tok_emb = nn.Embedding(config.vocab_size, d)
         self.pos_emb = nn.Embedding(config.seq_len, d)
-        self.blocks = nn.ModuleList(
-            PreLNBlock(d, config.n_heads, FeedForward(d, config.mlp_ratio * d), config.norm_eps)
-            for _ in range(config.n_layers)
-        )
+        self.blocks = nn.ModuleList(make_blocks())
         self.ln_f = nn.LayerNorm(d, eps=config.norm_eps)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         init_weights(self)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         s = idx.shape[1]
@@ -88,6 +82,18 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+class GPT(DecoderLM):
+    """A GPT-2-style decoder: pre-LN blocks of attention and a GELU MLP."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        d = config.d_model
+        super().__init__(config, lambda: (
+            PreLNBlock(d, config.n_heads, FeedForward(d, config.mlp_ratio * d), config.norm_eps)
+            for _ in range(config.n_layers)))
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
 
 
 def build(config: GPTConfig, seed: int = 0) -> GPT:

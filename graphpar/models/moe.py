@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from graphpar.models import gpt
-from graphpar.models.common import INIT_STD, init_weights, require, seeded
+from graphpar.models.common import INIT_STD, TransformerConfig, require, seeded
 from graphpar.models.layers import (
     FeedForward,
     PreLNBlock,
@@ -19,7 +20,7 @@ from graphpar.models.layers import (
 
 
 @dataclass(frozen=True)
-class MoEConfig:
+class MoEConfig(TransformerConfig):
     """Sizes of an MoE LM: a GPT whose every moe_every-th block (from block 0) uses experts.
 
     Tokens are routed in groups of expert_group_size (GShard's S); B * seq_len must be a
@@ -27,23 +28,14 @@ class MoEConfig:
     tokens routed to it are dropped from that expert (they keep their residual path).
     """
 
-    vocab_size: int = 256
-    seq_len: int = 32
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    mlp_ratio: int = 4
+    family: ClassVar[str] = "MoE"
     n_experts: int = 4
     moe_every: int = 2
     expert_group_size: int = 32
     capacity_factor: float = 1.0
-    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        require(
-            self.d_model % self.n_heads == 0,
-            f"MoE d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})",
-        )
+        super().__post_init__()
         require(self.n_experts >= 2, f"top-2 gating needs n_experts >= 2, got {self.n_experts}")
         require(self.moe_every >= 1, f"MoE moe_every must be >= 1, got {self.moe_every}")
         require(self.expert_group_size >= 1, "MoE expert_group_size must be >= 1")
@@ -157,37 +149,20 @@ class MoELayer(nn.Module):
         return torch.einsum("gsec,egcm->gsm", combine, expert_out).reshape(b, s, m)
 
 
-class MoELM(nn.Module):
-    """Token ids [B, S] -> next-token logits [B, S, vocab], with MoE MLPs in some blocks."""
+class MoELM(gpt.DecoderLM):
+    """GPT's frame with MoE MLPs in every moe_every-th block."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
         d = config.d_model
         hidden = config.mlp_ratio * d
-        self.tok_emb = nn.Embedding(config.vocab_size, d)
-        self.pos_emb = nn.Embedding(config.seq_len, d)
-        self.blocks = nn.ModuleList(
+        super().__init__(config, lambda: (
             PreLNBlock(d, config.n_heads, mlp, config.norm_eps)
             for mlp in (
                 MoELayer(d, hidden, config.n_experts, config.expert_group_size, config.capacity)
                 if config.is_moe_layer(i)
                 else FeedForward(d, hidden)
                 for i in range(config.n_layers)
-            )
-        )
-        self.ln_f = nn.LayerNorm(d, eps=config.norm_eps)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
-        init_weights(self)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        s = idx.shape[1]
-        if s > self.config.seq_len:
-            raise ValueError(f"sequence length {s} exceeds the model's {self.config.seq_len}")
-        x = self.tok_emb(idx) + self.pos_emb.weight[:s]
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+            )))
 
 
 def build(config: MoEConfig, seed: int = 0) -> MoELM:

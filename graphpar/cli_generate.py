@@ -38,6 +38,8 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny or llama:tiny")
     g.add_argument("--prompts", required=True, help="prompts file: one request per line")
     g.add_argument("--out", help="write results here as JSON lines (default: stdout)")
+    g.add_argument("--system-prompt", metavar="TEXT",
+                   help="text every prompt starts with: prefilled once, its KV blocks shared")
     g.add_argument("--tokenizer", default="bytes",
                    help="'bytes' (UTF-8 bytes as token ids), or a local Hugging Face tokenizer "
                         "directory")
@@ -250,7 +252,12 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
         _dump_programs(engine.model, Path(args.dump_programs), args.quiet)
     on_step = None if args.quiet else progress_printer(engine, len(lines))
     run_start = time.perf_counter()
-    ids = [engine.add_request(line.prompt, p) for line, p in zip(lines, params)]
+    system, prefix = [], None
+    if args.system_prompt:
+        system = tokenizer.encode(args.system_prompt)
+        prefix = engine.register_prefix(system)
+    ids = [engine.add_request(system + line.prompt, p, prefix=prefix)
+           for line, p in zip(lines, params)]
     results = {o.request_id: o for o in engine.run(on_step)}
     if on_step is not None:
         on_step.final(engine)  # type: ignore[attr-defined]

@@ -89,16 +89,21 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def register_prefix(self, token_ids: Sequence[int]) -> str:
+        """Prefill a shared prompt prefix once (see LLMEngine.register_prefix); returns its id."""
+        return self.engine.register_prefix(token_ids)
+
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 show_progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order."""
+                 show_progress: bool = False, prefix: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. ``prefix``: a registered prefix
+        every prompt starts with (its KV is reused, not recomputed)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         on_step = progress_printer(self.engine, len(prompts)) if show_progress else None
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p, sp, prefix=prefix) for p, sp in zip(prompts, params)]
         outputs = {o.request_id: o for o in self.engine.run(on_step)}
         if on_step is not None:
             on_step.final(self.engine)  # type: ignore[attr-defined]

@@ -170,6 +170,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         self._done: list[RequestOutput] = []
+        self._prefixes: dict[str, list[int]] = {}  # registered prefix id -> its tokens
 
     def _blocks_for(self, info) -> int:
         config = self.config
@@ -185,17 +186,53 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------
 
+    def register_prefix(self, token_ids: Sequence[int]) -> str:
+        """Prefill a prompt prefix many requests share (a system prompt) once; returns its id.
+
+        Its KV blocks stay in the cache until :meth:`unregister_prefix`. A request added with
+        ``prefix=`` that id starts with these tokens; its prefill computes only the tokens after
+        them, and its blocks map the prefix's (reference counts; the partly filled last block is
+        copied on write). Raises GenerationError if the tokens are invalid or do not fit now.
+        """
+        tokens = [int(t) for t in token_ids]
+        probe = Request("prefix", tokens, SamplingParams())
+        self._validate(probe)
+        bm = self.block_manager
+        if not bm.can_register_prefix(len(tokens)):
+            raise GenerationError(f"no room for a prefix of {len(tokens)} tokens: it needs "
+                                  f"{bm.blocks_for_tokens(len(tokens))} blocks, "
+                                  f"{bm.num_free_blocks()} are free")
+        prefix_id = f"prefix-{next(self._ids)}"
+        blocks = list(bm.register_prefix(prefix_id, len(tokens)))
+        width = self.model.max_blocks_per_seq
+        self.model.prefill(StepInputs(
+            tokens, list(range(len(tokens))), bm.prefix_slot_mapping(prefix_id),
+            [blocks + [0] * (width - len(blocks))], [len(tokens)], [0, len(tokens)],
+            [len(tokens) - 1]))
+        self._prefixes[prefix_id] = tokens
+        self.stats.prompt_tokens += len(tokens)
+        return prefix_id
+
+    def unregister_prefix(self, prefix_id: str) -> None:
+        """Release a prefix's blocks (requests still using them keep them alive)."""
+        if self._prefixes.pop(prefix_id, None) is None:
+            raise GenerationError(f"unknown prefix {prefix_id!r}")
+        self.block_manager.unregister_prefix(prefix_id)
+
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    prefix: str | None = None) -> str:
         """Queue a request; returns its id. A request that can never be served finishes at once
-        with an error (see :meth:`step`'s outputs) instead of raising."""
+        with an error (see :meth:`step`'s outputs) instead of raising. ``prefix``: the id of a
+        registered prefix (:meth:`register_prefix`) the prompt starts with."""
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise GenerationError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
         request = Request(request_id, prompt, params,
-                          time.perf_counter() if arrival_time is None else arrival_time)
+                          time.perf_counter() if arrival_time is None else arrival_time,
+                          prefix=prefix)
         self.requests[request_id] = request
         try:
             self._validate(request)
@@ -230,6 +267,13 @@ class LLMEngine:
                 f"prompt of {len(prompt)} tokens is too long for the model's context of "
                 f"{info.max_model_len} positions (it must leave room for a new token: at most "
                 f"{info.max_model_len - 1} prompt tokens)")
+        if request.prefix is not None:
+            shared = self._prefixes.get(request.prefix)
+            if shared is None:
+                raise GenerationError(f"unknown prefix {request.prefix!r}: register it first")
+            if len(prompt) <= len(shared) or prompt[:len(shared)] != shared:
+                raise GenerationError(f"the prompt does not start with prefix {request.prefix!r} "
+                                      f"({len(shared)} tokens) followed by at least one token")
 
     def _fail(self, request: Request, message: str) -> None:
         request.error = message

@@ -87,6 +87,7 @@ class Request:
     finish_time: float | None = None
     error: str | None = None
     status: str = "waiting"  # waiting | running | swapped | recompute | finished
+    prefix: str | None = None  # a registered shared prefix the prompt starts with
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq}"
@@ -161,7 +162,7 @@ class Scheduler:
         params = request.params
         prompt = len(request.prompt)
         total = min(prompt + params.max_tokens, self.config.max_model_len)
-        self.bm.check_request(prompt, total - prompt)
+        self.bm.check_request(prompt, total - prompt, prefix=request.prefix)
         seqs = params.num_seqs
         if seqs > 1:
             b = self.bm.block_size
@@ -238,12 +239,16 @@ class Scheduler:
             seqs = request.params.num_seqs
             if seqs > seqs_left or (busy and prompt > tokens_left):
                 return
-            if not self._room(self.bm.blocks_to_allocate(prompt), self.bm.can_allocate(prompt)):
+            prefix = request.prefix
+            if not self._room(self.bm.blocks_to_allocate(prompt, prefix),
+                              self.bm.can_allocate(prompt, prefix)):
                 return
             self.waiting.popleft()
             seq = request.seqs[0]
-            self.bm.allocate(seq.seq_id, prompt, group=request.request_id)
-            plan.prefill.append(PrefillItem(request, seq, 0, prompt, sample=True))
+            alloc = self.bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix)
+            plan.copies.extend(alloc.copies)  # the prefix's partly filled last block
+            plan.prefill.append(PrefillItem(request, seq, alloc.num_cached_tokens, prompt,
+                                            sample=True))
             self._start(request)
             tokens_left -= prompt
             seqs_left -= seqs

@@ -77,3 +77,17 @@ def test_generate_on_two_tensor_parallel_ranks(prompts_file, tmp_path, capsys):
     assert "2 of 4 kv heads of every block" in err
     assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--tp", "0"]) == 2
     assert "--tensor-parallel must be at least 1" in capsys.readouterr().err
+
+
+def test_system_prompt_is_a_shared_prefix(tmp_path, capsys):
+    """--system-prompt gives the tokens of writing it before every prompt."""
+    plain, shared = tmp_path / "plain.txt", tmp_path / "shared.txt"
+    plain.write_text("Be brief. Hello\nBe brief. abc\n")
+    shared.write_text("Hello\nabc\n")
+    outs = []
+    for prompts, extra in ((plain, []), (shared, ["--system-prompt", "Be brief. "])):
+        out = tmp_path / f"{prompts.stem}.jsonl"
+        assert main(["--example", "gpt:tiny", "--prompts", str(prompts), "--max-tokens", "4",
+                     "--out", str(out), "--quiet", *extra]) == 0
+        outs.append([json.loads(line)["outputs"] for line in out.read_text().splitlines()])
+    assert outs[0] == outs[1]

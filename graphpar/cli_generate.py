@@ -296,12 +296,13 @@ def _dump_programs(model, directory: Path, quiet: bool) -> None:
     from graphpar.ir.printer import print_graph
 
     directory.mkdir(parents=True, exist_ok=True)
-    for name, graph in model.programs().items():
+    programs = model.programs()
+    for name, graph in programs.items():
         tmp = directory / f".{name}.tmp"
         tmp.write_text(print_graph(graph, show_source=True))
         os.replace(tmp, directory / name)
     if not quiet:
-        print(f"graphpar: wrote {', '.join(model.programs())} to {directory}", file=sys.stderr)
+        print(f"graphpar: wrote {', '.join(programs)} to {directory}", file=sys.stderr)
 
 
 def _where(engine) -> str:

@@ -206,9 +206,10 @@ class LLMEngine:
         blocks = list(bm.register_prefix(prefix_id, len(tokens)))
         width = self.model.max_blocks_per_seq
         self.model.prefill(StepInputs(
-            tokens, list(range(len(tokens))), bm.prefix_slot_mapping(prefix_id),
-            [blocks + [0] * (width - len(blocks))], [len(tokens)], [0, len(tokens)],
-            [len(tokens) - 1]))
+            input_ids=tokens, positions=list(range(len(tokens))),
+            slot_mapping=bm.prefix_slot_mapping(prefix_id),
+            block_tables=[blocks + [0] * (width - len(blocks))], context_lens=[len(tokens)],
+            query_start_loc=[0, len(tokens)], logits_indices=[len(tokens) - 1]))
         self._prefixes[prefix_id] = tokens
         self.stats.prompt_tokens += len(tokens)
         return prefix_id

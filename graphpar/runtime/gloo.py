@@ -151,6 +151,11 @@ class GlooCommunicator(Communicator):
             dist.recv(out, src=src, tag=tag)
         return out
 
+    def barrier(self) -> None:
+        """Wait until every rank of the world gets here."""
+        with _communicating("barrier"):
+            dist.barrier()
+
     def finish(self) -> None:
         with _communicating("waiting for sends"):
             for work, _ in self._sends:

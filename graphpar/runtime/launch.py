@@ -36,7 +36,8 @@ from graphpar.ir.printer import print_graph
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.spmd import GraphArg, Inputs, MeshArg, SpmdResult, load_program
 
-__all__ = ["free_port", "main", "report_rank_error", "run_multiprocess", "torchrun_env"]
+__all__ = ["free_port", "from_peer", "log_tail", "main", "report_rank_error", "run_multiprocess",
+           "torchrun_env"]
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.01
@@ -158,7 +159,7 @@ def _launch(jobdir: Path, world: int, timeout: float) -> SpmdResult:
                 raise BackendError(
                     f"SPMD run on {world} processes timed out after {timeout:g} s; ranks "
                     f"{running} were still running (a collective no rank matched, or a recv "
-                    f"with no send?).{_tail(jobdir, running[0])}")
+                    f"with no send?).{log_tail(jobdir, running[0])}")
             time.sleep(_POLL_S)
     finally:
         _kill(procs)
@@ -183,7 +184,7 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def _tail(jobdir: Path, rank: int, lines: int = 15) -> str:
+def log_tail(jobdir: Path, rank: int, lines: int = 15) -> str:
     try:
         text = (jobdir / f"log{rank}.txt").read_text(errors="replace").strip()
     except OSError:
@@ -208,7 +209,7 @@ def _failure(jobdir: Path, failed: list[int], codes: list[int | None]) -> Except
     if rank in messages:
         body = messages[rank].removeprefix("[peer]").strip()
     else:
-        body = f"exited with code {codes[rank]}{_tail(jobdir, rank)}"
+        body = f"exited with code {codes[rank]}{log_tail(jobdir, rank)}"
     others = sorted(set(failed) - {rank})
     note = f" (ranks {others} failed too)" if others else ""
     finished = [r for r, c in enumerate(codes) if c == 0]
@@ -265,7 +266,7 @@ def report_rank_error(jobdir: Path, rank: int, exc: BaseException) -> int:
     """Write rank `rank`'s failure to `error<rank>.txt` (where the launcher looks) and stderr;
     returns the exit status 1. A broken collective (another rank most likely died) is marked
     `[peer]`, a GraphparError is its message, anything else its traceback."""
-    if _from_peer(exc):
+    if from_peer(exc):
         message = f"[peer] {exc}"
     elif isinstance(exc, GraphparError):
         message = str(exc)
@@ -279,7 +280,7 @@ def report_rank_error(jobdir: Path, rank: int, exc: BaseException) -> int:
     return 1
 
 
-def _from_peer(exc: BaseException | None) -> bool:
+def from_peer(exc: BaseException | None) -> bool:
     """Whether a torch.distributed communication error is in `exc`'s cause chain."""
     from graphpar.runtime.gloo import CommunicationError
 

@@ -47,7 +47,14 @@ from graphpar.ir.graph import Graph, Role
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import print_graph
 from graphpar.runtime.graph_template import GraphTemplate
-from graphpar.runtime.launch import LOOPBACK, free_port, report_rank_error, torchrun_env
+from graphpar.runtime.launch import (
+    LOOPBACK,
+    free_port,
+    from_peer,
+    log_tail,
+    report_rank_error,
+    torchrun_env,
+)
 from graphpar.runtime.paged_model import ModelRank
 
 __all__ = ["TensorParallelRanks", "load_rank", "main"]
@@ -125,7 +132,7 @@ class TensorParallelRanks:
             self.weight_bytes = sum(_nbytes(state[name]) for name in persistent)
             self.rank_weight_bytes = sum(_nbytes(t) for t in own.values())
             self.rank = load_rank(self.jobdir, own, self.comm)
-            self._collective(dist.barrier)  # every worker has loaded its programs
+            self._collective(self.comm.barrier)  # every worker has loaded its programs
         except BaseException:
             self.close()
             raise
@@ -140,8 +147,7 @@ class TensorParallelRanks:
         collectives = {name: sum(1 for n in p.base.nodes if n.op in GROUP_OPS)
                        for name, p in self.programs.items()}
         cache = next(v.type for v in decode.base.inputs if v.name == "key_cache.0")
-        whole = next(v.type for v in self.programs["decode"].plan.input_layout
-                     if v.name == "key_cache.0")
+        whole = next(v.type for v in decode.plan.input_layout if v.name == "key_cache.0")
         mib = 2**20
         return (f"{decode.plan.name.removeprefix('serving-')} plan on {self.tp} ranks: "
                 f"{collectives['decode']} collectives per decode step, "
@@ -263,7 +269,7 @@ class TensorParallelRanks:
     def _fail(self, exc: BaseException | None):
         """Raise the first worker's own error if one failed, else ``exc``; stop every rank."""
         # a worker's failure reaches rank 0 as a broken connection: give it time to say why
-        wait = 3.0 if exc is None or _from_peer(exc) else 0.0
+        wait = 3.0 if exc is None or from_peer(exc) else 0.0
         deadline = time.monotonic() + wait
         message = self._worker_error()
         while message is None and time.monotonic() < deadline:
@@ -296,15 +302,7 @@ class TensorParallelRanks:
             raise GenerationError(message)
 
     def _log_tail(self) -> str:
-        tails = []
-        for rank in range(1, self.tp):
-            try:
-                text = (self.jobdir / f"log{rank}.txt").read_text(errors="replace").strip()
-            except OSError:
-                continue
-            if text:
-                tails.append(f"\nrank {rank}:\n" + "\n".join(text.splitlines()[-10:]))
-        return "".join(tails)
+        return "".join(log_tail(self.jobdir, rank, 10) for rank in range(1, self.tp))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -313,12 +311,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _graphs(program) -> list[Graph]:
     return [program.base, *(g for _, g in program.variants.values())]
-
-
-def _from_peer(exc: BaseException) -> bool:
-    from graphpar.runtime.launch import _from_peer as from_peer
-
-    return from_peer(exc) or "onnection" in str(exc)
 
 
 def _shutdown(procs: list[subprocess.Popen], jobdir: Path) -> None:
@@ -351,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         comm = GlooCommunicator(Mesh((job["tp"],)), rank, [tuple(a) for a in job["axes"]])
         weights = torch.load(jobdir / f"weights{rank}.pt", weights_only=True)
         model = load_rank(jobdir, weights, comm)
-        dist.barrier()
+        comm.barrier()
         while True:
             try:
                 command = pickle.load(commands)

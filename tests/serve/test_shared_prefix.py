@@ -23,7 +23,8 @@ def test_requests_on_a_shared_prefix_equal_eager(name, models):
         # only the suffixes were prefilled; the prefix's partly filled block was copied on write
         assert engine.stats.prompt_tokens - prompt_tokens == sum(len(s) for s in suffixes)
         assert engine.stats.cow_copies >= len(suffixes)
-        assert bm.device_allocator.refcount(first_block) == 1  # the requests are done; the prefix holds it
+        # the requests are done; only the prefix holds its blocks
+        assert bm.device_allocator.refcount(first_block) == 1
         llm.engine.unregister_prefix(prefix)
         bm.check_invariants()
         assert bm.num_free_blocks() == bm.num_device_blocks

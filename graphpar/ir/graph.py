@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -242,16 +242,27 @@ class Graph:
 
     __hash__ = None  # type: ignore[assignment]
 
-    def copy(self) -> Graph:
-        """A deep copy of the structure (types, attrs, layouts, metadata), not of tensors."""
+    def copy(self, map_type: Callable[[TensorType], TensorType] | None = None,
+             map_constant: Callable[[Any], Any] | None = None) -> Graph:
+        """A deep copy of the structure (types, attrs, layouts, metadata), not of tensors.
+
+        `map_type` rewrites every value's type and `map_constant` every inline operand and
+        attribute value, visited in a fixed order: the inputs' types, then per node its inline
+        operands, its attributes, its results' types (graph_template relies on that order).
+        """
+        map_type, map_constant = map_type or _unchanged, map_constant or _unchanged
         new = Graph(self.name, attrs=dict(self.attrs))
         mapping: dict[Value, Value] = {}
-        for v in self.inputs:
-            mapping[v] = new.add_input(v.name, v.type, v.role)
-            mapping[v].layout = v.layout
+        for v in self.inputs:  # a copy of a valid graph: names are already unique
+            fresh = Value(map_type(v.type), None, 0, name=v.name, role=v.role)
+            fresh.layout = v.layout
+            new.inputs.append(fresh)
+            mapping[v] = fresh
         for node in self.nodes:
-            operands = [mapping[v] if isinstance(v, Value) else v for v in node.inputs]
-            copy = Node(node.op, operands, [o.type for o in node.outputs], node.attrs,
+            operands = [mapping[v] if isinstance(v, Value) else map_constant(v)
+                        for v in node.inputs]
+            attrs = {k: map_constant(a) for k, a in node.attrs.items()}
+            copy = Node(node.op, operands, [map_type(o.type) for o in node.outputs], attrs,
                         node.module, node.loc)
             new.add_node(copy)
             for old, fresh in zip(node.outputs, copy.outputs):
@@ -260,6 +271,10 @@ class Graph:
         for out in self.outputs:
             new.add_output(mapping[out.value], out.role, out.target)
         return new
+
+
+def _unchanged(x: Any) -> Any:
+    return x
 
 
 def structurally_equal(a: Graph, b: Graph) -> bool:

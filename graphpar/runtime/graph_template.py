@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphpar.errors import GraphparError
-from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.graph import Graph
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
 
@@ -47,26 +47,8 @@ def _map_type(t: TensorType, fn: Callable[[int], int]) -> TensorType:
 def map_ints(graph: Graph, fn: Callable[[int], int]) -> Graph:
     """A copy of ``graph`` with every integer (type dims, attributes, inline operands) replaced
     by ``fn(value)``, visited in a fixed order. Booleans are not integers here."""
-    new = Graph(graph.name, attrs=dict(graph.attrs))
-    mapping: dict[Value, Value] = {}
-    for v in graph.inputs:
-        fresh = Value(_map_type(v.type, fn), None, 0, name=v.name, role=v.role)
-        fresh.layout = v.layout
-        new.inputs.append(fresh)
-        mapping[v] = fresh
-    for node in graph.nodes:
-        operands = [mapping[x] if isinstance(x, Value) else _map_scalar(x, fn)
-                    for x in node.inputs]
-        attrs = {k: _map_scalar(a, fn) for k, a in node.attrs.items()}
-        copy = Node(node.op, operands, [_map_type(o.type, fn) for o in node.outputs], attrs,
-                    node.module, node.loc)
-        new.add_node(copy)
-        for old, fresh in zip(node.outputs, copy.outputs):
-            fresh.layout = old.layout
-            mapping[old] = fresh
-    for out in graph.outputs:
-        new.add_output(mapping[out.value], out.role, out.target)
-    return new
+    return graph.copy(map_type=lambda t: _map_type(t, fn),
+                      map_constant=lambda x: _map_scalar(x, fn))
 
 
 def _ints(graph: Graph) -> list[int]:

@@ -90,7 +90,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
         spec = load_target(args.model, args.example)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
-    staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    except OSError as exc:
+        raise UsageError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
     try:
         dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
         with step(f"capturing {spec.name} ({args.mode})"):
@@ -306,13 +309,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphpar: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc.filename is None:  # not a path the user gave: a bug, reported below
+            return _internal_error(exc)
+        print(f"graphpar: error: {exc.filename}: {exc.strerror or exc}; check that the path "
+              "exists and can be written (or read)", file=sys.stderr)
+        return 1
     except Exception as exc:  # a bug in graphpar, not the user's input
-        if os.environ.get("GRAPHPAR_DEBUG"):
-            raise
-        print(f"graphpar: internal error: {type(exc).__name__}: {exc}\n"
-              "  this is a graphpar bug; rerun with GRAPHPAR_DEBUG=1 for a traceback and "
-              "report it", file=sys.stderr)
-        return 3
+        return _internal_error(exc)
+
+
+def _internal_error(exc: Exception) -> int:
+    if os.environ.get("GRAPHPAR_DEBUG"):
+        raise exc
+    print(f"graphpar: internal error: {type(exc).__name__}: {exc}\n"
+          "  this is a graphpar bug; rerun with GRAPHPAR_DEBUG=1 for a traceback and "
+          "report it", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

@@ -255,7 +255,10 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
     system, prefix = [], None
     if args.system_prompt:
         system = tokenizer.encode(args.system_prompt)
-        prefix = engine.register_prefix(system)
+        try:
+            prefix = engine.register_prefix(system)
+        except GraphparError as exc:
+            raise UsageError(f"--system-prompt: {exc}") from None
     ids = [engine.add_request(system + line.prompt, p, prefix=prefix)
            for line, p in zip(lines, params)]
     results = {o.request_id: o for o in engine.run(on_step)}

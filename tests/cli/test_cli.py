@@ -168,3 +168,22 @@ def test_bad_meshes_and_limits(tmp_path, capsys, argv, code, says):
                           *argv)
     assert got == code
     assert says in err
+
+
+def test_output_paths_that_cannot_be_written_are_user_errors(tmp_path, capsys):
+    """A path under a regular file: the error names it, exit 1, no 'internal error'."""
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("abc\n")
+    cases = [
+        ("compile", "--example", "mlp:tiny", "--out", blocker / "out"),
+        ("generate", "--example", "gpt:tiny", "--prompts", prompts, "--max-tokens", "1",
+         "--quiet", "--out", blocker / "out.jsonl"),
+        ("generate", "--example", "gpt:tiny", "--prompts", prompts, "--max-tokens", "1",
+         "--quiet", "--dump-programs", blocker / "programs"),
+    ]
+    for argv in cases:
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 1, argv
+        assert f"graphpar: error: {blocker}" in err and "internal error" not in err, err

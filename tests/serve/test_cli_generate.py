@@ -91,3 +91,9 @@ def test_system_prompt_is_a_shared_prefix(tmp_path, capsys):
                      "--out", str(out), "--quiet", *extra]) == 0
         outs.append([json.loads(line)["outputs"] for line in out.read_text().splitlines()])
     assert outs[0] == outs[1]
+
+
+def test_a_system_prompt_that_does_not_fit_is_a_usage_error(prompts_file, capsys):
+    assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--quiet",
+                 "--system-prompt", "x" * 40]) == 2
+    assert "--system-prompt: prompt of 40 tokens is too long" in capsys.readouterr().err

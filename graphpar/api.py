@@ -13,6 +13,7 @@ from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import Plan
+from graphpar.passes.autoshard.pass_ import AutoShard, ShardingPlans
 from graphpar.passes.lower_spmd import graph_mesh
 
 
@@ -75,22 +76,15 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
     from graphpar.compiler import ModelSpec, compile_model
 
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
-    result = compile_model(spec, mode, sharding_pipeline(pipeline, mesh, cluster, memory_limit,
-                                                         time_limit), optimizer=optimizer)
+    passes = [*parse_pipeline(pipeline),
+              AutoShard(mesh=mesh, cluster=cluster, memory_limit=memory_limit,
+                        time_limit=time_limit)]
+    result = compile_model(spec, mode, passes, optimizer=optimizer)
     return lower(result.captured, result.context)
-
-
-def sharding_pipeline(pipeline: str, mesh: str, cluster: str = "dgx-a100",
-                      memory_limit: str = "", time_limit: float = 30.0) -> str:
-    """`pipeline` followed by auto-shard with these options."""
-    options = [f"mesh={mesh}", f"cluster={cluster}", f"time_limit={time_limit}"]
-    if memory_limit:
-        options.append(f"memory_limit={memory_limit}")
-    return f"{pipeline},auto-shard{{{','.join(options)}}}"
 
 
 def lower(captured: Captured, ctx: PassContext) -> Compiled:
     """The device program of an auto-sharded capture (its graph stays the global one)."""
-    plan = ctx.options["plans"][captured.graph.name]
+    plan = ctx.result(ShardingPlans)[captured.graph.name]
     program = PassManager(parse_pipeline("lower-spmd")).run(captured.graph.copy(), ctx)
     return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph))

@@ -63,21 +63,21 @@ def load_target(path: str | None, example: str | None):
 def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler import compile_model
-    from graphpar.ir.printer import format_count, print_graph
+    from graphpar.cost.collectives import annotate_comm
+    from graphpar.ir.printer import format_count, print_program
     from graphpar.passes import parse_pipeline
 
-    pipeline = args.passes
+    passes = parse_pipeline(args.passes)  # bad pipelines fail before any slow work
     if args.mesh:
-        from graphpar.api import sharding_pipeline
+        from graphpar.passes.autoshard import AutoShard
 
-        pipeline = sharding_pipeline(args.passes, args.mesh, args.cluster, args.memory_limit or "",
-                                     args.time_limit)
+        passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
+                                memory_limit=args.memory_limit or "", time_limit=args.time_limit))
     elif args.run_cpu:
         raise UsageError("--run-cpu runs a sharded plan: give --mesh too")
-    passes = parse_pipeline(pipeline)  # bad pipelines fail before any slow work
     if args.mesh:  # bad meshes and clusters too
+        from graphpar.cost.cluster import mesh_for
         from graphpar.errors import ShardingError
-        from graphpar.passes.autoshard.pass_ import mesh_for
 
         try:
             mesh_size = mesh_for(args.mesh, args.cluster).size
@@ -103,7 +103,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 on_pass=lambda p, i, n: None)
         ir_name = f"{result.graph.name}.gpir"
         (staging / ir_name).write_text(
-            "\n".join(print_graph(g, show_source=True) for g in result.program))
+            print_program(result.program, show_source=True, annotate=annotate_comm))
         summary = result.summary()
         if args.run_cpu:
             with step(f"running the plan on {args.run_cpu} CPU ranks (gloo)"):
@@ -193,16 +193,16 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from graphpar.cost.collectives import annotate_comm
     from graphpar.ir.parser import load
-    from graphpar.ir.printer import print_graph
+    from graphpar.ir.printer import print_program
     from graphpar.ir.verify import verify
 
     program = load(args.file)
     if not args.no_verify:
         for graph in program:
             verify(graph)
-    for graph in program:
-        sys.stdout.write(print_graph(graph, show_source=args.show_source))
+    sys.stdout.write(print_program(program, show_source=args.show_source, annotate=annotate_comm))
     return 0
 
 

@@ -296,13 +296,14 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
 
 
 def _dump_programs(model, directory: Path, quiet: bool) -> None:
+    from graphpar.cost.collectives import annotate_comm
     from graphpar.ir.printer import print_graph
 
     directory.mkdir(parents=True, exist_ok=True)
     programs = model.programs()
     for name, graph in programs.items():
         tmp = directory / f".{name}.tmp"
-        tmp.write_text(print_graph(graph, show_source=True))
+        tmp.write_text(print_graph(graph, show_source=True, annotate=annotate_comm))
         os.replace(tmp, directory / name)
     if not quiet:
         print(f"graphpar: wrote {', '.join(programs)} to {directory}", file=sys.stderr)

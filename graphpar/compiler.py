@@ -16,6 +16,7 @@ from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, Program, Role
 from graphpar.ir.printer import node_flops
 from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.pass_ import ShardingPlans
 
 DEFAULT_PIPELINE = "cleanup"
 
@@ -53,7 +54,7 @@ class CompileResult:
         """The numbers of the report: counts, parameters, estimated FLOPs, pass times, and
         the sharding plan when there is one."""
         graph = self.graph
-        plan = self.context.options.get("plans", {}).get(graph.name)
+        plan = self.context.result(ShardingPlans).get(graph.name)
         params = graph.inputs_with_role(Role.PARAM)
         flops = sum(node_flops(n) for g in self.program for n in g.nodes)
         ops = Counter(n.op for g in self.program for n in g.nodes)
@@ -82,8 +83,8 @@ class CompileResult:
 def plan_report(graph: Graph, plan) -> dict[str, Any]:
     """The sharding plan as report data: estimated times, memory, layouts, solver stats."""
     return {
-        "mesh": graph.attrs.get("mesh"),
-        "cluster": graph.attrs.get("cluster"),
+        "mesh": str(graph.mesh),
+        "cluster": graph.mesh.cluster.name if graph.mesh.cluster else None,
         "step_seconds_estimated": plan.step_seconds,
         "compute_seconds_estimated": plan.compute_seconds,
         "communication_seconds_estimated": plan.comm_seconds,

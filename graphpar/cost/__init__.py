@@ -3,7 +3,7 @@
 Modules (import them directly; this package re-exports nothing, so that
 `graphpar.ir.mesh` can import `graphpar.cost.cluster` without an import cycle):
 
-- `graphpar.cost.units`: `parse_bytes("80GiB")`, `format_bytes`, bandwidth, time and FLOP/s strings.
+- `graphpar.units`: `parse_bytes("80GiB")`, `format_bytes`, bandwidth, time and FLOP/s strings.
 - `graphpar.cost.cluster`: `Cluster`, the presets (`PRESETS`, `get_cluster`) and cluster files.
 - `graphpar.cost.collectives`: alpha-beta costs of collectives and `resharding_cost`.
 """

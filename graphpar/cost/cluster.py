@@ -1,4 +1,4 @@
-"""Cluster descriptions: nodes, devices, links and peak rates; named presets and JSON/YAML files.
+"""Named cluster presets and cluster files (JSON/YAML), read into `graphpar.ir.cluster.Cluster`.
 
 A `Cluster` is the physical machine the compiler plans for. A `graphpar.ir.mesh.Mesh`
 is a logical view of some of its devices; `Mesh.from_cluster` derives each mesh
@@ -18,24 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from graphpar.cost.units import (
-    format_bandwidth,
-    format_bytes,
-    format_flops,
-    format_seconds,
-    parse_bandwidth,
-    parse_bytes,
-    parse_flops,
-    parse_seconds,
-)
 from graphpar.errors import ClusterSpecError
+from graphpar.ir.cluster import Cluster, normalize_dtype
+from graphpar.ir.mesh import Mesh, parse_mesh_shape
+from graphpar.units import parse_bandwidth, parse_bytes, parse_flops, parse_seconds
 
 __all__ = [
     "PRESETS",
@@ -43,124 +36,9 @@ __all__ = [
     "cluster_from_dict",
     "get_cluster",
     "load_cluster",
+    "mesh_for",
     "normalize_dtype",
 ]
-
-# The dtype names a cluster gives peak rates for, and the spellings accepted for each.
-_DTYPE_ALIASES = {
-    "fp32": "fp32", "f32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "fp16": "fp16", "f16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
-
-
-def normalize_dtype(dtype: object) -> str:
-    """"fp32" / "f32" / "float32" / torch.float32 -> "fp32" (likewise fp16, bf16)."""
-    key = str(dtype).lower()
-    try:
-        return _DTYPE_ALIASES[key]
-    except KeyError:
-        raise ValueError(f"no peak FLOP/s for dtype {dtype!r}; clusters give fp32, fp16 and bf16")\
-            from None
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """A homogeneous cluster: `num_nodes` nodes of `devices_per_node` identical devices.
-
-    Units: bandwidths in bytes/s, one direction; latencies in seconds; memory in bytes;
-    peak rates in FLOP/s (dense, no sparsity).
-
-    - `intra_node_bandwidth`: what one device can send to the others in its node
-      (NVLink/NVSwitch per GPU), per direction.
-    - `inter_node_bandwidth`: what one node can send to other nodes, all of its NICs
-      together, per direction (DGX A100: 8 NICs x 200 Gb/s = 200 GB/s). A mesh axis
-      whose device groups cross nodes shares this among the groups leaving a node;
-      see `graphpar.ir.mesh.Mesh.from_cluster`.
-    - `*_latency`: the alpha of the alpha-beta model, per message step.
-    """
-
-    name: str
-    num_nodes: int
-    devices_per_node: int
-    intra_node_bandwidth: float
-    intra_node_latency: float
-    inter_node_bandwidth: float
-    inter_node_latency: float
-    device_memory: int
-    peak_flops_fp32: float
-    peak_flops_fp16: float
-    peak_flops_bf16: float
-    device: str = ""
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        for f in ("num_nodes", "devices_per_node", "device_memory"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClusterSpecError(
-                    f"cluster {self.name!r}: field {f!r} must be a positive integer, got {value!r}")
-        for f in ("intra_node_bandwidth", "inter_node_bandwidth",
-                  "peak_flops_fp32", "peak_flops_fp16", "peak_flops_bf16"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ClusterSpecError(
-                    f"cluster {self.name!r}: field {f!r} must be a positive number, got {value!r}")
-            object.__setattr__(self, f, float(value))
-        for f in ("intra_node_latency", "inter_node_latency"):
-            value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ClusterSpecError(
-                    f"cluster {self.name!r}: field {f!r} must be a number >= 0 (seconds), "
-                    f"got {value!r}")
-            object.__setattr__(self, f, float(value))
-
-    @property
-    def num_devices(self) -> int:
-        return self.num_nodes * self.devices_per_node
-
-    def node_of(self, device_id: int) -> int:
-        """The node that holds device `device_id` (devices are numbered node-major)."""
-        if not 0 <= device_id < self.num_devices:
-            raise ValueError(f"device {device_id} is not in cluster {self.name!r} "
-                             f"({self.num_devices} devices)")
-        return device_id // self.devices_per_node
-
-    def peak_flops(self, dtype: object) -> float:
-        """Peak dense FLOP/s of one device for "fp32", "fp16", "bf16" (or a torch dtype)."""
-        return float(getattr(self, "peak_flops_" + normalize_dtype(dtype)))
-
-    def describe(self) -> str:
-        """A few lines for people: shape, links, memory, peak rates."""
-        return "\n".join([
-            f"cluster {self.name}: {self.num_nodes} node(s) x {self.devices_per_node} "
-            f"{self.device or 'device'}(s) = {self.num_devices} devices",
-            f"  intra-node: {format_bandwidth(self.intra_node_bandwidth)} per device, "
-            f"{format_seconds(self.intra_node_latency)} latency",
-            f"  inter-node: {format_bandwidth(self.inter_node_bandwidth)} per node, "
-            f"{format_seconds(self.inter_node_latency)} latency",
-            f"  memory: {format_bytes(self.device_memory, binary=True)} per device",
-            f"  peak: fp32 {format_flops(self.peak_flops_fp32)}, "
-            f"fp16 {format_flops(self.peak_flops_fp16)}, bf16 {format_flops(self.peak_flops_bf16)}",
-        ])
-
-    def to_dict(self) -> dict[str, Any]:
-        """The cluster as a JSON-able dict in the cluster-file format (numbers in base units)."""
-        return {
-            "name": self.name,
-            "device": self.device,
-            "num_nodes": self.num_nodes,
-            "devices_per_node": self.devices_per_node,
-            "device_memory": self.device_memory,
-            "intra_node_bandwidth": self.intra_node_bandwidth,
-            "intra_node_latency": self.intra_node_latency,
-            "inter_node_bandwidth": self.inter_node_bandwidth,
-            "inter_node_latency": self.inter_node_latency,
-            "peak_flops": {"fp32": self.peak_flops_fp32, "fp16": self.peak_flops_fp16,
-                           "bf16": self.peak_flops_bf16},
-            "source": self.source,
-        }
-
 
 _GiB = 2**30
 _NCCL_LATENCY_NOTE = (
@@ -419,3 +297,16 @@ def get_cluster(name_or_path: str | Path | Cluster) -> Cluster:
     raise ClusterSpecError(
         f"unknown cluster preset {key!r}; presets: {', '.join(PRESETS)}; "
         "or give the path of a cluster file (.json, or .yaml with PyYAML)")
+
+
+def mesh_for(shape: str | Sequence[int], cluster: Cluster | str | Path = "dgx-a100",
+             axis_names: Sequence[str] | None = None) -> Mesh:
+    """A mesh of `shape` ("2x4") on `cluster` (a `Cluster`, preset name or file), adding nodes
+    of the cluster's kind when the mesh needs more devices than the cluster has."""
+    cluster = get_cluster(cluster)
+    shape = parse_mesh_shape(shape)
+    size = math.prod(shape)
+    if size > cluster.num_devices:
+        nodes = math.ceil(size / cluster.devices_per_node)
+        cluster = dataclasses.replace(cluster, num_nodes=nodes)
+    return Mesh.from_cluster(cluster, shape, axis_names=axis_names)

@@ -1,7 +1,8 @@
 """SPMD ops: collectives along mesh axes, free rank-dependent local steps, and send/recv.
 
 These ops appear in device programs (one graph with LOCAL shapes that every device of a mesh
-runs on its own shard; `graph.attrs["mesh"] = "2x4"`). Importing this module registers them.
+runs on its own shard; the graph is declared on its mesh, `graph.mesh`). Importing this module
+registers them.
 
 A collective names mesh axes, `axes=[1]` or `axes=[0, 1]` (ascending). Its group is the devices
 that differ from this one only along those axes, ordered row-major over their coordinates,

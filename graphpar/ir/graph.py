@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
 
 # A node operand is an SSA value or a plain scalar written inline (`mul(%3, 0.125)`), as in fx.
@@ -142,6 +143,8 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Output] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)
+    # The device mesh the graph is planned on (set by auto-shard; a device program keeps it).
+    mesh: Mesh | None = None
 
     # --- building -----------------------------------------------------------------------------
 
@@ -251,7 +254,7 @@ class Graph:
         operands, its attributes, its results' types (graph_template relies on that order).
         """
         map_type, map_constant = map_type or _unchanged, map_constant or _unchanged
-        new = Graph(self.name, attrs=dict(self.attrs))
+        new = Graph(self.name, attrs=dict(self.attrs), mesh=self.mesh)
         mapping: dict[Value, Value] = {}
         for v in self.inputs:  # a copy of a valid graph: names are already unique
             fresh = Value(map_type(v.type), None, 0, name=v.name, role=v.role)
@@ -282,7 +285,7 @@ def structurally_equal(a: Graph, b: Graph) -> bool:
 
     Source locations and module paths are metadata, like torch.fx's `node.meta`, and not compared.
     """
-    if a.name != b.name or a.attrs != b.attrs or len(a.inputs) != len(b.inputs):
+    if a.name != b.name or a.attrs != b.attrs or a.mesh != b.mesh or len(a.inputs) != len(b.inputs):
         return False
     if len(a.nodes) != len(b.nodes) or len(a.outputs) != len(b.outputs):
         return False
@@ -338,7 +341,9 @@ class Program:
         return len(self.graphs)
 
     def __str__(self) -> str:
-        return "\n".join(str(g) for g in self.graphs.values())
+        from graphpar.ir.printer import print_program
+
+        return print_program(self.graphs.values())
 
     def __eq__(self, other: object) -> bool:
         return (

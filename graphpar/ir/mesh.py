@@ -7,11 +7,13 @@ bandwidth (bytes/s, one direction, per device) and latency (seconds per step) fe
 alpha-beta cost model in `graphpar.cost.collectives`.
 
     Mesh((2, 4))                              # abstract: bandwidth 1 B/s, latency 0
-    Mesh.from_string("2x4", "dgx-a100")       # on a cluster preset (a name, path or Cluster)
+    Mesh.from_string("2x4", cluster)          # on a `Cluster`
     Mesh.from_cluster(cluster, (2, 8))        # axis 1 inside a node, axis 0 across nodes
+    graphpar.cost.cluster.mesh_for("2x4", "dgx-a100")   # on a preset or cluster file
 
-`Cluster` (re-exported here) describes the physical machine: see
-`graphpar.cost.cluster`.
+`Cluster` (re-exported here) describes the physical machine: see `graphpar.ir.cluster`.
+A mesh built on a cluster keeps it (`mesh.cluster`): the IR prints both, so a sharded program
+says what it was planned for.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from graphpar.cost.cluster import Cluster, get_cluster
-from graphpar.cost.units import format_bandwidth, format_seconds
 from graphpar.errors import ShardingError
+from graphpar.ir.cluster import Cluster
+from graphpar.units import format_bandwidth, format_seconds
 
 __all__ = ["Cluster", "Mesh", "parse_mesh_shape"]
 
@@ -69,6 +70,7 @@ class Mesh:
       mesh whose costs count bytes).
     - `latency`: seconds per message step per axis, the alpha (default 0.0).
     - `axis_names`: optional names, e.g. ("dp", "tp").
+    - `cluster`: the machine the mesh is laid on, when it came from one (`from_cluster`).
 
     Scalars for `bandwidth` / `latency` apply to every axis.
     """
@@ -78,6 +80,7 @@ class Mesh:
     bandwidth: tuple[float, ...] = ()
     latency: tuple[float, ...] = ()
     axis_names: tuple[str, ...] | None = field(default=None)
+    cluster: Cluster | None = None
 
     def __post_init__(self) -> None:
         shape = parse_mesh_shape(self.shape)
@@ -109,15 +112,15 @@ class Mesh:
     # ----------------------------------------------------------------- constructors
 
     @classmethod
-    def from_string(cls, text: str, cluster: Cluster | str | Path | None = None,
+    def from_string(cls, text: str, cluster: Cluster | None = None,
                     axis_names: Sequence[str] | None = None) -> Mesh:
-        """A mesh from text like "2x4". With a cluster (a `Cluster`, preset name or file),
-        it is mapped onto the cluster's first devices as in `from_cluster`; without one it
-        is abstract (bandwidth 1 B/s, latency 0)."""
+        """A mesh from text like "2x4". With a `Cluster` it is mapped onto the cluster's first
+        devices as in `from_cluster`; without one it is abstract (bandwidth 1 B/s, latency 0).
+        Presets and cluster files are resolved by `graphpar.cost.cluster.mesh_for`."""
         shape = parse_mesh_shape(text)
         if cluster is None:
             return cls(shape, axis_names=tuple(axis_names) if axis_names else None)
-        return cls.from_cluster(get_cluster(cluster), shape, axis_names=axis_names)
+        return cls.from_cluster(cluster, shape, axis_names=axis_names)
 
     @classmethod
     def from_cluster(cls, cluster: Cluster, shape: str | Sequence[int],
@@ -172,7 +175,7 @@ class Mesh:
                 bandwidth.append(min(cluster.intra_node_bandwidth, share))
                 latency.append(cluster.inter_node_latency)
         return cls(shape, ids, tuple(bandwidth), tuple(latency),
-                   tuple(axis_names) if axis_names else None)
+                   tuple(axis_names) if axis_names else None, cluster)
 
     # ----------------------------------------------------------------- queries
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphpar.errors import GraphparError, IRParseError
+from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Program, Role, Value
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
 from graphpar.ir.types import DTYPES_BY_NAME, TensorType
 
@@ -21,7 +23,7 @@ _TOKEN = re.compile(
   | (?P<int>-?\d+)
   | (?P<string>"(?:[^"\\\n]|\\.)*")
   | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<punct>[()\[\]{},:=])
+  | (?P<punct>[()\[\]{},:=<>])
     """,
     re.VERBOSE,
 )
@@ -103,11 +105,73 @@ class _Parser:
 
     def program(self) -> Program:
         graphs = []
+        self.clusters: dict[str, Cluster] = {}
+        self.meshes: dict[str, Mesh] = {}
         while self.peek().kind != "eof":
-            graphs.append(self.graph())
+            if self.at("cluster"):
+                self.cluster_decl()
+            elif self.at("mesh"):
+                self.mesh_decl()
+            else:
+                graphs.append(self.graph())
         if not graphs:
             self.fail("expected 'graph @name(...)', found nothing")
         return Program.of(graphs)
+
+    def _declared_name(self, table: dict, what: str) -> str:
+        tok = self.expect_kind("graph", f"a {what} name like @{what}")
+        if tok.text[1:] in table:
+            self.fail(f"{what} {tok.text} is declared twice", tok)
+        return tok.text[1:]
+
+    def _reference(self, table: dict, what: str):
+        tok = self.expect_kind("graph", f"a {what} name like @{what}")
+        if tok.text[1:] not in table:
+            self.fail(f"{what} {tok.text} is not declared before its use", tok)
+        return table[tok.text[1:]]
+
+    def cluster_decl(self) -> None:
+        """cluster @name = {name="...", num_nodes=1, ...}"""
+        start = self.next()
+        name = self._declared_name(self.clusters, "cluster")
+        self.expect("=")
+        attrs = self.attr_dict()
+        try:
+            self.clusters[name] = Cluster(**attrs)
+        except (TypeError, GraphparError) as exc:
+            self.fail(f"bad cluster declaration: {exc}", start)
+
+    def mesh_decl(self) -> None:
+        """mesh @name = <["dp"=2, "tp"=4]> [on @cluster] {bandwidth=[...], latency=[...]}"""
+        start = self.next()
+        name = self._declared_name(self.meshes, "mesh")
+        self.expect("=")
+        self.expect("<")
+        self.expect("[")
+        shape, names = [], []
+        while not self.at("]"):
+            if self.peek().kind == "string":
+                names.append(self.literal())
+                self.expect("=")
+            shape.append(int(self.expect_kind("int", "an axis size").text))
+            if not self.accept(","):
+                break
+        self.expect("]")
+        self.expect(">")
+        if names and len(names) != len(shape):
+            self.fail("name every mesh axis or none", start)
+        cluster = self._reference(self.clusters, "cluster") if self.accept("on") else None
+        attrs = self.attr_dict() if self.at("{") else {}
+        unknown = set(attrs) - {"bandwidth", "latency", "devices"}
+        if unknown:
+            self.fail(f"unknown mesh attribute(s) {', '.join(sorted(unknown))}; "
+                      "a mesh takes bandwidth, latency and devices", start)
+        try:
+            self.meshes[name] = Mesh(tuple(shape), attrs.get("devices", ()),
+                                     attrs.get("bandwidth", ()), attrs.get("latency", ()),
+                                     tuple(names) if names else None, cluster)
+        except (TypeError, GraphparError) as exc:
+            self.fail(f"bad mesh declaration: {exc}", start)
 
     def graph(self) -> Graph:
         if self.peek().text != "graph":
@@ -121,6 +185,8 @@ class _Parser:
             if not self.accept(","):
                 break
         self.expect(")")
+        if self.accept("on"):
+            graph.mesh = self._reference(self.meshes, "mesh")
         if self.accept("attrs"):
             graph.attrs = self.attr_dict()
         self.expect("{")

@@ -6,6 +6,7 @@ from graphpar.passes import (  # noqa: F401  (registers the passes)
     lower_spmd,
     paged_attention,
 )
+from graphpar.passes.autoshard import serving  # noqa: F401  (registers shard-serving)
 from graphpar.passes.manager import (
     GraphPass,
     Pass,

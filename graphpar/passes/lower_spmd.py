@@ -15,17 +15,20 @@ from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, Node, Program, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.verify import describe
-from graphpar.passes.autoshard.pass_ import mesh_for
 from graphpar.passes.manager import Pass, PassContext, register_pass
 
 # Ops whose attributes spell out their result shape: it becomes the local one.
 _SHAPE_ATTR = {"reshape", "expand", "full"}
 
 
+class GlobalGraphs(dict[str, Graph]):
+    """lower-spmd's result: the global (sharded) graph of each device program, by its name."""
+
+
 def graph_mesh(graph: Graph) -> Mesh:
-    if not graph.attrs.get("mesh"):
+    if graph.mesh is None:
         raise PassError(f"graph @{graph.name} has no mesh: run auto-shard before lower-spmd")
-    return mesh_for(graph.attrs["mesh"], graph.attrs.get("cluster", "dgx-a100"))
+    return graph.mesh
 
 
 def lower_graph(graph: Graph) -> Graph:
@@ -33,7 +36,7 @@ def lower_graph(graph: Graph) -> Graph:
     from graphpar.ir.collectives import emit_step
 
     mesh = graph_mesh(graph)
-    local = Graph(f"{graph.name}_spmd", attrs={**graph.attrs, "spmd": True})
+    local = Graph(f"{graph.name}_spmd", attrs={**graph.attrs, "spmd": True}, mesh=mesh)
     mapping: dict[Value, Value] = {}
     for v in graph.inputs:
         new = local.add_input(v.name, _local_type(v, mesh), v.role)
@@ -101,7 +104,7 @@ class LowerSPMD(Pass):
                 lowered[graph.name] = graph
                 continue
             spmd = lower_graph(graph)
-            ctx.options.setdefault("global_graphs", {})[spmd.name] = graph
+            ctx.result(GlobalGraphs)[spmd.name] = graph
             lowered[spmd.name] = spmd
         program.graphs = lowered
         return True

@@ -18,11 +18,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
+from graphpar.cost.collectives import annotate_comm
 from graphpar.errors import GraphparError, PassError, UsageError
 from graphpar.ir.graph import Graph, Program
-from graphpar.ir.printer import print_graph
+from graphpar.ir.printer import print_program
 from graphpar.ir.verify import verify
 
 _PASSES: dict[str, type[Pass]] = {}
@@ -77,12 +78,26 @@ def available_passes() -> list[str]:
 
 # --- analyses ---------------------------------------------------------------------------------
 
+R = TypeVar("R")
+
+
 class PassContext:
-    """What passes share during one pipeline run: cached analyses and run options."""
+    """What passes share during one pipeline run: cached analyses, typed results, options.
+
+    A result is what a pass hands to later passes and to its caller beside the IR (auto-shard's
+    plans, lower-spmd's map from device programs to global graphs), keyed by its type.
+    """
 
     def __init__(self, options: dict[str, Any] | None = None):
         self.options = dict(options or {})
         self._analyses: dict[tuple[Any, int], Any] = {}
+        self._results: dict[type, Any] = {}
+
+    def result(self, kind: type[R]) -> R:
+        """The `kind` result of this run, made empty (`kind()`) on first use."""
+        if kind not in self._results:
+            self._results[kind] = kind()
+        return self._results[kind]
 
     def analysis(self, compute: Callable[[Graph], Any], graph: Graph) -> Any:
         """`compute(graph)`, cached until a pass changes the graph."""
@@ -237,7 +252,7 @@ class PassManager:
         return "all" in names or p.name in names
 
     def _dump(self, label: str, program: Program) -> None:
-        text = "\n".join(print_graph(g, show_source=True) for g in program)
+        text = print_program(program, show_source=True, annotate=annotate_comm)
         if self.dump_fn is not None:
             self.dump_fn(label, text)
         if self.dump_dir is not None:

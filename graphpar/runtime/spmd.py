@@ -1,8 +1,8 @@
 """Run SPMD device programs: all ranks in one process, or one process per rank over gloo.
 
 A device program is one IR graph with LOCAL shapes that every device of a mesh runs on its
-own shard, with collectives along mesh axes (`graphpar.ir.collectives`) and the mesh shape in
-`graph.attrs["mesh"]` ("2x4"). Ranks are positions in the mesh's row-major order.
+own shard, with collectives along mesh axes (`graphpar.ir.collectives`), declared on its mesh
+(`graph.mesh`). Ranks are positions in the mesh's row-major order.
 
     outs = run_spmd_in_process(graph, per_rank_inputs, mesh)      # fast, deterministic
     outs = run_spmd_multiprocess(graph, per_rank_inputs, mesh)    # gloo on 127.0.0.1
@@ -80,13 +80,13 @@ class SpmdResult(list):
 # ------------------------------------------------------------------------- program checks
 
 def resolve_mesh(mesh: MeshArg, graphs: Sequence[Graph] = ()) -> Mesh:
-    """A Mesh from a Mesh, "2x4" or (2, 4); with None, from the graphs' `attrs["mesh"]`."""
+    """A Mesh from a Mesh, "2x4" or (2, 4); with None, the mesh the graphs are declared on."""
     if mesh is None:
-        texts = {g.attrs.get("mesh") for g in graphs}
-        if len(texts) != 1 or None in texts:
-            raise BackendError("no mesh given and the program's graphs do not all carry the "
-                               "same attrs mesh=\"...\"; pass mesh=")
-        mesh = texts.pop()
+        meshes = {g.mesh for g in graphs}
+        if len(meshes) != 1 or None in meshes:
+            raise BackendError("no mesh given and the program's graphs are not all declared "
+                               "on the same mesh; pass mesh=")
+        mesh = meshes.pop()
     if isinstance(mesh, Mesh):
         return mesh
     try:
@@ -96,12 +96,11 @@ def resolve_mesh(mesh: MeshArg, graphs: Sequence[Graph] = ()) -> Mesh:
 
 
 def check_program(graph: Graph, mesh: Mesh) -> None:
-    """Raise BackendError unless `graph` is a device program for `mesh`: its attrs mesh (if
-    any) is the mesh's shape, no `reshard` node is left, and every collective's axes and group
-    size `n` fit the mesh."""
-    text = graph.attrs.get("mesh")
-    if text is not None and parse_mesh_shape(text) != mesh.shape:
-        raise BackendError(f"graph @{graph.name} is a program for mesh {text} but runs on "
+    """Raise BackendError unless `graph` is a device program for `mesh`: the mesh it is declared
+    on (if any) has the same shape, no `reshard` node is left, and every collective's axes and
+    group size `n` fit the mesh."""
+    if graph.mesh is not None and graph.mesh.shape != mesh.shape:
+        raise BackendError(f"graph @{graph.name} is a program for mesh {graph.mesh} but runs on "
                            f"mesh {mesh}")
     for index, node in enumerate(graph.nodes):
         where = f"graph @{graph.name}, {describe(node, graph, index)}"

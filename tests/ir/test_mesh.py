@@ -136,6 +136,6 @@ def test_mesh_larger_than_cluster():
 
 
 def test_from_string_with_preset_name_and_axis_names():
-    mesh = Mesh.from_string("2x4", "dgx-a100", axis_names=("dp", "tp"))
+    mesh = Mesh.from_string("2x4", get_cluster("dgx-a100"), axis_names=("dp", "tp"))
     assert mesh.bandwidth == (300e9, 300e9) and mesh.axis_names == ("dp", "tp")
     assert "axis 0 (dp): 2 devices, 300.0 GB/s" in mesh.describe()

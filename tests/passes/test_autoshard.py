@@ -3,6 +3,7 @@
 import pytest
 
 from graphpar.capture import capture_inference
+from graphpar.cost.cluster import mesh_for
 from graphpar.errors import MemoryLimitError
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -10,7 +11,7 @@ from graphpar.ir.verify import verify
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.factors import factor_spec
-from graphpar.passes.autoshard.pass_ import mesh_for
+from graphpar.passes.autoshard.pass_ import ShardingPlans
 from graphpar.passes.autoshard.strategies import node_strategies
 
 
@@ -24,7 +25,7 @@ def gpt_graph(batch: int, layers: int = 2):
 def shard(graph, options):
     ctx = PassContext()
     PassManager(parse_pipeline(f"cleanup,auto-shard{{{options}}}")).run(graph, ctx)
-    return next(iter(ctx.options["plans"].values()))
+    return next(iter(ctx.result(ShardingPlans).values()))
 
 
 def test_large_batch_small_model_is_data_parallel():

@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from graphpar.capture import Adam, capture_training
+from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.errors import MemoryLimitError
 from graphpar.ir.graph import Role
 from graphpar.ir.layout import Layout
@@ -15,10 +16,10 @@ from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, batch_factors, hand_plan, hand_plans
 from graphpar.passes.autoshard.ilp import Problem, Reduced, _layer_key
-from graphpar.passes.autoshard.pass_ import cluster_for, mesh_for, shard_graph
+from graphpar.passes.autoshard.pass_ import shard_graph
 from graphpar.passes.autoshard.strategies import node_signature
 
-CLUSTER = cluster_for("dgx-a100")
+CLUSTER = get_cluster("dgx-a100")
 PEAK = CLUSTER.peak_flops("fp32")
 
 

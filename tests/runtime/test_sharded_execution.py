@@ -10,12 +10,13 @@ import torch
 import graphpar
 from graphpar.api import lower
 from graphpar.capture import SGD, capture_inference, capture_training
+from graphpar.cost.cluster import mesh_for
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.verify import verify
 from graphpar.models import MODEL_NAMES, get_model
 from graphpar.passes import PassContext, run_pipeline
 from graphpar.passes.autoshard.ilp import Plan
-from graphpar.passes.autoshard.pass_ import mesh_for, shard_graph
+from graphpar.passes.autoshard.pass_ import ShardingPlans, shard_graph
 from graphpar.passes.autoshard.strategies import input_layouts, node_strategies
 
 MESHES = ["2", "4", "2x2", "2x4", "2x2x2"]
@@ -38,9 +39,9 @@ def sharded(captured, mesh_text: str, seed: int):
     run_pipeline(captured.graph, "cleanup")
     plan = random_plan(captured.graph, mesh, seed)
     shard_graph(captured.graph, mesh, plan)
-    captured.graph.attrs.update(mesh=mesh_text, cluster="cpu")
     verify(captured.graph)
-    ctx = PassContext({"plans": {captured.graph.name: plan}})
+    ctx = PassContext()
+    ctx.result(ShardingPlans)[captured.graph.name] = plan
     return lower(captured, ctx)
 
 

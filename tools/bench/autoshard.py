@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from graphpar.capture import Adam, capture_training
+from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, hand_plans
 from graphpar.passes.autoshard.ilp import (
@@ -39,7 +40,6 @@ from graphpar.passes.autoshard.ilp import (
     Problem,
     Reduced,
 )
-from graphpar.passes.autoshard.pass_ import cluster_for, mesh_for
 
 # model:preset[:overrides], overrides as key=value separated by '/'
 # MoE: tokens are routed in groups of 1024 (Alpa: 2048) so that a batch of 32 has 32 groups.
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     meshes = (args.meshes.split(",") if args.meshes else
               QUICK_MESHES if args.quick else DEFAULT_MESHES)
     batch = 8 if args.quick and args.batch == 32 else args.batch
-    cluster = cluster_for(args.cluster)
+    cluster = get_cluster(args.cluster)
     rows, first = [], True
     for spec in models:
         name, preset, overrides = parse_model(spec, args.layers)

@@ -715,7 +715,7 @@ def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | Non
 
 
 def _memory_error(reduced: Reduced, inst: _Instance, limit: float) -> MemoryLimitError:
-    from graphpar.cost.units import format_bytes
+    from graphpar.units import format_bytes
 
     problem = reduced.problem
     least = inst.least_memory()

@@ -7,13 +7,10 @@ in the IR text and `lower-spmd` turns each reshard into collectives.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
 
-from graphpar.cost.cluster import Cluster, get_cluster, load_cluster
-from graphpar.cost.units import parse_bytes
-from graphpar.errors import ClusterSpecError, ShardingError
+from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Node, OutputRole, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
@@ -21,27 +18,17 @@ from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard.ilp import Plan, solve
 from graphpar.passes.autoshard.strategies import node_strategies, replicated
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
+from graphpar.units import parse_bytes
 
 
-def cluster_for(spec: str) -> Cluster:
-    if spec.endswith((".json", ".yaml", ".yml")):
-        return load_cluster(spec)
-    return get_cluster(spec)
-
-
-def mesh_for(shape: str, cluster: Cluster | str = "dgx-a100") -> Mesh:
-    """A mesh of `shape` ("2x4") on `cluster`, adding nodes of the cluster's kind as needed."""
-    cluster = cluster_for(cluster) if isinstance(cluster, str) else cluster
-    mesh = Mesh.from_string(shape)
-    if mesh.size > cluster.num_devices:
-        nodes = math.ceil(mesh.size / cluster.devices_per_node)
-        cluster = dataclasses.replace(cluster, num_nodes=nodes)
-    return Mesh.from_cluster(cluster, mesh.shape)
+class ShardingPlans(dict[str, Plan]):
+    """auto-shard's result: the solved plan of each graph, by graph name."""
 
 
 def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
-    """Write `plan` into `graph`: layouts on values, `reshard` nodes where layouts change.
-    Returns how many reshard nodes were inserted."""
+    """Write `plan` into `graph`: layouts on values, `reshard` nodes where layouts change, and
+    the mesh on the graph. Returns how many reshard nodes were inserted."""
+    graph.mesh = mesh
     for v, layout in plan.input_layout.items():
         v.layout = layout
     for node, strategy in plan.node_strategy.items():
@@ -109,25 +96,18 @@ class AutoShard(GraphPass):
     dtype: str = "fp32"
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
-        if graph.attrs.get("mesh"):
-            raise ShardingError(f"graph @{graph.name} is already sharded on mesh "
-                                f"{graph.attrs['mesh']}")
-        try:
-            cluster = cluster_for(self.cluster)
-        except ClusterSpecError:
-            raise
-        mesh = mesh_for(self.mesh, cluster)
+        if graph.mesh is not None:
+            raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
+        mesh = mesh_for(self.mesh, get_cluster(self.cluster))
         _check_mesh_divides(graph, mesh, self.mesh)
         limit = parse_bytes(self.memory_limit) if self.memory_limit else None
-        plan = solve(graph, mesh, cluster.peak_flops(self.dtype), limit, self.time_limit)
+        plan = solve(graph, mesh, mesh.cluster.peak_flops(self.dtype), limit, self.time_limit)
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
-            "mesh": self.mesh,
-            "cluster": self.cluster,  # the preset name or file: lower-spmd reads it again
             "estimated_compute_s": round(plan.compute_seconds, 9),
             "estimated_comm_s": round(plan.comm_seconds, 9),
             "estimated_memory_bytes": int(plan.memory_bytes),
             "reshards": reshards,
         })
-        ctx.options.setdefault("plans", {})[graph.name] = plan
+        ctx.result(ShardingPlans)[graph.name] = plan
         return True

@@ -24,17 +24,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Graph, Role, Value
+from graphpar.ir.graph import Graph, Program, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
-from graphpar.ir.mesh import Mesh
 from graphpar.passes.autoshard.hand_plans import _axis_roles, _Filter
 from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
-from graphpar.passes.autoshard.pass_ import cluster_for, mesh_for, shard_graph
+from graphpar.passes.autoshard.pass_ import ShardingPlans, shard_graph
 from graphpar.passes.autoshard.strategies import Strategy
-from graphpar.passes.lower_spmd import lower_graph
+from graphpar.passes.lower_spmd import LowerSPMD
+from graphpar.passes.manager import Pass, PassContext, PassManager, register_pass
 
-__all__ = ["SERVING_PLANS", "ServingProgram", "is_kv_cache", "plan_serving", "varying_dims"]
+__all__ = ["SERVING_PLANS", "ServingProgram", "ShardServing", "is_kv_cache", "plan_serving",
+           "varying_dims"]
 
 SERVING_PLANS = ("auto", "megatron")
 _CACHE_PREFIXES = ("key_cache.", "value_cache.")
@@ -117,54 +119,85 @@ class _ServingFilter:
         return self.megatron(item, choice) if self.megatron else None
 
 
+class ServingLayouts(dict[str, Layout]):
+    """Weight layouts fixed by the serving programs planned so far, by graph input name: the
+    next program keeps them (the engine holds one copy of each weight per rank)."""
+
+
+@register_pass("shard-serving")
+@dataclass
+class ShardServing(Pass):
+    """Shard one serving program for `tp` ranks: the program's first graph is it at its base
+    sizes, the others the same program captured at other sizes; one plan holds for all."""
+
+    tp: int = 2
+    plan: str = "auto"
+    cluster: str = "cpu"
+    time_limit: float = 30.0
+
+    def run(self, program: Program, ctx: PassContext) -> bool:
+        if self.plan not in SERVING_PLANS:
+            raise ShardingError(f"unknown serving plan {self.plan!r}; choose one of "
+                                f"{', '.join(SERVING_PLANS)}")
+        base, *others = program
+        mesh = mesh_for(str(self.tp), get_cluster(self.cluster))
+        fixed = ctx.result(ServingLayouts)
+        reduced = Reduced(Problem(base, mesh, mesh.cluster.peak_flops("fp32")))
+        allow = _ServingFilter(reduced, varying_dims(base, others), fixed, self.plan)
+        try:
+            solved = reduced.solve(None, self.time_limit, allow=allow,
+                                   name=f"serving-{self.plan}")
+        except ShardingError as exc:
+            raise ShardingError(f"no {self.plan} tensor-parallel plan for @{base.name} on "
+                                f"{self.tp} ranks: {exc}") from None
+        for graph in others:  # before the base graph gains its reshard nodes
+            shard_graph(graph, mesh, _moved(solved, graph, base))
+        for v in base.inputs:
+            if v.role in (Role.PARAM, Role.BUFFER):
+                fixed[v.name] = solved.input_layout[v]
+        ctx.result(ShardingPlans)[base.name] = solved
+        shard_graph(base, mesh, solved)
+        return True
+
+
 def plan_serving(programs: Mapping[str, tuple[Graph, Mapping[str, int],
                                               Mapping[str, tuple[int, Graph]]]],
                  tp: int, plan: str = "auto", cluster: str = "cpu",
                  time_limit: float = 30.0) -> dict[str, ServingProgram]:
     """Plan and lower each program (``name -> (base graph, base sizes, {symbol: (size,
-    graph)})``, in planning order) for ``tp`` tensor-parallel ranks. The graphs are global
-    (unsharded) and are not changed; the results are device programs for a 1-D mesh."""
-    if plan not in SERVING_PLANS:
-        raise ShardingError(f"unknown serving plan {plan!r}; choose one of "
-                            f"{', '.join(SERVING_PLANS)}")
-    cluster_spec = cluster_for(cluster)
-    mesh = mesh_for(str(tp), cluster_spec)
-    peak = cluster_spec.peak_flops("fp32")
-    fixed: dict[str, Layout] = {}
+    graph)})``, in planning order) for ``tp`` tensor-parallel ranks, through the pass manager
+    (shard-serving, then lower-spmd, verified after each). The graphs are global (unsharded)
+    and are not changed; the results are device programs for a 1-D mesh."""
+    ctx = PassContext()
+    manager = PassManager([ShardServing(tp, plan, cluster, time_limit), LowerSPMD()])
     result: dict[str, ServingProgram] = {}
     for name, (base, base_sizes, variants) in programs.items():
-        varying = varying_dims(base, [g for _, g in variants.values()])
-        reduced = Reduced(Problem(base, mesh, peak))
-        allow = _ServingFilter(reduced, varying, fixed, plan)
+        copies = {None: base.copy(), **{sym: g.copy() for sym, (_, g) in variants.items()}}
+        for sym, copy in copies.items():  # distinct names in one program
+            copy.name = base.name if sym is None else f"{base.name}.{sym}"
+        layouts_of = {v.name: v for v in copies[None].inputs}
         try:
-            solved = reduced.solve(None, time_limit, allow=allow, name=f"serving-{plan}")
+            lowered = list(manager.run(Program.of(copies.values()), ctx))
         except ShardingError as exc:
-            raise ShardingError(f"no {plan} tensor-parallel plan for the {name} program on "
-                                f"{tp} ranks: {exc}") from None
-        lowered = {sym: (size, _lower(graph, base, solved, mesh, cluster))
-                   for sym, (size, graph) in variants.items()}
-        program = ServingProgram(name, _lower(base, base, solved, mesh, cluster),
-                                 dict(base_sizes), lowered, solved)
-        program.layouts = {v.name: solved.input_layout[v] for v in base.inputs}
-        for v in base.inputs:
-            if v.role in (Role.PARAM, Role.BUFFER):
-                fixed[v.name] = solved.input_layout[v]
+            raise ShardingError(f"the {name} program: {exc}") from None
+        devices = dict(zip(copies, lowered))
+        for sym, (_, graph) in variants.items():
+            devices[sym].name = f"{graph.name}_spmd"
+        solved = ctx.result(ShardingPlans)[base.name]
+        program = ServingProgram(name, devices[None], dict(base_sizes),
+                                 {sym: (size, devices[sym]) for sym, (size, _) in
+                                  variants.items()}, solved)
+        program.layouts = {n: solved.input_layout[v] for n, v in layouts_of.items()}
         result[name] = program
     return result
 
 
-def _lower(graph: Graph, base: Graph, plan: Plan, mesh: Mesh, cluster: str) -> Graph:
-    """`graph` (the base graph or one captured at other sizes) sharded by the base graph's plan
-    and lowered to its device program (`cluster`: the preset name or file, which lower-spmd
-    reads again to pick the same collectives the plan priced)."""
-    copy = graph.copy()
-    if len(copy.nodes) != len(base.nodes) or len(copy.inputs) != len(base.inputs):
+def _moved(plan: Plan, graph: Graph, base: Graph) -> Plan:
+    """The base graph's plan moved node by node onto `graph`, the same program at other sizes."""
+    if len(graph.nodes) != len(base.nodes) or len(graph.inputs) != len(base.inputs):
         raise ShardingError(f"graph @{graph.name} is not the program @{base.name} at other "
                             "sizes")
-    moved = Plan(mesh, {n: plan.node_strategy[b] for n, b in zip(copy.nodes, base.nodes)},
-                 {v: plan.input_layout[b] for v, b in zip(copy.inputs, base.inputs)},
-                 plan.compute_seconds, plan.comm_seconds, plan.memory_bytes, plan.stats,
-                 plan.name)
-    shard_graph(copy, mesh, moved)
-    copy.attrs.update({"mesh": str(mesh.size), "cluster": cluster})
-    return lower_graph(copy)
+    return Plan(plan.mesh, {n: plan.node_strategy[b] for n, b in zip(graph.nodes, base.nodes)},
+                {v: plan.input_layout[b] for v, b in zip(graph.inputs, base.inputs)},
+                plan.compute_seconds, plan.comm_seconds, plan.memory_bytes, plan.stats,
+                plan.name)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphpar.cost.units import (
+from graphpar.units import (
     format_bandwidth,
     format_bytes,
     format_flops,

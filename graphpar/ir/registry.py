@@ -1,4 +1,4 @@
-"""The one op registry: each op is declared once with its type rule, cost and reference."""
+"""The one op registry: each op is declared once with its type rule, cost, traits and reference."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ class OpKind(str, enum.Enum):
     COLLECTIVE = "collective"
 
 
+class Trait(str, enum.Enum):
+    """Facts about an op that passes act on, declared with the op instead of kept in a pass."""
+
+    FOLLOWS_OPERAND = "follows-operand"  # auto-shard gives it its dominant operand's layout
+    SHAPE_ATTR = "shape-attr"  # attrs["shape"] is the result shape: lower-spmd localizes it
+    KEEPS_UNIFORM = "keeps-uniform"  # one repeated value in gives one repeated value out
+    WRITES_OPERAND = "writes-operand"  # updates an operand in place at run time: not pure
+    REPLICATE_ONLY = "replicate-only"  # no sharding rule: auto-shard runs it replicated
+
+
 # What a type rule, cost rule or reference sees: operand types (or scalars) and the attributes.
 OperandTypes = Sequence["TensorType | int | float | bool | None"]
 TypeRule = Callable[[OperandTypes, dict[str, Any]], list[TensorType]]
@@ -50,8 +60,25 @@ class OpDef:
     type_rule: TypeRule | None = None
     flop_rule: FlopRule | None = None
     doc: str = ""
-    # Filled in by graphpar.passes.autoshard: a function listing sharding strategies.
-    sharding_rule: Any = field(default=None, compare=False)
+    traits: frozenset[Trait] = frozenset()
+    # The ATen op (packet name, e.g. "neg") whose overloads lower 1:1 to this op: every ATen
+    # argument is an operand, in order. None when capture lowers it by hand or not at all.
+    aten: str | None = None
+    # SPMD ops: the value of their graphpar.cost.collectives.StepKind ("all_reduce", ...).
+    comm_kind: str | None = None
+    # Attached by graphpar.passes.autoshard (`attach_sharding_rule`): node -> its factors.
+    sharding_rule: Callable[..., Any] | None = field(default=None, compare=False)
+
+    def has(self, trait: Trait) -> bool:
+        return trait in self.traits
+
+    def attach_sharding_rule(self, rule: Callable[..., Any]) -> None:
+        """Set the op's sharding rule once (the registry lives below the passes that own rules)."""
+        if self.sharding_rule is not None:
+            raise ValueError(f"op {self.name!r} already has a sharding rule")
+        if Trait.REPLICATE_ONLY in self.traits:
+            raise ValueError(f"op {self.name!r} is declared replicate-only")
+        object.__setattr__(self, "sharding_rule", rule)
 
     def infer(self, operands: OperandTypes, attrs: dict[str, Any]) -> list[TensorType]:
         if self.type_rule is not None:

@@ -14,12 +14,10 @@ from graphpar.cost.collectives import resharding_cost
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, Node, Program, Value
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.registry import Trait, get_op
 from graphpar.ir.verify import describe
 from graphpar.passes.autoshard.pass_ import mesh_for
 from graphpar.passes.manager import Pass, PassContext, register_pass
-
-# Ops whose attributes spell out their result shape: it becomes the local one.
-_SHAPE_ATTR = {"reshape", "expand", "full"}
 
 
 def graph_mesh(graph: Graph) -> Mesh:
@@ -72,7 +70,7 @@ def _lower_node(local: Graph, node: Node, mapping: dict, mesh: Mesh) -> tuple[Va
     operands = [mapping[v] if isinstance(v, Value) else v for v in node.inputs]
     attrs = dict(node.attrs)
     expected = [_local_type(o, mesh) for o in node.outputs]
-    if node.op in _SHAPE_ATTR:
+    if get_op(node.op).has(Trait.SHAPE_ATTR):  # the attribute spells out the result's shape
         attrs["shape"] = expected[0].shape
     try:
         new = local.create(node.op, operands, attrs, module=node.module, loc=node.loc)

@@ -228,10 +228,15 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 
 def cmd_ops(args: argparse.Namespace) -> int:
-    from graphpar.ir.ops import all_ops
+    from graphpar.ir.registry import all_ops
 
     for name, op in sorted(all_ops().items()):
-        print(f"{name:<24} {op.kind.value:<12} {op.doc.splitlines()[0] if op.doc else ''}")
+        traits = sorted(t.value for t in op.traits)
+        if op.comm_kind is not None:
+            traits.append(f"comm={op.comm_kind}")
+        shown = f"[{', '.join(traits)}]" if traits else ""
+        doc = op.doc.splitlines()[0] if op.doc else ""
+        print(f"{name:<24} {op.kind.value:<12} {shown:<44} {doc}".rstrip())
     return 0
 
 

@@ -42,6 +42,8 @@ __all__ = [
     "SUPPORTED_HEAD_SIZES",
     "allocate_kv_cache",
     "block_copy_pairs",
+    "check_cache_write",
+    "check_decode_query",
     "check_kv_caches",
     "copy_blocks",
     "gather_sequence_kv",
@@ -110,6 +112,44 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
         )
 
 
+def check_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Raise ValueError unless ``key``/``value`` are ``[num_tokens, num_kv_heads, head_size]``
+    of the caches' dtype and ``slot_mapping`` is ``[num_tokens]`` (every implementation's
+    ``reshape_and_cache`` checks this)."""
+    _, _, num_kv_heads, head_size = key_cache.shape
+    expected = (key.shape[0], num_kv_heads, head_size)
+    if tuple(key.shape) != expected or tuple(value.shape) != expected:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+            f"[num_tokens, num_kv_heads={num_kv_heads}, head_size={head_size}]"
+        )
+    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
+        raise ValueError(f"key/value dtype {key.dtype} differs from cache dtype {key_cache.dtype}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+
+
+def check_decode_query(
+    query: torch.Tensor, key_cache: torch.Tensor, num_kv_heads: int | None
+) -> int:
+    """Raise ValueError unless ``query`` is ``[num_seqs, num_heads, head_size]`` with the cache's
+    head size and a multiple of its kv heads; return the cache's kv-head count."""
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_seqs, num_heads, head_size], got {tuple(query.shape)}"
+        )
+    head_size, cache_head_size = query.shape[2], key_cache.shape[3]
+    if head_size != cache_head_size:
+        raise ValueError(f"query head_size {head_size} != cache head_size {cache_head_size}")
+    return num_kv_heads_for(key_cache, query.shape[1], num_kv_heads)
+
+
 def num_kv_heads_for(key_cache: torch.Tensor, num_heads: int, num_kv_heads: int | None) -> int:
     """The cache's kv-head count, checked against ``num_kv_heads`` and dividing ``num_heads``."""
     cache_kv_heads = key_cache.shape[2]
@@ -136,17 +176,8 @@ def reshape_and_cache(
     offset ``slot % block_size``); slot ``-1`` is skipped. Slots must be distinct.
     """
     check_kv_caches(key_cache, value_cache)
-    _, block_size, num_kv_heads, head_size = key_cache.shape
-    expected = (key.shape[0], num_kv_heads, head_size)
-    if tuple(key.shape) != expected or tuple(value.shape) != expected:
-        raise ValueError(
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-            f"[num_tokens, num_kv_heads={num_kv_heads}, head_size={head_size}]"
-        )
-    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
-        raise ValueError(f"key/value dtype {key.dtype} differs from cache dtype {key_cache.dtype}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    _, _, num_kv_heads, head_size = key_cache.shape
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
     slots = slot_mapping.to(device=key.device, dtype=torch.long)
@@ -197,15 +228,9 @@ def paged_attention(
     K and V, and the attention is two batched matmuls.
     """
     check_kv_caches(key_cache, value_cache)
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [num_seqs, num_heads, head_size], got {tuple(query.shape)}"
-        )
+    kv_heads = check_decode_query(query, key_cache, num_kv_heads)
     num_seqs, num_heads, head_size = query.shape
-    _, block_size, _, cache_head_size = key_cache.shape
-    if head_size != cache_head_size:
-        raise ValueError(f"query head_size {head_size} != cache head_size {cache_head_size}")
-    kv_heads = num_kv_heads_for(key_cache, num_heads, num_kv_heads)
+    block_size = key_cache.shape[1]
     group = num_heads // kv_heads
     device = query.device
 

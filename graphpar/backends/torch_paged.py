@@ -1,7 +1,8 @@
 """Paged attention in a few batched torch ops: the fast path where there is no CUDA kernel.
 
-Same functions, arguments and cache layout as :mod:`graphpar.backends.reference_paged` (the
-ground truth the CUDA kernels are tested against); tests check this module against it. The
+A :class:`graphpar.backends.paged.PagedKernels`, on the cache layout of
+:mod:`graphpar.backends.reference_paged` (the ground truth the CUDA kernels are tested against);
+tests check this module against it. The
 reference favours obviously-correct code (a loop over sequences for prefill, one gather per
 layer built from scratch); here each call is a handful of tensor ops over the whole batch:
 

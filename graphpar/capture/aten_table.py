@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from graphpar.ir.graph import Value
+from graphpar.ir.registry import all_ops
 from graphpar.ir.types import dtype_name
 
 aten = torch.ops.aten
@@ -72,19 +73,18 @@ def scalar(v: Any) -> Any:
 
 # --- elementwise ------------------------------------------------------------------------------
 
-for _name in ("neg", "abs", "exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos",
-              "tanh", "sigmoid", "relu", "silu", "erf", "reciprocal", "sign", "floor", "ceil",
-              "trunc", "logical_not", "bitwise_not", "isnan"):
-    TABLE[getattr(aten, _name).default] = (lambda name: lambda e, a: e.emit(name, [a[0]]))(_name)
+def _one_to_one(name: str) -> Lowering:
+    return lambda e, a: e.emit(name, [scalar(x) for x in a])
 
-for _name in ("eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_xor",
-              "remainder", "mul"):
-    for _overload in ("Tensor", "Scalar"):
-        TABLE[getattr(getattr(aten, _name), _overload)] = (
-            lambda name: lambda e, a: e.emit(name, [a[0], scalar(a[1])]))(_name)
-for _name in ("maximum", "minimum", "logical_and", "logical_or"):
-    TABLE[getattr(aten, _name).default] = (lambda name: lambda e, a: e.emit(name, [a[0], a[1]]))(
-        _name)
+
+# Ops declared with an ATen name (`OpDef.aten`) lower 1:1, every argument an operand: binary
+# ops from their Tensor and Scalar overloads where ATen has them, others from their default.
+for _op in all_ops().values():
+    if _op.aten is not None:
+        _packet = getattr(aten, _op.aten)
+        _overloads = ("Tensor", "Scalar") if "Tensor" in _packet.overloads() else ("default",)
+        for _overload in _overloads:
+            TABLE[getattr(_packet, _overload)] = _one_to_one(_op.name)
 
 
 @_on(aten.gelu.default)

@@ -37,7 +37,6 @@ its docstring.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import itertools
 import math
@@ -46,9 +45,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from graphpar.errors import ShardingError
+from graphpar.ir.collectives import comm_kind, node_axes
 from graphpar.ir.graph import Node
 from graphpar.ir.layout import Layout, Partial, Placement, Replicate, Shard
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.registry import StepKind
 from graphpar.units import format_bytes, format_seconds
 
 __all__ = [
@@ -70,29 +71,6 @@ __all__ = [
 ]
 
 AxesArg = int | str | Sequence[int | str]
-
-
-class StepKind(str, enum.Enum):
-    """What one step does. The first six communicate; the `local_*` ones are free."""
-
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-    SEND_RECV = "send_recv"
-    LOCAL_SLICE = "local_slice"  # R -> S(d): keep this device's chunk of dim d
-    LOCAL_ZERO = "local_zero"  # R -> P: for sum, devices not at coordinate 0 on the axis zero
-    #                            their copy; for avg/max/min, keep it (no change in data)
-    LOCAL_PAD = "local_pad"  # S(d) -> P(sum): a zero tensor of the unsharded size with
-    #                          this device's chunk in place
-
-    @property
-    def communicates(self) -> bool:
-        return not self.value.startswith("local_")
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # (latency steps as a function of n, bandwidth factor as a function of n)
@@ -473,8 +451,6 @@ def node_comm_cost(node: Node, mesh: Mesh) -> Step | None:
     gathered result of all_gather, the full input of reduce_scatter, the tensor itself for
     all_reduce, all_to_all and send.
     """
-    from graphpar.ir.collectives import comm_kind, node_axes
-
     kind = comm_kind(node.op)
     if kind is None or not kind.communicates:
         return None

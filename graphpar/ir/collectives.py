@@ -8,7 +8,8 @@ A collective names mesh axes, `axes=[1]` or `axes=[0, 1]` (ascending). Its group
 that differ from this one only along those axes, ordered row-major over their coordinates,
 lower axis major (as `Mesh.groups` and as Layout's chunk order when several axes shard one
 dim). `n` is the group size, kept in the attributes so types check without the mesh; the
-runtime checks it against the mesh.
+runtime checks it against the mesh. Each op's `comm_kind` (a cost-model `StepKind`) is declared
+on its `OpDef` below, the one map between ops and steps.
 
     all_reduce(x)     {axes, n, op}                   reduce over the group; same shape
     all_gather(x)     {axes, n, dim}                  concat the group's tensors on dim (x n)
@@ -24,7 +25,9 @@ runtime checks it against the mesh.
     recv()            {src, shape, dtype, tag}        a tensor from global rank src
 
 `op` is one of "sum", "avg", "max", "min". The attributes map 1:1 from a cost-model
-`Step` (`graphpar.cost.collectives`): `emit_step(graph, step, value)` appends the node.
+`Step` (`graphpar.cost.collectives`): lower-spmd's `emit_step` appends the node.
+
+`OPS` lists these ops for `graphpar.ir.load_ops`.
 
 Without a communicator these ops cannot run (they are rank-dependent): their reference
 implementations handle groups of one and otherwise raise `BackendError`; run device programs
@@ -36,21 +39,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from graphpar.cost.collectives import Step, StepKind
 from graphpar.errors import BackendError
-from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.graph import Node
 from graphpar.ir.layout import REDUCE_OPS
-from graphpar.ir.registry import OpDef, OpKind, all_ops, register
+from graphpar.ir.registry import OpDef, OpKind, StepKind, Trait, get_op
 from graphpar.ir.registry import dtype as torch_dtype
 from graphpar.ir.types import DTYPE_NAMES, TensorType
 
 __all__ = [
     "COMM_OPS",
+    "OPS",
     "GROUP_OPS",
     "LOCAL_OPS",
     "SPMD_OPS",
     "comm_kind",
-    "emit_step",
     "is_spmd_op",
     "node_axes",
 ]
@@ -65,18 +67,6 @@ COMM_OPS = GROUP_OPS + P2P_OPS
 SPMD_OPS = COMM_OPS + LOCAL_OPS
 """Every op that needs a communicator (its rank, group position or peers) to run."""
 
-_KIND = {
-    "all_reduce": StepKind.ALL_REDUCE,
-    "all_gather": StepKind.ALL_GATHER,
-    "reduce_scatter": StepKind.REDUCE_SCATTER,
-    "all_to_all": StepKind.ALL_TO_ALL,
-    "send": StepKind.SEND_RECV,
-    "local_slice": StepKind.LOCAL_SLICE,
-    "local_zero": StepKind.LOCAL_ZERO,
-    "local_pad": StepKind.LOCAL_PAD,
-}
-
-
 def is_spmd_op(op: str) -> bool:
     """Whether `op` needs a communicator to run (a collective, a local step, send or recv)."""
     return op in SPMD_OPS
@@ -84,7 +74,9 @@ def is_spmd_op(op: str) -> bool:
 
 def comm_kind(op: str) -> StepKind | None:
     """The cost model's kind for an SPMD op (`send` is SEND_RECV; `recv` sends nothing: None)."""
-    return _KIND.get(op)
+    if op not in SPMD_OPS or op == "recv":
+        return None
+    return StepKind(get_op(op).comm_kind)
 
 
 def node_axes(node: Node) -> tuple[int, ...]:
@@ -276,62 +268,19 @@ def _zero_flops(operands, results, attrs) -> int:
     return 0
 
 
-def _register() -> None:
-    if "all_reduce" in all_ops():  # imported twice under different names: keep the first
-        return
-    for op in SPMD_OPS:
-        register(OpDef(op, OpKind.COLLECTIVE, _no_comm(op), type_rule=_TYPE_RULES[op],
-                       flop_rule=_zero_flops, doc=_DOCS[op]))
+_COMM_KINDS = {
+    "all_reduce": StepKind.ALL_REDUCE,
+    "all_gather": StepKind.ALL_GATHER,
+    "reduce_scatter": StepKind.REDUCE_SCATTER,
+    "all_to_all": StepKind.ALL_TO_ALL,
+    "send": StepKind.SEND_RECV,
+    "recv": StepKind.SEND_RECV,
+    "local_slice": StepKind.LOCAL_SLICE,
+    "local_zero": StepKind.LOCAL_ZERO,
+    "local_pad": StepKind.LOCAL_PAD,
+}
 
-
-_register()
-
-
-# ------------------------------------------------------------------------- lowering helper
-
-def emit_step(graph: Graph, step: Step, value: Value, before: Node | None = None, *,
-              module: str | None = None, loc: str | None = None) -> Value:
-    """Append (or insert before `before`) the node for one cost-model `Step` applied to
-    `value`, a device-local value, and return its result.
-
-        ALL_REDUCE      all_reduce     {axes, n, op=reduce_op}
-        ALL_GATHER      all_gather     {axes, n, dim=gather_dim}
-        REDUCE_SCATTER  reduce_scatter {axes, n, dim=scatter_dim, op=reduce_op}
-        ALL_TO_ALL      all_to_all     {axes, n, split_dim=scatter_dim, concat_dim=gather_dim}
-        LOCAL_SLICE     local_slice    {axes, n, dim=scatter_dim}
-        LOCAL_ZERO      local_zero     {axes, n, op=reduce_op}   (identity unless op is sum)
-        LOCAL_PAD       local_pad      {axes, n, dim=gather_dim}
-
-    `axes` are `step.axes` (ascending), `n` is `step.group_size`. Broadcast and send/recv
-    steps have no single-node form here and raise ValueError.
-    """
-    axes = tuple(sorted(step.axes))
-    base: dict[str, Any] = {"axes": axes, "n": int(step.group_size)}
-    kind = StepKind(step.kind)
-
-    def need(field: str) -> Any:
-        v = getattr(step, field)
-        if v is None:
-            raise ValueError(f"{kind} step needs {field}: {step}")
-        return v
-
-    if kind is StepKind.ALL_REDUCE:
-        op, attrs = "all_reduce", {**base, "op": step.reduce_op or "sum"}
-    elif kind is StepKind.ALL_GATHER:
-        op, attrs = "all_gather", {**base, "dim": need("gather_dim")}
-    elif kind is StepKind.REDUCE_SCATTER:
-        op, attrs = "reduce_scatter", {**base, "dim": need("scatter_dim"),
-                                       "op": step.reduce_op or "sum"}
-    elif kind is StepKind.ALL_TO_ALL:
-        op, attrs = "all_to_all", {**base, "split_dim": need("scatter_dim"),
-                                   "concat_dim": need("gather_dim")}
-    elif kind is StepKind.LOCAL_SLICE:
-        op, attrs = "local_slice", {**base, "dim": need("scatter_dim")}
-    elif kind is StepKind.LOCAL_ZERO:
-        op, attrs = "local_zero", {**base, "op": step.reduce_op or "sum"}
-    elif kind is StepKind.LOCAL_PAD:
-        op, attrs = "local_pad", {**base, "dim": need("gather_dim")}
-    else:
-        raise ValueError(f"emit_step: no SPMD op for a {kind} step ({step})")
-    node = graph.create(op, [value], attrs, module=module, loc=loc, before=before)
-    return node.output
+# Device-program ops: auto-shard never sees them, it runs on global graphs.
+OPS = [OpDef(op, OpKind.COLLECTIVE, _no_comm(op), type_rule=_TYPE_RULES[op],
+             flop_rule=_zero_flops, doc=_DOCS[op], comm_kind=_COMM_KINDS[op],
+             traits=frozenset({Trait.REPLICATE_ONLY})) for op in SPMD_OPS]

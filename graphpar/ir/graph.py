@@ -178,7 +178,7 @@ class Graph:
         before: Node | None = None,
     ) -> Node:
         """Make a node of a registered op; its output types come from the op's type rule."""
-        from graphpar.ir.ops import infer_types  # registers the ops too
+        from graphpar.ir.registry import infer_types
 
         attrs = dict(attrs or {})
         if output_types is None:

@@ -1,8 +1,8 @@
 """The core op set, at the level of PyTorch's core ATen decomposition plus composites.
 
-Each op is one `register` call. A reference is the torch computation the CPU executor runs,
-and by default also the op's type rule (run on meta tensors). Attributes are plain data: dims and
-shapes as tuples, dtypes by IR name ("f32").
+Each op is one `_op` entry in `OPS`, which `graphpar.ir.load_ops` registers. A reference is the
+torch computation the CPU executor runs, and by default also the op's type rule (run on meta
+tensors). Attributes are plain data: dims and shapes as tuples, dtypes by IR name ("f32").
 """
 
 from __future__ import annotations
@@ -16,24 +16,35 @@ import torch.nn.functional as F
 from graphpar.ir.registry import (
     OpDef,
     OpKind,
+    Trait,
     all_ops,
     get_op,
     infer_types,
     matmul_flops,
-    register,
 )
 from graphpar.ir.registry import dtype as torch_dtype
 from graphpar.ir.types import TensorType
 
-__all__ = ["OpDef", "OpKind", "all_ops", "get_op", "infer_types", "register"]
+__all__ = ["OPS", "OpDef", "OpKind", "Trait", "all_ops", "get_op", "infer_types"]
 
 aten = torch.ops.aten
 E, R, S, C, X, IX = (OpKind.ELEMENTWISE, OpKind.REDUCTION, OpKind.SHAPE, OpKind.COMPOSITE,
                      OpKind.CREATION, OpKind.INDEXING)
+SHAPE_ATTR, KEEPS_UNIFORM = Trait.SHAPE_ATTR, Trait.KEEPS_UNIFORM
+CHEAP = (Trait.FOLLOWS_OPERAND,)  # a composite cheap enough to follow its operand's layout
+REPLICATED = (Trait.REPLICATE_ONLY,)  # no sharding rule: auto-shard runs it replicated
+
+OPS: list[OpDef] = []
+"""This dialect's ops, in declaration order."""
+
+# Cheap families take their layout from the operand they read (Alpa merges them into it).
+_FOLLOWING_KINDS = (E, R, S)
 
 
-def _op(name, kind, reference, doc="", **kw):
-    register(OpDef(name, kind, reference, doc=doc, **kw))
+def _op(name, kind, reference, doc="", traits=(), **kw):
+    follows = {Trait.FOLLOWS_OPERAND} if kind in _FOLLOWING_KINDS else set()
+    OPS.append(OpDef(name, kind, reference, doc=doc, traits=frozenset(follows | set(traits)),
+                     **kw))
 
 
 # --- elementwise ------------------------------------------------------------------------------
@@ -47,7 +58,7 @@ _UNARY = {
     "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not, "isnan": torch.isnan,
 }
 for _name, _fn in _UNARY.items():
-    _op(_name, E, _fn)
+    _op(_name, E, _fn, aten=_name)
 
 _op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate))
 
@@ -60,8 +71,10 @@ _BINARY = {
     "maximum": torch.maximum, "minimum": torch.minimum,
     "logical_and": torch.logical_and, "logical_or": torch.logical_or,
 }
+# add/sub carry ATen's alpha and pow takes a scalar base: capture lowers those three by hand.
+_BY_HAND = ("add", "sub", "pow")
 for _name, _fn in _BINARY.items():
-    _op(_name, E, _fn)
+    _op(_name, E, _fn, aten=None if _name in _BY_HAND else _name)
 
 
 def _div(a, b, rounding_mode=None):
@@ -133,26 +146,29 @@ _op("linear", OpKind.MATMUL, lambda x, w, b=None: F.linear(x, w, b),
 
 # --- shape and data movement ------------------------------------------------------------------
 
-_op("reshape", S, lambda x, shape: x.reshape(shape))
-_op("permute", S, lambda x, dims: x.permute(dims))
-_op("expand", S, lambda x, shape: x.expand(shape))
-_op("slice", S, lambda x, dim, start, end, step=1: aten.slice.Tensor(x, dim, start, end, step))
-_op("select", S, lambda x, dim, index: x.select(dim, index))
+_op("reshape", S, lambda x, shape: x.reshape(shape), traits=(SHAPE_ATTR, KEEPS_UNIFORM))
+_op("permute", S, lambda x, dims: x.permute(dims), traits=(KEEPS_UNIFORM,))
+_op("expand", S, lambda x, shape: x.expand(shape), traits=(SHAPE_ATTR, KEEPS_UNIFORM))
+_op("slice", S, lambda x, dim, start, end, step=1: aten.slice.Tensor(x, dim, start, end, step),
+    traits=(KEEPS_UNIFORM,))
+_op("select", S, lambda x, dim, index: x.select(dim, index), traits=(KEEPS_UNIFORM,))
 _op("slice_scatter", S, lambda x, src, dim, start, end, step=1: torch.slice_scatter(
     x, src, dim, start, end, step), "slice_scatter(x, src) {dim, start, end, step}: x with the "
     "slice replaced by src")
 _op("select_scatter", S, lambda x, src, dim, index: torch.select_scatter(x, src, dim, index),
     "select_scatter(x, src) {dim, index}")
-_op("cat", S, lambda *xs, dim: torch.cat(xs, dim), "cat(x0, x1, ...) {dim}")
+_op("cat", S, lambda *xs, dim: torch.cat(xs, dim), "cat(x0, x1, ...) {dim}",
+    traits=(KEEPS_UNIFORM,))
 _op("pad", S, lambda x, pad, value=0.0: F.pad(x, pad, value=value),
     "pad(x) {pad, value}: constant padding, pairs from the last dim backwards")
-_op("flip", S, lambda x, dims: torch.flip(x, dims))
+_op("flip", S, lambda x, dims: torch.flip(x, dims), traits=(KEEPS_UNIFORM,))
 _op("tril", S, lambda x, diagonal=0: torch.tril(x, diagonal))
 _op("triu", S, lambda x, diagonal=0: torch.triu(x, diagonal))
-_op("repeat", S, lambda x, repeats: x.repeat(repeats))
-_op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it")
+_op("repeat", S, lambda x, repeats: x.repeat(repeats), traits=(KEEPS_UNIFORM,))
+_op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it", traits=(KEEPS_UNIFORM,))
 _op("reshard", OpKind.COLLECTIVE, lambda x: x,
-    "reshard(x): x in the layout its result carries; lower-spmd makes it collectives")
+    "reshard(x): x in the layout its result carries; lower-spmd makes it collectives",
+    traits=REPLICATED)
 
 
 # --- indexing ---------------------------------------------------------------------------------
@@ -172,14 +188,17 @@ def _index_put(x, values, *indices, dims, accumulate=False):
     return aten.index_put(x, _index_list(x, indices, dims), values, accumulate)
 
 
-_op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx))
+_op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx), traits=REPLICATED)
 _op("index", IX, _index,
-    "index(x, i0, i1, ...) {dims}: advanced indexing, index tensor i_k at dim dims[k]")
+    "index(x, i0, i1, ...) {dims}: advanced indexing, index tensor i_k at dim dims[k]",
+    traits=REPLICATED)
 _op("index_put", IX, _index_put,
-    "index_put(x, v, i0, ...) {dims, accumulate}: functional x[i0, ...] = v (or += v)")
-_op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx))
-_op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src))
-_op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src))
+    "index_put(x, v, i0, ...) {dims, accumulate}: functional x[i0, ...] = v (or += v)",
+    traits=REPLICATED)
+_op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx), traits=REPLICATED)
+_op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src),
+    traits=REPLICATED)
+_op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src), traits=REPLICATED)
 
 
 # --- creation ---------------------------------------------------------------------------------
@@ -192,11 +211,12 @@ def _creation(shape_of):
 
 _op("full", X, lambda shape, value, dtype: torch.full(shape, value,
                                                       dtype=torch_dtype(dtype)),
-    "full() {shape, value, dtype}", type_rule=_creation(lambda a: a["shape"]))
+    "full() {shape, value, dtype}", type_rule=_creation(lambda a: a["shape"]), traits=(SHAPE_ATTR,))
 _op("arange", X, lambda start, end, step, dtype: torch.arange(start, end, step,
                                                               dtype=torch_dtype(dtype)),
     "arange() {start, end, step, dtype}",
-    type_rule=_creation(lambda a: (math.ceil((a["end"] - a["start"]) / a["step"]),)))
+    type_rule=_creation(lambda a: (math.ceil((a["end"] - a["start"]) / a["step"]),)),
+    traits=REPLICATED)
 
 
 # --- composites -------------------------------------------------------------------------------
@@ -242,11 +262,11 @@ def _norm_flops(operands, results, attrs):
 
 
 _op("layer_norm", C, lambda x, w=None, b=None, shape=None, eps=1e-5: F.layer_norm(
-    x, shape, w, b, eps), "layer_norm(x, w?, b?) {shape, eps}", flop_rule=_norm_flops)
+    x, shape, w, b, eps), "layer_norm(x, w?, b?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP)
 _op("layer_norm_with_stats", C, lambda x, w=None, b=None, shape=None, eps=1e-5: tuple(
     aten.native_layer_norm(x, shape, w, b, eps)),
     "layer_norm that also returns mean and rstd for the backward", num_outputs=3,
-    flop_rule=_norm_flops)
+    flop_rule=_norm_flops, traits=CHEAP)
 
 
 def _layer_norm_backward(g, x, mean, rstd, w=None, b=None, shape=None, mask=(True, True, True)):
@@ -256,17 +276,18 @@ def _layer_norm_backward(g, x, mean, rstd, w=None, b=None, shape=None, mask=(Tru
 
 _op("layer_norm_backward", C, _layer_norm_backward,
     "layer_norm_backward(grad, x, mean, rstd, w?, b?) {shape, mask} -> the grads mask asks for",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a))
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP)
 _op("rms_norm", C, lambda x, w=None, shape=None, eps=None: F.rms_norm(x, shape, w, eps),
-    "rms_norm(x, w?) {shape, eps}", flop_rule=_norm_flops)
-_op("softmax", C, lambda x, dim: torch.softmax(x, dim), flop_rule=lambda o, r, a: 5 * r[0].numel)
+    "rms_norm(x, w?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP)
+_op("softmax", C, lambda x, dim: torch.softmax(x, dim), flop_rule=lambda o, r, a: 5 * r[0].numel,
+    traits=CHEAP)
 _op("log_softmax", C, lambda x, dim: torch.log_softmax(x, dim),
-    flop_rule=lambda o, r, a: 5 * r[0].numel)
+    flop_rule=lambda o, r, a: 5 * r[0].numel, traits=CHEAP)
 _op("softmax_backward", C, lambda g, y, dim: aten._softmax_backward_data(g, y, dim, y.dtype),
-    flop_rule=lambda o, r, a: 3 * r[0].numel)
+    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP)
 _op("log_softmax_backward", C,
     lambda g, y, dim: aten._log_softmax_backward_data(g, y, dim, y.dtype),
-    flop_rule=lambda o, r, a: 3 * r[0].numel)
+    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP)
 _op("embedding", C, lambda w, idx: F.embedding(idx, w), "embedding(weight, indices)")
 _op("embedding_backward", C, lambda g, idx, num_weights, padding_idx=-1:
     aten.embedding_dense_backward(g, idx, num_weights, padding_idx, False),
@@ -321,16 +342,16 @@ def _batch_norm(x, w, b, mean, var, training, momentum, eps):
 _op("batch_norm", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
     x, w, b, mean, var, False, momentum, eps)[0],
     "batch_norm(x, w, b, running_mean, running_var) {momentum, eps}: inference form",
-    flop_rule=_norm_flops)
+    flop_rule=_norm_flops, traits=CHEAP)
 _op("batch_norm_train", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
     x, w, b, mean, var, True, momentum, eps),
     "batch_norm in training: -> out, batch mean, batch rstd, new running mean, new running var",
-    num_outputs=5, flop_rule=_norm_flops)
+    num_outputs=5, flop_rule=_norm_flops, traits=CHEAP)
 _op("batch_norm_backward", C, lambda g, x, w, mean, var, save_mean, save_rstd, eps=1e-5,
     mask=(True, True, True): tuple(r for r in aten.native_batch_norm_backward(
         g, x, w, mean, var, save_mean, save_rstd, True, eps, list(mask)) if r is not None),
     "batch_norm_backward(grad, x, w, running_mean, running_var, save_mean, save_rstd)",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a))
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP)
 
 
 def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
@@ -339,13 +360,9 @@ def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
 
 _op("nll_loss", C, _nll_loss,
     "nll_loss(logp, target, weight?) {reduction, ignore_index} -> loss, total_weight",
-    num_outputs=2)
+    num_outputs=2, traits=CHEAP)
 _op("nll_loss_backward", C, lambda g, x, target, total_weight, weight=None, reduction=1,
     ignore_index=-100: aten.nll_loss_backward(g, x, target, weight, reduction, ignore_index,
                                               total_weight),
-    "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}")
-
-# Collective and paged-attention ops live in their own modules; importing the registry brings
-# them in too.
-import graphpar.ir.collectives  # noqa: E402,F401
-import graphpar.ir.paged_ops  # noqa: E402,F401  (paged attention's ops, likewise)
+    "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}",
+    traits=CHEAP)

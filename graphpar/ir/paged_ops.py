@@ -10,57 +10,29 @@ returns as ``update(%key_cache.i)`` outputs. The implementations write in place 
 same tensors (the runtime donates the cache buffers, as XLA does with donated arguments), so a
 step costs the new tokens' bytes, not a copy of the cache.
 
-Kernels (the ``kernel`` attribute): ``auto`` (the default) sends CUDA tensors to the CUDA kernels
-of :mod:`graphpar.backends.cuda.paged_attention` when CuPy is installed and anything else to the
+Kernels (the ``kernel`` attribute) are chosen by :func:`graphpar.backends.paged.paged_kernels`:
+``auto`` (the default) sends CUDA tensors to the CUDA kernels of
+:mod:`graphpar.backends.cuda.paged_attention` when CuPy is installed and anything else to the
 batched torch path :mod:`graphpar.backends.torch_paged`; ``torch``, ``reference``
 (:mod:`graphpar.backends.reference_paged`, the ground truth) and ``cuda`` force one.
+
+`OPS` lists both ops for `graphpar.ir.load_ops`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from graphpar.backends import reference_paged, torch_paged
-from graphpar.errors import BackendError
-from graphpar.ir.registry import OpDef, OpKind, register
+from graphpar.backends.paged import KERNELS, cuda_kernels_available, paged_kernels
+from graphpar.ir.registry import OpDef, OpKind, Trait
 from graphpar.ir.types import TensorType
 
-__all__ = ["KERNELS", "PAGED_OPS", "cuda_kernels_available", "default_scale", "paged_kernels"]
+__all__ = ["KERNELS", "OPS", "PAGED_OPS", "cuda_kernels_available", "default_scale",
+           "paged_kernels"]
 
-KERNELS = ("auto", "torch", "reference", "cuda")
 PAGED_OPS = ("reshape_and_cache", "paged_attention")
-
-_cupy_ok: bool | None = None
-
-
-def cuda_kernels_available() -> bool:
-    global _cupy_ok
-    if _cupy_ok is None:
-        try:
-            import cupy  # noqa: F401
-            _cupy_ok = True
-        except ImportError:
-            _cupy_ok = False
-    return _cupy_ok
-
-
-def paged_kernels(tensor: torch.Tensor, kernel: str = "auto") -> Any:
-    """The module whose functions run the paged ops on ``tensor``'s device for ``kernel``."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    if kernel == "reference":
-        return reference_paged
-    use_cuda = tensor.is_cuda and cuda_kernels_available()
-    if kernel == "torch" or (kernel == "auto" and not use_cuda):
-        return torch_paged
-    if not tensor.is_cuda:
-        raise BackendError(f"kernel='cuda' needs CUDA tensors, got a tensor on {tensor.device}")
-    from graphpar.backends.cuda import paged_attention as cuda_paged
-
-    return cuda_paged
 
 
 # --- reshape_and_cache --------------------------------------------------------------------------
@@ -88,13 +60,13 @@ def _cache_rule(operands, attrs) -> list[TensorType]:
     return [key_cache, value_cache]
 
 
-register(OpDef(
+_RESHAPE_AND_CACHE = OpDef(
     "reshape_and_cache", OpKind.COMPOSITE, _reshape_and_cache, num_outputs=2,
-    type_rule=_cache_rule,
+    type_rule=_cache_rule, traits=frozenset({Trait.WRITES_OPERAND}),
     doc="reshape_and_cache(key_cache, value_cache, key, value, slot_mapping) {kernel} -> "
         "new key_cache, value_cache: token i's K/V [tokens, kv_heads, D] written at flat slot "
         "slot_mapping[i] (-1 skips); in place at run time",
-))
+)
 
 
 # --- paged_attention ----------------------------------------------------------------------------
@@ -159,7 +131,7 @@ def _attention_flops(operands, results, attrs) -> int:
     return 4 * tokens * heads * head_size * context
 
 
-register(OpDef(
+_PAGED_ATTENTION = OpDef(
     "paged_attention", OpKind.COMPOSITE, _paged_attention, type_rule=_attention_rule,
     flop_rule=_attention_flops,
     doc="paged_attention(query, key_cache, value_cache, block_tables, context_lens, "
@@ -168,7 +140,9 @@ register(OpDef(
         "mode=prefill: sequence s owns rows query_start_loc[s]:[s+1], the last of its "
         "context_lens[s] cached tokens (rows past query_start_loc[-1] are padding: zeros); a "
         "sequence with context_lens 0 gets zeros",
-))
+)
+
+OPS = [_RESHAPE_AND_CACHE, _PAGED_ATTENTION]
 
 
 def default_scale(head_size: int) -> float:

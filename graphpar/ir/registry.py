@@ -1,4 +1,4 @@
-"""The one op registry: each op is declared once with its type rule, cost and reference."""
+"""The one op registry: each op is declared once with its type rule, cost, traits and reference."""
 
 from __future__ import annotations
 
@@ -27,6 +27,40 @@ class OpKind(str, enum.Enum):
     COLLECTIVE = "collective"
 
 
+class Trait(str, enum.Enum):
+    """Facts about an op that passes act on, declared with the op instead of kept in a pass."""
+
+    FOLLOWS_OPERAND = "follows-operand"  # auto-shard gives it its dominant operand's layout
+    SHAPE_ATTR = "shape-attr"  # attrs["shape"] is the result shape: lower-spmd localizes it
+    KEEPS_UNIFORM = "keeps-uniform"  # one repeated value in gives one repeated value out
+    WRITES_OPERAND = "writes-operand"  # updates an operand in place at run time: not pure
+    REPLICATE_ONLY = "replicate-only"  # no sharding rule: auto-shard runs it replicated
+
+
+class StepKind(str, enum.Enum):
+    """What one communication step does (an op's `comm_kind`; a step of a resharding plan in
+    `graphpar.cost.collectives`). The first six communicate; the `local_*` ones are free."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND_RECV = "send_recv"
+    LOCAL_SLICE = "local_slice"  # R -> S(d): keep this device's chunk of dim d
+    LOCAL_ZERO = "local_zero"  # R -> P: for sum, devices not at coordinate 0 on the axis zero
+    #                            their copy; for avg/max/min, keep it (no change in data)
+    LOCAL_PAD = "local_pad"  # S(d) -> P(sum): a zero tensor of the unsharded size with
+    #                          this device's chunk in place
+
+    @property
+    def communicates(self) -> bool:
+        return not self.value.startswith("local_")
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # What a type rule, cost rule or reference sees: operand types (or scalars) and the attributes.
 OperandTypes = Sequence["TensorType | int | float | bool | None"]
 TypeRule = Callable[[OperandTypes, dict[str, Any]], list[TensorType]]
@@ -50,8 +84,25 @@ class OpDef:
     type_rule: TypeRule | None = None
     flop_rule: FlopRule | None = None
     doc: str = ""
-    # Filled in by graphpar.passes.autoshard: a function listing sharding strategies.
-    sharding_rule: Any = field(default=None, compare=False)
+    traits: frozenset[Trait] = frozenset()
+    # The ATen op (packet name, e.g. "neg") whose overloads lower 1:1 to this op: every ATen
+    # argument is an operand, in order. None when capture lowers it by hand or not at all.
+    aten: str | None = None
+    # SPMD ops: the kind of communication step they are (what the cost model prices).
+    comm_kind: StepKind | None = None
+    # Attached by graphpar.passes.autoshard (`attach_sharding_rule`): node -> its factors.
+    sharding_rule: Callable[..., Any] | None = field(default=None, compare=False)
+
+    def has(self, trait: Trait) -> bool:
+        return trait in self.traits
+
+    def attach_sharding_rule(self, rule: Callable[..., Any]) -> None:
+        """Set the op's sharding rule once (the registry lives below the passes that own rules)."""
+        if self.sharding_rule is not None:
+            raise ValueError(f"op {self.name!r} already has a sharding rule")
+        if Trait.REPLICATE_ONLY in self.traits:
+            raise ValueError(f"op {self.name!r} is declared replicate-only")
+        object.__setattr__(self, "sharding_rule", rule)
 
     def infer(self, operands: OperandTypes, attrs: dict[str, Any]) -> list[TensorType]:
         if self.type_rule is not None:

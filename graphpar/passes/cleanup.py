@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from graphpar.ir.graph import Graph, Node, Value
-from graphpar.ir.ops import OpKind, get_op
+from graphpar.ir.registry import OpKind, Trait, get_op
 from graphpar.ir.types import dtype_name
 from graphpar.passes.manager import GraphPass, PassContext, register_alias, register_pass
 
@@ -15,19 +15,24 @@ from graphpar.passes.manager import GraphPass, PassContext, register_alias, regi
 @register_pass("dce")
 @dataclass
 class DeadCodeElimination(GraphPass):
-    """Drop nodes none of whose results reach a graph output (every IR op is pure)."""
+    """Drop nodes none of whose results reach a graph output; an op that writes an operand in
+    place (`writes-operand`) has an effect of its own and stays."""
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         live = {o.value for o in graph.outputs}
         dead = []
         for node in reversed(graph.nodes):
-            if any(out in live for out in node.outputs):
+            if any(out in live for out in node.outputs) or _writes_operand(node):
                 live.update(node.input_values)
             else:
                 dead.append(node)
         for node in dead:  # users before producers, so each erase sees no remaining use
             graph.erase(node)
         return bool(dead)
+
+
+def _writes_operand(node: Node) -> bool:
+    return get_op(node.op).has(Trait.WRITES_OPERAND)
 
 
 def _key(node: Node):
@@ -39,12 +44,15 @@ def _key(node: Node):
 @register_pass("cse")
 @dataclass
 class CommonSubexpressionElimination(GraphPass):
-    """Replace a node by an earlier identical one (same op, operands and attributes)."""
+    """Replace a node by an earlier identical one (same op, operands and attributes). A node
+    that writes an operand is never merged: each one is a write of its own."""
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         seen: dict[tuple, Node] = {}
         duplicates = []
         for node in graph.nodes:
+            if _writes_operand(node):
+                continue
             key = _key(node)
             first = seen.setdefault(key, node)
             if first is not node:
@@ -112,11 +120,6 @@ class Canonicalize(GraphPass):
         return None
 
 
-# Folding keeps results that are one repeated value: they stay `full` nodes, plain IR.
-_UNIFORM_SHAPE_OPS = {"reshape", "expand", "permute", "slice", "select", "flip", "repeat",
-                      "clone", "cat"}
-
-
 @register_pass("fold-constants")
 @dataclass
 class FoldConstants(GraphPass):
@@ -146,13 +149,13 @@ class FoldConstants(GraphPass):
     @staticmethod
     def _uniform_result(node: Node):
         """The single value every element of the result has, or None."""
-        kind = get_op(node.op).kind
-        if kind is OpKind.SHAPE:  # moving a uniform tensor around keeps it uniform
+        op = get_op(node.op)
+        if op.kind is OpKind.SHAPE:  # moving a uniform tensor around keeps it uniform
             values = {v.producer.attrs["value"] for v in node.input_values}
-            if node.op not in _UNIFORM_SHAPE_OPS or len(values) != 1:
+            if not op.has(Trait.KEEPS_UNIFORM) or len(values) != 1:
                 return None
             return values.pop()
-        if kind is not OpKind.ELEMENTWISE:
+        if op.kind is not OpKind.ELEMENTWISE:
             return None
         args = []
         for v in node.inputs:
@@ -161,7 +164,7 @@ class FoldConstants(GraphPass):
                 args.append(torch.full((), v.producer.attrs["value"], dtype=v.type.dtype))
             else:
                 args.append(v)
-        result = get_op(node.op).reference(*args, **node.attrs)
+        result = op.reference(*args, **node.attrs)
         if result.dtype != node.output.type.dtype:
             return None
         value = result.item()

@@ -9,16 +9,16 @@ priced.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from graphpar.cost.collectives import resharding_cost
+from graphpar.cost.collectives import Step, resharding_cost
 from graphpar.errors import PassError
+from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS
 from graphpar.ir.graph import Graph, Node, Program, Value
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.registry import StepKind, Trait, get_op
 from graphpar.ir.verify import describe
 from graphpar.passes.manager import Pass, PassContext, register_pass
-
-# Ops whose attributes spell out their result shape: it becomes the local one.
-_SHAPE_ATTR = {"reshape", "expand", "full"}
 
 
 class GlobalGraphs(dict[str, Graph]):
@@ -33,8 +33,6 @@ def graph_mesh(graph: Graph) -> Mesh:
 
 def lower_graph(graph: Graph) -> Graph:
     """The SPMD program of a sharded graph (see the module docstring)."""
-    from graphpar.ir.collectives import emit_step
-
     mesh = graph_mesh(graph)
     local = Graph(f"{graph.name}_spmd", attrs={**graph.attrs, "spmd": True}, mesh=mesh)
     mapping: dict[Value, Value] = {}
@@ -75,7 +73,7 @@ def _lower_node(local: Graph, node: Node, mapping: dict, mesh: Mesh) -> tuple[Va
     operands = [mapping[v] if isinstance(v, Value) else v for v in node.inputs]
     attrs = dict(node.attrs)
     expected = [_local_type(o, mesh) for o in node.outputs]
-    if node.op in _SHAPE_ATTR:
+    if get_op(node.op).has(Trait.SHAPE_ATTR):  # the attribute spells out the result's shape
         attrs["shape"] = expected[0].shape
     try:
         new = local.create(node.op, operands, attrs, module=node.module, loc=node.loc)
@@ -108,3 +106,48 @@ class LowerSPMD(Pass):
             lowered[spmd.name] = spmd
         program.graphs = lowered
         return True
+
+
+# The attributes each group or local op takes beyond axes and n, as the Step fields they copy.
+_STEP_FIELDS = {
+    "all_reduce": {"op": "reduce_op"},
+    "all_gather": {"dim": "gather_dim"},
+    "reduce_scatter": {"dim": "scatter_dim", "op": "reduce_op"},
+    "all_to_all": {"split_dim": "scatter_dim", "concat_dim": "gather_dim"},
+    "local_slice": {"dim": "scatter_dim"},
+    "local_zero": {"op": "reduce_op"},
+    "local_pad": {"dim": "gather_dim"},
+}
+
+
+def emit_step(graph: Graph, step: Step, value: Value, before: Node | None = None, *,
+              module: str | None = None, loc: str | None = None) -> Value:
+    """Append (or insert before `before`) the node for one cost-model `Step` applied to
+    `value`, a device-local value, and return its result.
+
+        ALL_REDUCE      all_reduce     {axes, n, op=reduce_op}
+        ALL_GATHER      all_gather     {axes, n, dim=gather_dim}
+        REDUCE_SCATTER  reduce_scatter {axes, n, dim=scatter_dim, op=reduce_op}
+        ALL_TO_ALL      all_to_all     {axes, n, split_dim=scatter_dim, concat_dim=gather_dim}
+        LOCAL_SLICE     local_slice    {axes, n, dim=scatter_dim}
+        LOCAL_ZERO      local_zero     {axes, n, op=reduce_op}   (identity unless op is sum)
+        LOCAL_PAD       local_pad      {axes, n, dim=gather_dim}
+
+    `axes` are `step.axes` (ascending), `n` is `step.group_size`. Broadcast and send/recv
+    steps have no single-node form here and raise ValueError. The op is the one whose
+    declared `comm_kind` is the step's kind.
+    """
+    kind = StepKind(step.kind)
+    op = next((name for name in GROUP_OPS + LOCAL_OPS if get_op(name).comm_kind == kind), None)
+    if op is None:
+        raise ValueError(f"emit_step: no SPMD op for a {kind} step ({step})")
+    attrs: dict[str, Any] = {"axes": tuple(sorted(step.axes)), "n": int(step.group_size)}
+    for attr, field in _STEP_FIELDS[op].items():
+        v = getattr(step, field)
+        if field == "reduce_op":
+            v = v or "sum"
+        elif v is None:
+            raise ValueError(f"{kind} step needs {field}: {step}")
+        attrs[attr] = v
+    node = graph.create(op, [value], attrs, module=module, loc=loc, before=before)
+    return node.output

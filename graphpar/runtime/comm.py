@@ -29,9 +29,10 @@ import torch
 
 from graphpar.cost.collectives import StepKind, collective_bytes
 from graphpar.errors import BackendError
-from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS, node_axes
+from graphpar.ir.collectives import COMM_OPS, GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.graph import Node
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.registry import get_op
 
 __all__ = [
     "CommRecord",
@@ -148,18 +149,12 @@ def _chunks(x: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
 
 
 def comm_nbytes(op: str, x: torch.Tensor, n: int) -> tuple[StepKind, float]:
-    """The cost model's kind and buffer size `nbytes` for SPMD op `op` on input `x`."""
-    if op == "all_reduce":
-        return StepKind.ALL_REDUCE, float(_nbytes(x))
-    if op == "all_gather":
-        return StepKind.ALL_GATHER, float(_nbytes(x) * n)
-    if op == "reduce_scatter":
-        return StepKind.REDUCE_SCATTER, float(_nbytes(x))
-    if op == "all_to_all":
-        return StepKind.ALL_TO_ALL, float(_nbytes(x))
-    if op in ("send", "recv"):
-        return StepKind.SEND_RECV, float(_nbytes(x))
-    raise BackendError(f"{op} does not communicate")
+    """The cost model's kind (the op's declared `comm_kind`) and buffer size `nbytes` for SPMD
+    op `op` on input `x`: the input, except all_gather's gathered output."""
+    if op not in COMM_OPS:
+        raise BackendError(f"{op} does not communicate")
+    kind = StepKind(get_op(op).comm_kind)
+    return kind, float(_nbytes(x) * (n if kind is StepKind.ALL_GATHER else 1))
 
 
 # ------------------------------------------------------------------------- the interface

@@ -136,3 +136,28 @@ def test_graph_outputs_and_duplicates_survive_cleanup():
                  %0 loss
         }"""
     assert run("cleanup", text) == listing(expected)
+
+
+def test_dce_and_cse_keep_every_write_of_an_operand():
+    """reshape_and_cache writes its cache operands in place: unused results do not make it dead,
+    and two identical writes are two writes."""
+    import torch
+
+    from graphpar.ir.graph import Graph
+    from graphpar.ir.types import TensorType
+    from graphpar.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination
+    from graphpar.passes.manager import PassContext
+
+    graph = Graph("g")
+    cache = TensorType((4, 2, 2, 8), torch.float32)
+    kv = TensorType((3, 2, 8), torch.float32)
+    k_cache, v_cache = graph.add_input("k_cache", cache), graph.add_input("v_cache", cache)
+    key, value = graph.add_input("key", kv), graph.add_input("value", kv)
+    slots = graph.add_input("slots", TensorType((3,), torch.int64))
+    for _ in range(2):
+        graph.create("reshape_and_cache", [k_cache, v_cache, key, value, slots])
+    out = graph.create("neg", [key])
+    graph.add_output(out.output)
+    assert not CommonSubexpressionElimination().run_on_graph(graph, PassContext())
+    assert not DeadCodeElimination().run_on_graph(graph, PassContext())
+    assert [n.op for n in graph.nodes] == ["reshape_and_cache", "reshape_and_cache", "neg"]

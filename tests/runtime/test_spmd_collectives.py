@@ -13,7 +13,7 @@ import torch
 from graphpar.backends.reference import run
 from graphpar.cost.collectives import Step, StepKind, all_reduce_cost, resharding_cost
 from graphpar.errors import BackendError, VerificationError
-from graphpar.ir.collectives import SPMD_OPS, emit_step
+from graphpar.ir.collectives import SPMD_OPS
 from graphpar.ir.graph import Graph
 from graphpar.ir.layout import Layout, Partial, Replicate, Shard, all_layouts
 from graphpar.ir.mesh import Mesh
@@ -22,6 +22,7 @@ from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
+from graphpar.passes.lower_spmd import emit_step
 from graphpar.runtime.spmd import run_spmd_in_process, shard_tensor, unshard
 
 MESHES = [(4,), (2, 2), (2, 4), (2, 2, 2)]
@@ -206,9 +207,10 @@ def test_resharding_plans_run_exactly_with_predicted_bytes(shape, tensor, src, d
 # ------------------------------------------------------------------------- ops in the IR
 
 ALL_OPS_TEXT = """
+mesh @mesh = <[2, 2]>
 graph @every_op(
     %x: f32[4,8] input,
-) attrs {mesh="2x2"} {
+) on @mesh {
   %0 = all_reduce(%x) {axes=[0], n=2, op="sum"}               : f32[4,8]
   %1 = all_gather(%0) {axes=[1], n=2, dim=1}                  : f32[4,16]
   %2 = reduce_scatter(%1) {axes=[0, 1], n=4, dim=1, op="max"} : f32[4,4]

@@ -56,7 +56,8 @@ def test_every_op_on_four_processes_is_bit_identical_to_in_process():
 
 def test_child_error_surfaces_in_parent_within_timeout():
     text = """
-    graph @g(%x: f32[4] input) attrs {mesh="2"} {
+    mesh @mesh = <[2]>
+    graph @g(%x: f32[4] input) on @mesh {
       %0 = all_reduce(%x) {axes=[0], n=2, op="sum"} : f32[4]
       return %0 output
     }
@@ -70,7 +71,8 @@ def test_child_error_surfaces_in_parent_within_timeout():
 def test_a_hung_program_is_killed_at_the_timeout():
     """Both ranks wait for a message nobody sends: killed at the timeout, not hung."""
     text = """
-    graph @g(%x: f32[4] input) attrs {mesh="2"} {
+    mesh @mesh = <[2]>
+    graph @g(%x: f32[4] input) on @mesh {
       %0 = recv() {src=PEER, shape=[4], dtype="f32", tag=0} : f32[4]
       return %0 output
     }

@@ -22,11 +22,12 @@ from graphpar.runtime.spmd import (
 # Megatron MLP on 2x2: batch over mesh axis 0, hidden over mesh axis 1. Global x [8,16]
 # {S(0),R}, w1 [16,32] {R,S(1)} (column-parallel), w2 [32,16] {R,S(0)} (row-parallel).
 MLP = """
+mesh @mesh = <[2, 2]>
 graph @megatron_mlp(
     %x: f32[4,16] input,
     %w1: f32[16,16] param,
     %w2: f32[16,16] param,
-) attrs {mesh="2x2"} {
+) on @mesh {
   %0 = matmul(%x, %w1)                                  : f32[4,16]
   %1 = gelu(%0)                                         : f32[4,16]
   %2 = matmul(%1, %w2)                                  : f32[4,16]
@@ -51,7 +52,7 @@ def mlp_case(seed: int = 0):
 
 def test_megatron_mlp_in_process_equals_global_with_predicted_bytes():
     _, inputs, mesh, expected = mlp_case()
-    out = run_spmd_in_process(parse(MLP), inputs)  # the mesh comes from attrs
+    out = run_spmd_in_process(parse(MLP), inputs)  # the mesh comes from its declaration
     result = unshard([o[0] for o in out], Layout.parse("{S(0),R}"), mesh)
     torch.testing.assert_close(result, expected)
     predicted = all_reduce_cost(4 * 16 * 4, mesh, 1).bytes_sent
@@ -107,7 +108,8 @@ def test_sub_mesh_device_ids_and_group_order():
 
 
 PIPE_SEND = """
-graph @stage0(%x: f32[2,3] input) attrs {mesh="2"} {
+mesh @mesh = <[2]>
+graph @stage0(%x: f32[2,3] input) on @mesh {
   %0 = mul(%x, 2.0)                                      : f32[2,3]
   %1 = send(%0) {dst=1, tag=0}                           : f32[2,3]
   %2 = recv() {src=1, shape=[3], dtype="f32", tag=1}     : f32[3]
@@ -115,7 +117,8 @@ graph @stage0(%x: f32[2,3] input) attrs {mesh="2"} {
 }
 """
 PIPE_RECV = """
-graph @stage1(%x: f32[2,3] input) attrs {mesh="2"} {
+mesh @mesh = <[2]>
+graph @stage1(%x: f32[2,3] input) on @mesh {
   %0 = recv() {src=0, shape=[2,3], dtype="f32", tag=0}   : f32[2,3]
   %1 = sum(%0) {dims=[0]}                                : f32[3]
   %2 = send(%1) {dst=0, tag=1}                           : f32[3]
@@ -142,7 +145,8 @@ def test_programs_that_cannot_run_raise_backend_error():
     with pytest.raises(BackendError, match="not another rank"):
         run_spmd_in_process([PIPE_SEND, lonely], [x, x])
     ar = """
-    graph @g(%x: f32[4] input) attrs {mesh="2"} {
+    mesh @mesh = <[2]>
+    graph @g(%x: f32[4] input) on @mesh {
       %0 = all_reduce(%x) {axes=[0], n=2, op="OP"} : f32[4]
       return %0 output
     }
@@ -156,7 +160,7 @@ def test_programs_that_cannot_run_raise_backend_error():
     with pytest.raises(BackendError, match="program for mesh 2 but runs on mesh 4"):
         run_spmd_in_process(ar.replace("OP", "sum"), [v] * 4, "4")
     with pytest.raises(BackendError, match="n=2 but mesh 2x2 has 4 devices"):
-        run_spmd_in_process(ar.replace("OP", "sum").replace('mesh="2"', 'mesh="2x2"')
+        run_spmd_in_process(ar.replace("OP", "sum").replace("<[2]>", "<[2, 2]>")
                             .replace("axes=[0]", "axes=[0, 1]"), [v] * 4)
     with pytest.raises(BackendError, match="3 input sets given for a 2-rank mesh"):
         run_spmd_in_process(ar.replace("OP", "sum"), [v] * 3)

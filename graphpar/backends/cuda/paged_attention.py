@@ -212,7 +212,8 @@ def _index_tensor(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
 
 
 class PagedAttentionKernels:
-    """The paged-attention operations, run by a :class:`KernelRunner` (CuPy by default)."""
+    """The paged-attention operations (a :class:`graphpar.backends.paged.PagedKernels`), run by
+    a :class:`KernelRunner` (CuPy by default)."""
 
     def __init__(self, runner: KernelRunner | None = None) -> None:
         self.runner: KernelRunner = runner if runner is not None else CupyRunner()
@@ -237,22 +238,9 @@ class PagedAttentionKernels:
     ) -> None:
         """Kernel version of :func:`graphpar.backends.reference_paged.reshape_and_cache`."""
         self._check_caches(key_cache, value_cache)
+        reference_paged.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
         _, _, num_kv_heads, head_size = key_cache.shape
         num_tokens = key.shape[0]
-        expected = (num_tokens, num_kv_heads, head_size)
-        if tuple(key.shape) != expected or tuple(value.shape) != expected:
-            raise ValueError(
-                f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-                f"[num_tokens, num_kv_heads={num_kv_heads}, head_size={head_size}]"
-            )
-        if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
-            raise ValueError(
-                f"key/value dtype {key.dtype} differs from cache dtype {key_cache.dtype}"
-            )
-        if slot_mapping.shape != (num_tokens,):
-            raise ValueError(
-                f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}"
-            )
         if num_tokens == 0:
             return
         vec_elems = 16 // key.element_size()
@@ -308,18 +296,13 @@ class PagedAttentionKernels:
         default when ``max_context_len > partition_size``.
         """
         self._check_caches(key_cache, value_cache)
-        if query.dim() != 3:
+        reference_paged.check_decode_query(query, key_cache, num_kv_heads)
+        if query.dtype != key_cache.dtype:
             raise ValueError(
-                f"query must be [num_seqs, num_heads, head_size], got {tuple(query.shape)}"
+                f"query dtype {query.dtype} differs from cache dtype {key_cache.dtype}"
             )
         num_seqs, num_heads, head_size = query.shape
-        _, block_size, cache_kv_heads, cache_head_size = key_cache.shape
-        if head_size != cache_head_size or query.dtype != key_cache.dtype:
-            raise ValueError(
-                f"query {tuple(query.shape)} {query.dtype} does not match the cache "
-                f"(head_size {cache_head_size}, {key_cache.dtype})"
-            )
-        reference_paged.num_kv_heads_for(key_cache, num_heads, num_kv_heads)
+        _, block_size, cache_kv_heads, _ = key_cache.shape
         if num_seqs > MAX_GRID_Y:
             raise BackendError(f"at most {MAX_GRID_Y} sequences per launch, got {num_seqs}")
         if partition_size <= 0:

@@ -6,6 +6,10 @@ it becomes a partial result (`reductions`) or, where no partial form exists, the
 be sharded (`blocked`). A strategy is then just a choice of factor per mesh axis, so the rule
 for every op is one small `FactorSpec` and the strategies are enumerated in one place — the
 factor formulation of OpenXLA Shardy and Meta's AutoParallel, linear in the number of dims.
+
+Each rule lives on its op (`OpDef.sharding_rule`): `@rule("op", ...)` declares it here and
+`register_sharding_rules()`, called once when graphpar.passes.autoshard loads, attaches it.
+Elementwise ops without a rule of their own get `elementwise`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from graphpar.ir.graph import Node, Value
-from graphpar.ir.ops import OpKind, get_op
+from graphpar.ir.registry import OpKind, all_ops, get_op
 
 Dims = tuple  # per tensor dim: a factor index or None
 
@@ -30,25 +34,40 @@ class FactorSpec:
     partial_operands: dict[int, set[int]] = field(default_factory=dict)
 
 
-_RULES: dict[str, Callable[[Node], FactorSpec | None]] = {}
+ShardingRule = Callable[[Node], "FactorSpec | None"]
+
+# The rules declared below, in order, until register_sharding_rules attaches them to their ops.
+_declared: list[tuple[tuple[str, ...], ShardingRule]] = []
+_registered = False
 
 
 def rule(*ops: str):
-    def register(fn):
-        for op in ops:
-            _RULES[op] = fn
+    """Declare `fn` as the sharding rule of `ops` (attached by `register_sharding_rules`)."""
+    def declare(fn: ShardingRule) -> ShardingRule:
+        _declared.append((ops, fn))
         return fn
-    return register
+    return declare
+
+
+def register_sharding_rules() -> None:
+    """Attach every declared rule to its op, and `elementwise` to each elementwise op without
+    one. Raises for an op that is unknown or already has a rule; later calls do nothing."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    for ops, fn in _declared:
+        for op in ops:
+            get_op(op).attach_sharding_rule(fn)
+    for op in all_ops().values():
+        if op.kind is OpKind.ELEMENTWISE and op.sharding_rule is None:
+            op.attach_sharding_rule(elementwise)
 
 
 def factor_spec(node: Node) -> FactorSpec | None:
     """The node's factors, or None when it only runs replicated."""
-    fn = _RULES.get(node.op)
-    if fn is not None:
-        return fn(node)
-    if get_op(node.op).kind is OpKind.ELEMENTWISE:
-        return elementwise(node)
-    return None
+    fn = get_op(node.op).sharding_rule
+    return None if fn is None else fn(node)
 
 
 def _shape(v) -> tuple[int, ...] | None:
@@ -206,11 +225,18 @@ def _reshape(node):
 _COMBINE = {"sum": "sum", "mean": "avg", "amax": "max", "amin": "min"}
 
 
+def _reduced_dims(node, rank: int) -> set[int]:
+    """The dims a reduction reduces: `dims` (None: all), or one `dim` (prod)."""
+    dims = node.attrs["dim"] if "dim" in node.attrs else node.attrs.get("dims")
+    if dims is None:
+        return set(range(rank))
+    return {dims % max(1, rank)} if isinstance(dims, int) else set(dims)
+
+
 @rule("sum", "mean", "amax", "amin", "any", "all", "prod", "var")
 def _reduction(node):
     x = _shape(node.inputs[0])
-    dims = node.attrs.get("dims")
-    dims = set(range(len(x))) if dims is None else set(dims)
+    dims = _reduced_dims(node, len(x))
     keepdim = node.attrs.get("keepdim", False)
     factors = tuple(range(len(x)))
     out = tuple(None if d in dims else f for d, f in enumerate(factors)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from graphpar.ir.graph import Node, Value
 from graphpar.ir.layout import Layout, Partial, Replicate, Shard
 from graphpar.ir.mesh import Mesh
-from graphpar.ir.ops import OpKind, get_op
 from graphpar.ir.printer import node_flops
+from graphpar.ir.registry import Trait, get_op
 from graphpar.passes.autoshard.factors import FactorSpec, factor_spec
 
 
@@ -150,21 +150,11 @@ def _input_layouts(shape: tuple[int, ...], mesh: Mesh) -> list[Layout]:
 
 # --- graph simplification: which nodes follow an operand ----------------------------------------
 
-# Heavy ops keep a decision of their own; these cheap composites follow their largest operand.
-_CHEAP_COMPOSITES = frozenset({
-    "layer_norm", "layer_norm_with_stats", "layer_norm_backward", "rms_norm", "softmax",
-    "log_softmax", "softmax_backward", "log_softmax_backward", "nll_loss", "nll_loss_backward",
-    "batch_norm", "batch_norm_train", "batch_norm_backward",
-})
-_FOLLOWING_KINDS = (OpKind.ELEMENTWISE, OpKind.SHAPE, OpKind.REDUCTION)
-
-
 def is_follower(node: Node) -> bool:
-    """Cheap nodes (elementwise, shape ops, reductions, norms, softmax, losses) whose layout is
-    best decided by the operand they read: Alpa merges them into that operand's node."""
-    if node.op == "reshard":
-        return False
-    return get_op(node.op).kind in _FOLLOWING_KINDS or node.op in _CHEAP_COMPOSITES
+    """Cheap nodes (elementwise, shape ops, reductions, norms, softmax, losses: the ops declared
+    `follows-operand`) whose layout is best decided by the operand they read: Alpa merges them
+    into that operand's node. Heavy ops keep a decision of their own."""
+    return get_op(node.op).has(Trait.FOLLOWS_OPERAND)
 
 
 def dominant_operand(node: Node, position: dict[Node, int],

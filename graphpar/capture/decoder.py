@@ -269,38 +269,16 @@ def _select(x: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tenso
     return x if logits_indices is None else x[:, logits_indices]
 
 
-class GPTAdapter(DecoderAdapter):
-    """The bundled GPT (graphpar.models.gpt) with a learned position table."""
+class PositionsAdapter(DecoderAdapter):
+    """A model that serves itself: ``forward_positions(input_ids, positions, logits_indices)``,
+    ``decoder_family`` and ``max_model_len`` (the bundled GPT and LLaMA in graphpar.models)."""
 
-    family = "gpt"
-
-    def forward(self, input_ids, positions, logits_indices=None):
-        m = self.model
-        x = m.tok_emb(input_ids) + m.pos_emb(positions)
-        for block in m.blocks:
-            x = block(x)
-        return m.lm_head(m.ln_f(_select(x, logits_indices)))
-
-    def max_model_len(self) -> int:
-        return self.model.config.seq_len
-
-
-class LlamaAdapter(DecoderAdapter):
-    """The bundled LLaMA (graphpar.models.llama): rotary tables indexed by position."""
-
-    family = "llama"
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.family = getattr(model, "decoder_family", "custom")
 
     def forward(self, input_ids, positions, logits_indices=None):
-        m = self.model
-        cos = m.rope_cos[positions].unsqueeze(1)  # [B, 1, S, head_dim]: broadcast over heads
-        sin = m.rope_sin[positions].unsqueeze(1)
-        x = m.tok_emb(input_ids)
-        for block in m.blocks:
-            x = block(x, cos, sin)
-        return m.lm_head(m.norm(_select(x, logits_indices)))
-
-    def max_model_len(self) -> int:
-        return self.model.config.seq_len
+        return self.model.forward_positions(input_ids, positions, logits_indices)
 
 
 class HFAdapter(DecoderAdapter):
@@ -359,15 +337,10 @@ def decoder_adapter(model: nn.Module) -> DecoderAdapter:
 
     Raises GenerationError for a module graphpar cannot serve.
     """
-    from graphpar.models.gpt import GPT
-    from graphpar.models.llama import Llama
-
     if isinstance(model, DecoderAdapter):
         return model
-    if isinstance(model, GPT):
-        adapter: DecoderAdapter = GPTAdapter(model)
-    elif isinstance(model, Llama):
-        adapter = LlamaAdapter(model)
+    if callable(getattr(model, "forward_positions", None)):
+        adapter: DecoderAdapter = PositionsAdapter(model)
     elif _is_hf_causal_lm(model):
         adapter = HFAdapter(model)
     elif _takes_position_ids(model):
@@ -375,7 +348,8 @@ def decoder_adapter(model: nn.Module) -> DecoderAdapter:
     else:
         raise GenerationError(
             f"cannot serve {type(model).__name__}: graphpar generates with the bundled GPT and "
-            "LLaMA, Hugging Face causal LMs (GPT-2, LLaMA), or a module whose "
+            "LLaMA, Hugging Face causal LMs (GPT-2, LLaMA), a module with "
+            "forward_positions(input_ids, positions, logits_indices), or a module whose "
             "forward(input_ids, position_ids=...) returns logits and whose attention calls "
             "F.scaled_dot_product_attention(q, k, v, is_causal=True)")
     if model.training:

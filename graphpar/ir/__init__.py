@@ -24,3 +24,5 @@ def load_ops() -> None:
 
 
 load_ops()
+
+from graphpar.ir import printer  # noqa: E402,F401  (gives graphs their text form, str(graph))

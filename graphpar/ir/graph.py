@@ -236,9 +236,7 @@ class Graph:
         return len(self.nodes)
 
     def __str__(self) -> str:
-        from graphpar.ir.printer import print_graph
-
-        return print_graph(self)
+        return text_form([self])
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Graph) and structurally_equal(self, other)
@@ -321,6 +319,23 @@ def _same_scalar(x: Scalar, y: Scalar) -> bool:
     return x == y
 
 
+
+def text_form(graphs: Iterable[Graph]) -> str:
+    """The IR text of `graphs` (what `str()` gives), written by `graphpar.ir.printer`, which
+    installs itself here when it loads (the printer depends on the graph, not the reverse)."""
+    if _printer is None:
+        raise RuntimeError("graphpar.ir.printer is not loaded")  # graphpar.ir loads it
+    return _printer(graphs)
+
+
+_printer: Callable[[Iterable[Graph]], str] | None = None
+
+
+def install_printer(printer: Callable[[Iterable[Graph]], str]) -> None:
+    global _printer
+    _printer = printer
+
+
 @dataclass(eq=False)
 class Program:
     """Several graphs by name: what a pass produces when it splits one graph (stages, devices)."""
@@ -341,9 +356,7 @@ class Program:
         return len(self.graphs)
 
     def __str__(self) -> str:
-        from graphpar.ir.printer import print_program
-
-        return print_program(self.graphs.values())
+        return text_form(self.graphs.values())
 
     def __eq__(self, other: object) -> bool:
         return (

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from graphpar.ir.cluster import Cluster
-from graphpar.ir.graph import Graph, Node, OutputRole, Value
+from graphpar.ir.graph import Graph, Node, OutputRole, Value, install_printer
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
 
@@ -200,3 +200,6 @@ def _print_graph(graph: Graph, decls: _Declarations, show_source: bool, show_cos
 def node_flops(node) -> int:
     operands = [getattr(v, "type", v) for v in node.inputs]
     return get_op(node.op).flops(operands, [o.type for o in node.outputs], node.attrs)
+
+
+install_printer(print_program)

@@ -95,6 +95,24 @@ class GPT(DecoderLM):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
+    # What graphpar's serving capture drives (graphpar.capture.decoder.PositionsAdapter).
+    decoder_family = "gpt"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.seq_len
+
+    def forward_positions(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of tokens at explicit positions (a learned position table), only at
+        `logits_indices` along the sequence when given."""
+        x = self.tok_emb(input_ids) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        if logits_indices is not None:
+            x = x[:, logits_indices]
+        return self.lm_head(self.ln_f(x))
+
 
 def build(config: GPTConfig, seed: int = 0) -> GPT:
     """A GPT with weights drawn from `seed`."""

@@ -167,6 +167,26 @@ class Llama(nn.Module):
             x = block(x, cos, sin)
         return self.lm_head(self.norm(x))
 
+    # What graphpar's serving capture drives (graphpar.capture.decoder.PositionsAdapter).
+    decoder_family = "llama"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.seq_len
+
+    def forward_positions(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of tokens at explicit positions: rotary tables indexed by position, only at
+        `logits_indices` along the sequence when given."""
+        cos = self.rope_cos[positions].unsqueeze(1)  # [B, 1, S, head_dim]: broadcast over heads
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = self.tok_emb(input_ids)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        if logits_indices is not None:
+            x = x[:, logits_indices]
+        return self.lm_head(self.norm(x))
+
 
 def rope_tables(config: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position * frequency, [seq_len, head_dim], halves repeated for rotate-half."""

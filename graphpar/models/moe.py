@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from graphpar.models import gpt
+import graphpar.models.gpt as gpt
 from graphpar.models.common import INIT_STD, TransformerConfig, require, seeded
 from graphpar.models.layers import (
     FeedForward,

@@ -63,7 +63,7 @@ def load_target(path: str | None, example: str | None):
 def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler import compile_model
-    from graphpar.cost.collectives import annotate_comm
+    from graphpar.cost.communication import annotate_comm
     from graphpar.ir.printer import format_count, print_program
     from graphpar.passes import parse_pipeline
 
@@ -193,7 +193,7 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    from graphpar.cost.collectives import annotate_comm
+    from graphpar.cost.communication import annotate_comm
     from graphpar.ir.parser import load
     from graphpar.ir.printer import print_program
     from graphpar.ir.verify import verify

@@ -296,7 +296,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
 
 
 def _dump_programs(model, directory: Path, quiet: bool) -> None:
-    from graphpar.cost.collectives import annotate_comm
+    from graphpar.cost.communication import annotate_comm
     from graphpar.ir.printer import print_graph
 
     directory.mkdir(parents=True, exist_ok=True)

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphpar.errors import BackendError, GraphparError
-from graphpar.ir.collectives import COMM_OPS, LOCAL_OPS  # also registers the SPMD ops
 from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.ops import get_op
+from graphpar.ir.spmd_ops import COMM_OPS, LOCAL_OPS  # also registers the SPMD ops
 from graphpar.ir.verify import describe
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def run(graph: Graph, inputs: Mapping[str, torch.Tensor] | Sequence[torch.Tensor
     graph's live set rather than its size.
 
     `comm` (a `graphpar.runtime.spmd.Communicator`) runs a device program as one rank of a
-    mesh: its SPMD ops (collectives, `local_*` steps, send/recv; `graphpar.ir.collectives`)
+    mesh: its SPMD ops (collectives, `local_*` steps, send/recv; `graphpar.ir.spmd_ops`)
     go to the communicator. Without one, those ops only run for groups of one and otherwise
     raise `BackendError`.
     """

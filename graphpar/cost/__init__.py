@@ -5,5 +5,5 @@ Modules (import them directly; this package re-exports nothing, so that
 
 - `graphpar.units`: `parse_bytes("80GiB")`, `format_bytes`, bandwidth, time and FLOP/s strings.
 - `graphpar.cost.cluster`: `Cluster`, the presets (`PRESETS`, `get_cluster`) and cluster files.
-- `graphpar.cost.collectives`: alpha-beta costs of collectives and `resharding_cost`.
+- `graphpar.cost.communication`: alpha-beta costs of collectives and `resharding_cost`.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-DIALECTS = ("graphpar.ir.ops", "graphpar.ir.collectives", "graphpar.ir.paged_ops")
+DIALECTS = ("graphpar.ir.ops", "graphpar.ir.spmd_ops", "graphpar.ir.paged_ops")
 """Modules that each declare a list `OPS` of op definitions, registered in this order."""
 
 _loaded = False

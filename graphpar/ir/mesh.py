@@ -4,7 +4,7 @@ A `Mesh` is what the sharding passes plan for (Alpa §4.1): devices laid out row
 in an N-d grid; collectives run along one axis (or several) at a time, and all device
 groups along one axis are assumed to communicate at the same speed. The axis
 bandwidth (bytes/s, one direction, per device) and latency (seconds per step) feed the
-alpha-beta cost model in `graphpar.cost.collectives`.
+alpha-beta cost model in `graphpar.cost.communication`.
 
     Mesh((2, 4))                              # abstract: bandwidth 1 B/s, latency 0
     Mesh.from_string("2x4", cluster)          # on a `Cluster`

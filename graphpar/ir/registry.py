@@ -39,7 +39,7 @@ class Trait(str, enum.Enum):
 
 class StepKind(str, enum.Enum):
     """What one communication step does (an op's `comm_kind`; a step of a resharding plan in
-    `graphpar.cost.collectives`). The first six communicate; the `local_*` ones are free."""
+    `graphpar.cost.communication`). The first six communicate; the `local_*` ones are free."""
 
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"

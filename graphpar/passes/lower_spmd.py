@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from graphpar.cost.collectives import Step, resharding_cost
+from graphpar.cost.communication import Step, resharding_cost
 from graphpar.errors import PassError
-from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS
 from graphpar.ir.graph import Graph, Node, Program, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import StepKind, Trait, get_op
+from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS
 from graphpar.ir.verify import describe
 from graphpar.passes.manager import Pass, PassContext, register_pass
 

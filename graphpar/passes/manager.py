@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from graphpar.cost.collectives import annotate_comm
+from graphpar.cost.communication import annotate_comm
 from graphpar.errors import GraphparError, PassError, UsageError
 from graphpar.ir.graph import Graph, Program
 from graphpar.ir.printer import print_program

@@ -11,7 +11,7 @@ tensors it gathers, so both executors compute bit-identical results.
 Ranks are positions in the mesh's row-major order (0 .. mesh.size - 1); a rank's device id
 is `mesh.device_ids[rank]`. Send/recv name global ranks.
 
-Byte accounting follows the cost model exactly (`graphpar.cost.collectives`): each
+Byte accounting follows the cost model exactly (`graphpar.cost.communication`): each
 communicating node appends a `CommRecord` with the buffer size `nbytes` as the cost model
 defines it (all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the full
 input; all_to_all: the local buffer; send: the message) and `bytes_sent =
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from graphpar.cost.collectives import StepKind, collective_bytes
+from graphpar.cost.communication import StepKind, collective_bytes
 from graphpar.errors import BackendError
-from graphpar.ir.collectives import COMM_OPS, GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.graph import Node
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import get_op
+from graphpar.ir.spmd_ops import COMM_OPS, GROUP_OPS, LOCAL_OPS, node_axes
 
 __all__ = [
     "CommRecord",

@@ -17,9 +17,9 @@ import torch
 
 from graphpar.backends.reference import node_error
 from graphpar.errors import GraphparError
-from graphpar.ir.collectives import SPMD_OPS
 from graphpar.ir.graph import Graph, Value
 from graphpar.ir.ops import get_op
+from graphpar.ir.spmd_ops import SPMD_OPS
 
 __all__ = ["CompiledGraph"]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from graphpar.errors import BackendError, GraphparError
-from graphpar.ir.collectives import GROUP_OPS, node_axes
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import print_graph
+from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.spmd import GraphArg, Inputs, MeshArg, SpmdResult, load_program
 

@@ -1,7 +1,7 @@
 """Run SPMD device programs: all ranks in one process, or one process per rank over gloo.
 
 A device program is one IR graph with LOCAL shapes that every device of a mesh runs on its
-own shard, with collectives along mesh axes (`graphpar.ir.collectives`), declared on its mesh
+own shard, with collectives along mesh axes (`graphpar.ir.spmd_ops`), declared on its mesh
 (`graph.mesh`). Ranks are positions in the mesh's row-major order.
 
     outs = run_spmd_in_process(graph, per_rank_inputs, mesh)      # fast, deterministic
@@ -27,10 +27,10 @@ import torch
 
 from graphpar.backends.reference import interpret, node_error
 from graphpar.errors import BackendError, GraphparError, ShardingError
-from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.layout import Layout, Partial
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
+from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.verify import describe
 from graphpar.runtime.comm import CommRecord, Communicator, group_outputs, reduce_tensors
 from graphpar.runtime.gloo import GlooCommunicator

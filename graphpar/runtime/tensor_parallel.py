@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from graphpar.errors import GenerationError, GraphparError
-from graphpar.ir.collectives import GROUP_OPS, node_axes
 from graphpar.ir.graph import Graph, Role
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import print_graph
+from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.graph_template import GraphTemplate
 from graphpar.runtime.launch import (
     LOOPBACK,

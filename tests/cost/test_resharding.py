@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from graphpar.cost.cluster import get_cluster
-from graphpar.cost.collectives import (
+from graphpar.cost.communication import (
     StepKind,
     resharding_cost,
     resharding_cost_matrix,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphpar.cost.cluster import get_cluster, mesh_for
-from graphpar.cost.collectives import annotate_comm
+from graphpar.cost.communication import annotate_comm
 from graphpar.errors import IRParseError
 from graphpar.ir.graph import Graph, Program
 from graphpar.ir.mesh import Mesh

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from graphpar.backends.reference import run
-from graphpar.cost.collectives import Step, StepKind, all_reduce_cost, resharding_cost
+from graphpar.cost.communication import Step, StepKind, all_reduce_cost, resharding_cost
 from graphpar.errors import BackendError, VerificationError
-from graphpar.ir.collectives import SPMD_OPS
 from graphpar.ir.graph import Graph
 from graphpar.ir.layout import Layout, Partial, Replicate, Shard, all_layouts
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
+from graphpar.ir.spmd_ops import SPMD_OPS
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
 from graphpar.passes.lower_spmd import emit_step

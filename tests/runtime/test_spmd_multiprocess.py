@@ -10,7 +10,7 @@ import torch
 from test_spmd_collectives import ALL_OPS_TEXT
 from test_spmd_programs import MLP, mlp_case
 
-from graphpar.cost.collectives import all_reduce_cost
+from graphpar.cost.communication import all_reduce_cost
 from graphpar.errors import BackendError
 from graphpar.ir.layout import Layout
 from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess, unshard

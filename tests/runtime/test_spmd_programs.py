@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graphpar.cost.collectives import all_reduce_cost
+from graphpar.cost.communication import all_reduce_cost
 from graphpar.errors import BackendError, ShardingError
 from graphpar.ir.layout import Layout, all_layouts
 from graphpar.ir.mesh import Mesh

@@ -3,7 +3,7 @@
 The `cpu` cluster preset's link numbers are placeholders. This benchmark starts two processes
 the way torchrun does (gloo over loopback), times all-gather and all-reduce over message sizes
 from 256 B to 16 MiB, and fits the cost model's alpha-beta formulas
-(graphpar/cost/collectives.py; two ranks):
+(graphpar/cost/communication.py; two ranks):
 
     all_gather  t = a + M / (2 B)        M: the gathered output's bytes
     all_reduce  t = 2 a + M / B          M: the buffer's bytes

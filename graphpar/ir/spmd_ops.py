@@ -25,7 +25,7 @@ on its `OpDef` below, the one map between ops and steps.
     recv()            {src, shape, dtype, tag}        a tensor from global rank src
 
 `op` is one of "sum", "avg", "max", "min". The attributes map 1:1 from a cost-model
-`Step` (`graphpar.cost.collectives`): lower-spmd's `emit_step` appends the node.
+`Step` (`graphpar.cost.communication`): lower-spmd's `emit_step` appends the node.
 
 `OPS` lists these ops for `graphpar.ir.load_ops`.
 

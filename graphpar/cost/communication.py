@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from graphpar.errors import ShardingError
-from graphpar.ir.collectives import comm_kind, node_axes
 from graphpar.ir.graph import Node
 from graphpar.ir.layout import Layout, Partial, Placement, Replicate, Shard
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import StepKind
+from graphpar.ir.spmd_ops import comm_kind, node_axes
 from graphpar.units import format_bytes, format_seconds
 
 __all__ = [

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from graphpar.cost.cluster import get_cluster
-from graphpar.cost.collectives import (
+from graphpar.cost.communication import (
     Cost,
     StepKind,
     all_gather_cost,

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphpar.capture import Captured
 from graphpar.capture.optim import Optimizer
+from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import Plan
 from graphpar.passes.lower_spmd import graph_mesh
+
+if TYPE_CHECKING:
+    from graphpar.compiler import ModelSpec
+    from graphpar.eager_check import EagerCheck
 
 
 @dataclass
@@ -22,6 +28,8 @@ class Compiled:
 
     `run(*inputs)` executes the device program on CPU ranks (all in this process, or one
     process per rank over gloo) and returns global outputs, like calling the module.
+    `check()` runs it on the example it was compiled from and compares every output with
+    eager PyTorch (and torch.optim, for a training step).
     """
 
     captured: Captured  # the sharded global graph and the state tensors it starts from
@@ -29,6 +37,8 @@ class Compiled:
     plan: Plan
     mesh: Mesh
     bytes_sent: list[float] = field(default_factory=list)  # measured, per rank, last run
+    spec: ModelSpec | None = None  # the module and example it was compiled from
+    optimizer: Optimizer | None = None  # a training step's, as torch.optim runs it
 
     @property
     def graph(self) -> Graph:
@@ -62,6 +72,21 @@ class Compiled:
         self.captured.apply_updates(outputs)
         return outputs
 
+    def check(self, processes: bool = False) -> EagerCheck:
+        """Run one step on the example inputs (and targets) it was compiled from, and compare
+        each output with eager PyTorch: the loss, every gradient (when the step returns them:
+        compile with keep_grads=True), every updated parameter and every optimizer state
+        against a real torch.optim step. The module itself is not changed."""
+        from graphpar.eager_check import check_against_eager
+
+        if self.spec is None:
+            raise UsageError("this plan does not know the module it came from: compile it "
+                             "with graphpar.compile, or give lower() its spec")
+        train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
+        args = self.spec.inputs + (self.spec.targets if train else ())
+        outputs = self.run(*args, processes=processes)
+        return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
+
     def loss_index(self) -> int:
         return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)
 
@@ -70,14 +95,16 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
             mode: str = "infer", loss_fn: Callable | None = None,
             targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
             cluster: str = "dgx-a100", memory_limit: str = "", time_limit: float = 30.0,
-            pipeline: str = "cleanup") -> Compiled:
-    """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program."""
+            pipeline: str = "cleanup", keep_grads: bool = False) -> Compiled:
+    """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
+    `keep_grads`: a training step also returns its gradients (for `Compiled.check`)."""
     from graphpar.compiler import ModelSpec, compile_model
 
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
     result = compile_model(spec, mode, sharding_pipeline(pipeline, mesh, cluster, memory_limit,
-                                                         time_limit), optimizer=optimizer)
-    return lower(result.captured, result.context)
+                                                         time_limit), optimizer=optimizer,
+                           keep_grads=keep_grads)
+    return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 
 
 def sharding_pipeline(pipeline: str, mesh: str, cluster: str = "dgx-a100",
@@ -89,8 +116,11 @@ def sharding_pipeline(pipeline: str, mesh: str, cluster: str = "dgx-a100",
     return f"{pipeline},auto-shard{{{','.join(options)}}}"
 
 
-def lower(captured: Captured, ctx: PassContext) -> Compiled:
-    """The device program of an auto-sharded capture (its graph stays the global one)."""
+def lower(captured: Captured, ctx: PassContext, spec: ModelSpec | None = None,
+          optimizer: Optimizer | None = None) -> Compiled:
+    """The device program of an auto-sharded capture (its graph stays the global one);
+    `spec` and `optimizer`, what it was captured from, let `Compiled.check` compare it."""
     plan = ctx.options["plans"][captured.graph.name]
     program = PassManager(parse_pipeline("lower-spmd")).run(captured.graph.copy(), ctx)
-    return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph))
+    return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph),
+                    spec=spec, optimizer=optimizer)

@@ -38,25 +38,26 @@ def step(what: str) -> Iterator[None]:
         _progress(f"{what}: done in {seconds:.1f} s")
 
 
-def example_spec(text: str):
-    """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec."""
+def example_spec(text: str, train: bool = False):
+    """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec (in train mode for
+    `train`: batch norm then normalizes by the batch, as a training step does)."""
     from graphpar.compiler import ModelSpec
     from graphpar.models import get_model
 
     name, _, preset = text.partition(":")
-    example = get_model(name, preset or "tiny")
+    example = get_model(name, preset or "tiny", train=train)
     return ModelSpec(f"{name}_{example.preset}", example.module, tuple(example.inputs),
                      example.loss_fn, tuple(example.targets), f"graphpar.models:{name}/"
                                                               f"{example.preset}")
 
 
-def load_target(path: str | None, example: str | None):
+def load_target(path: str | None, example: str | None, train: bool = False):
     from graphpar.model_file import load_model_file
 
     if path and example:
         raise UsageError("give a model file or --example, not both")
     if example or not path:
-        return example_spec(example or DEFAULT_EXAMPLE)
+        return example_spec(example or DEFAULT_EXAMPLE, train)
     return load_model_file(path)
 
 
@@ -87,7 +88,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
                              f"({mesh_size} devices): run one CPU rank per device")
     with step("loading the model"):
-        spec = load_target(args.model, args.example)
+        spec = load_target(args.model, args.example, train=args.mode == "train")
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
     try:

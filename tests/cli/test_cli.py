@@ -38,7 +38,13 @@ def test_compile_writes_ir_and_report(tmp_path, capsys):
     assert [p["name"] for p in report["passes"]] == ["canonicalize", "fold-constants", "cse",
                                                      "dce"]
     text = (tmp_path / "out" / "tiny_mlp.gpir").read_text()
-    assert 'loc("examples/tiny_mlp.py:15", "fc1")' in text or "tiny_mlp.py:15" in text
+    # each linear carries its module and the source line of the forward that calls it
+    forward = next(i for i, line in enumerate(EXAMPLE.read_text().splitlines(), 1)
+                   if "self.fc1(x)" in line)
+    linears = [line for line in text.splitlines() if " = linear(" in line]
+    assert len(linears) == 2
+    assert f'{EXAMPLE.name}:{forward}", "fc1")' in linears[0]
+    assert f'{EXAMPLE.name}:{forward}", "fc2")' in linears[1]
     assert len(list((tmp_path / "out" / "dumps").iterdir())) == 4
     assert "2 distinct ops" in out and "(estimated)" in out and "(measured)" in out
     code, out, _ = run_cli(capsys, "dump", tmp_path / "out" / "tiny_mlp.gpir")

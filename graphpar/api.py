@@ -76,7 +76,8 @@ class Compiled:
         """Run one step on the example inputs (and targets) it was compiled from, and compare
         each output with eager PyTorch: the loss, every gradient (when the step returns them:
         compile with keep_grads=True), every updated parameter and every optimizer state
-        against a real torch.optim step. The module itself is not changed."""
+        against a real torch.optim step. The module itself is not changed. It compares the
+        step from the state compiled from the module: call it before `step()`."""
         from graphpar.eager_check import check_against_eager
 
         if self.spec is None:

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphpar.capture import Captured
 from graphpar.capture.optim import Optimizer
+from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import Plan
 from graphpar.passes.autoshard.pass_ import AutoShard, ShardingPlans
 from graphpar.passes.lower_spmd import graph_mesh
+
+if TYPE_CHECKING:
+    from graphpar.compiler import ModelSpec
+    from graphpar.eager_check import EagerCheck
 
 
 @dataclass
@@ -23,6 +29,8 @@ class Compiled:
 
     `run(*inputs)` executes the device program on CPU ranks (all in this process, or one
     process per rank over gloo) and returns global outputs, like calling the module.
+    `check()` runs it on the example it was compiled from and compares every output with
+    eager PyTorch (and torch.optim, for a training step).
     """
 
     captured: Captured  # the sharded global graph and the state tensors it starts from
@@ -30,6 +38,8 @@ class Compiled:
     plan: Plan
     mesh: Mesh
     bytes_sent: list[float] = field(default_factory=list)  # measured, per rank, last run
+    spec: ModelSpec | None = None  # the module and example it was compiled from
+    optimizer: Optimizer | None = None  # a training step's, as torch.optim runs it
 
     @property
     def graph(self) -> Graph:
@@ -63,6 +73,22 @@ class Compiled:
         self.captured.apply_updates(outputs)
         return outputs
 
+    def check(self, processes: bool = False) -> EagerCheck:
+        """Run one step on the example inputs (and targets) it was compiled from, and compare
+        each output with eager PyTorch: the loss, every gradient (when the step returns them:
+        compile with keep_grads=True), every updated parameter and every optimizer state
+        against a real torch.optim step. The module itself is not changed. It compares the
+        step from the state compiled from the module: call it before `step()`."""
+        from graphpar.eager_check import check_against_eager
+
+        if self.spec is None:
+            raise UsageError("this plan does not know the module it came from: compile it "
+                             "with graphpar.compile, or give lower() its spec")
+        train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
+        args = self.spec.inputs + (self.spec.targets if train else ())
+        outputs = self.run(*args, processes=processes)
+        return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
+
     def loss_index(self) -> int:
         return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)
 
@@ -71,20 +97,24 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
             mode: str = "infer", loss_fn: Callable | None = None,
             targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
             cluster: str = "dgx-a100", memory_limit: str = "", time_limit: float = 30.0,
-            pipeline: str = "cleanup") -> Compiled:
-    """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program."""
+            pipeline: str = "cleanup", keep_grads: bool = False) -> Compiled:
+    """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
+    `keep_grads`: a training step also returns its gradients (for `Compiled.check`)."""
     from graphpar.compiler import ModelSpec, compile_model
 
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
     passes = [*parse_pipeline(pipeline),
               AutoShard(mesh=mesh, cluster=cluster, memory_limit=memory_limit,
                         time_limit=time_limit)]
-    result = compile_model(spec, mode, passes, optimizer=optimizer)
-    return lower(result.captured, result.context)
+    result = compile_model(spec, mode, passes, optimizer=optimizer, keep_grads=keep_grads)
+    return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 
 
-def lower(captured: Captured, ctx: PassContext) -> Compiled:
-    """The device program of an auto-sharded capture (its graph stays the global one)."""
+def lower(captured: Captured, ctx: PassContext, spec: ModelSpec | None = None,
+          optimizer: Optimizer | None = None) -> Compiled:
+    """The device program of an auto-sharded capture (its graph stays the global one);
+    `spec` and `optimizer`, what it was captured from, let `Compiled.check` compare it."""
     plan = ctx.result(ShardingPlans)[captured.graph.name]
     program = PassManager(parse_pipeline("lower-spmd")).run(captured.graph.copy(), ctx)
-    return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph))
+    return Compiled(captured, next(iter(program)), plan, graph_mesh(captured.graph),
+                    spec=spec, optimizer=optimizer)

@@ -44,6 +44,7 @@ class CompileResult:
     capture_seconds: float
     pass_manager: PassManager
     context: PassContext = field(default_factory=lambda: PassContext())
+    optimizer: Optimizer | None = None  # the training step's, to compare with torch.optim
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,8 +100,10 @@ def plan_report(graph: Graph, plan) -> dict[str, Any]:
     }
 
 
-def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = None
-            ) -> Captured:
+def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = None,
+            keep_grads: bool = False) -> Captured:
+    """`spec`'s inference graph, or its training step; `keep_grads` keeps the gradients as
+    outputs beside the optimizer's updates (to compare them with eager)."""
     if mode == "infer":
         return capture_inference(spec.module, spec.inputs, name=_graph_name(spec.name))
     if mode == "train":
@@ -108,22 +111,26 @@ def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = 
             raise UsageError(f"{spec.source or spec.name}: --mode train needs a loss: define "
                              "`loss(output, *targets)` and `targets()` next to `build()`")
         return capture_training(spec.module, spec.inputs, spec.loss_fn, spec.targets,
-                                optimizer=optimizer, name=_graph_name(spec.name) + "_train")
+                                optimizer=optimizer, name=_graph_name(spec.name) + "_train",
+                                keep_grads=keep_grads)
     raise UsageError(f"unknown mode {mode!r}; use 'infer' or 'train'")
 
 
 def compile_model(spec: ModelSpec, mode: str = "infer",
                   pipeline: str | Sequence[Any] = DEFAULT_PIPELINE,
-                  optimizer: Optimizer | None = None, **manager_options: Any) -> CompileResult:
-    """Capture `spec` and run `pipeline` over it, verifying between passes."""
+                  optimizer: Optimizer | None = None, keep_grads: bool = False,
+                  **manager_options: Any) -> CompileResult:
+    """Capture `spec` and run `pipeline` over it, verifying between passes. `keep_grads`:
+    a training step also returns its gradients (see `capture`)."""
     passes = parse_pipeline(pipeline) if isinstance(pipeline, str) else list(pipeline)
     start = time.perf_counter()
-    captured = capture(spec, mode, optimizer)
+    captured = capture(spec, mode, optimizer, keep_grads)
     capture_seconds = time.perf_counter() - start
     manager = PassManager(passes, **manager_options)
     context = PassContext()
     program = manager.run(captured.graph, context)
-    return CompileResult(spec, mode, captured, program, capture_seconds, manager, context)
+    return CompileResult(spec, mode, captured, program, capture_seconds, manager, context,
+                         optimizer)
 
 
 def _graph_name(name: str) -> str:

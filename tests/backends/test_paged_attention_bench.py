@@ -40,11 +40,29 @@ def test_cpu_mode_writes_json(bench, tmp_path, capsys):
     assert row["paged_us"] > 0 and row["sdpa_us"] > 0
 
 
-def test_peak_table(bench):
-    assert bench.peak_gbps("NVIDIA H100 80GB HBM3") == 3350.0
-    assert bench.peak_gbps("NVIDIA H200") == 4800.0
-    assert bench.peak_gbps("NVIDIA A100-SXM4-80GB") == 2039.0
+def test_peak_table_is_not_shadowed(bench):
+    """First match wins: a specific name (PCIe, 40 GB) must come before its shorter fragment,
+    or every H100 PCIe would be rated at the SXM's bandwidth."""
+    for fragment, gbps in bench.PEAK_GBPS:
+        assert bench.peak_gbps(f"NVIDIA {fragment}") == gbps, fragment
+    # names as torch.cuda.get_device_name gives them
+    assert bench.peak_gbps("NVIDIA H100 PCIe") < bench.peak_gbps("NVIDIA H100 80GB HBM3")
+    assert bench.peak_gbps("NVIDIA A100-SXM4-40GB") < bench.peak_gbps("NVIDIA A100-SXM4-80GB")
     assert bench.peak_gbps("Some Future GPU") is None
+
+
+def test_share_of_peak_is_bandwidth_over_peak(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = bench.main(
+        [
+            "--cpu", "--batch", "1", "--context", "32", "--num-heads", "2", "--num-kv-heads", "1",
+            "--head-size", "64", "--dtype", "float32", "--peak-gbps", "50", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["paged_pct_peak"] == pytest.approx(100 * row["paged_gbps"] / 50)
+    assert row["paged_gbps"] == pytest.approx(row["bytes"] / (row["paged_us"] * 1e-6) / 1e9)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

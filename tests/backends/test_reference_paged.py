@@ -202,7 +202,11 @@ def test_prefill_of_one_token_is_decode():
         starts,
         batch.scale,
     )
-    torch.testing.assert_close(prefill, _decode(batch), atol=1e-6, rtol=1e-6)
+    # Two computations of the same scores (prefill's matmul over a block of queries, decode's
+    # per-query one) may sum head_size products in different orders, and another CPU's
+    # kernels block them differently: the float32 tolerance this file gives every comparison
+    # of two computations, not one fitted to this machine's last bits
+    torch.testing.assert_close(prefill, _decode(batch), **TOLERANCE[torch.float32])
 
 
 def test_prefill_rejects_context_shorter_than_new_tokens():

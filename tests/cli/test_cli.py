@@ -38,7 +38,13 @@ def test_compile_writes_ir_and_report(tmp_path, capsys):
     assert [p["name"] for p in report["passes"]] == ["canonicalize", "fold-constants", "cse",
                                                      "dce"]
     text = (tmp_path / "out" / "tiny_mlp.gpir").read_text()
-    assert 'loc("examples/tiny_mlp.py:15", "fc1")' in text or "tiny_mlp.py:15" in text
+    # each linear carries its module and the source line of the forward that calls it
+    forward = next(i for i, line in enumerate(EXAMPLE.read_text().splitlines(), 1)
+                   if "self.fc1(x)" in line)
+    linears = [line for line in text.splitlines() if " = linear(" in line]
+    assert len(linears) == 2
+    assert f'{EXAMPLE.name}:{forward}", "fc1")' in linears[0]
+    assert f'{EXAMPLE.name}:{forward}", "fc2")' in linears[1]
     assert len(list((tmp_path / "out" / "dumps").iterdir())) == 4
     assert "2 distinct ops" in out and "(estimated)" in out and "(measured)" in out
     code, out, _ = run_cli(capsys, "dump", tmp_path / "out" / "tiny_mlp.gpir")
@@ -153,6 +159,33 @@ def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
         report["run_cpu"]["bytes_predicted"])
     assert "{" in (tmp_path / "mlp_tiny.gpir").read_text()  # layouts in the IR dump
     assert "run-cpu    2 ranks" in out
+
+
+def test_run_cpu_in_train_mode_checks_every_gradient_update_and_state(tmp_path):
+    """`--mode train --run-cpu` compares the loss, every gradient, updated parameter and Adam
+    state with eager PyTorch + torch.optim, and names the worst tensor of each kind."""
+    result = subprocess.run(
+        [sys.executable, "-m", "graphpar.cli", "compile", str(EXAMPLE), "--mode", "train",
+         "--mesh", "2x2", "--cluster", "cpu", "--run-cpu", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    errors = json.loads((tmp_path / "report.json").read_text())["run_cpu"]["errors"]
+    assert list(errors) == ["loss", "gradients", "parameters", "optimizer state"]
+    params = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert errors["gradients"]["tensors"] == errors["parameters"]["tensors"] == len(params)
+    assert errors["gradients"]["at"] in params and errors["parameters"]["at"] in params
+    assert errors["optimizer state"]["tensors"] == 2 * len(params) + 1  # m, v, the step
+    for kind, error in errors.items():
+        # a tiny MLP's loss, gradients and a first Adam step (each element moves by at most
+        # lr = 1e-3, and by exactly lr·sign(g) where |g| is far above its rounding) agree
+        # with eager to within float32 rounding: well under 1e-5, and inside the per-element
+        # tolerance the check derives from the maths (tolerance_used <= 1)
+        assert error["max_abs_error"] < 1e-5, (kind, error)
+        assert error["tolerance_used"] <= 1.0, (kind, error)
+        line = f"{kind}: max abs error {error['max_abs_error']:.1e}"
+        assert line in result.stdout, result.stdout
+    assert f"gradients: max abs error {errors['gradients']['max_abs_error']:.1e} at " \
+           f"{errors['gradients']['at']}" in result.stdout
 
 
 @pytest.mark.parametrize("argv, code, says", [

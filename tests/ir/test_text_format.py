@@ -110,4 +110,9 @@ def test_parse_errors_name_line_and_column(bad, where, says):
     message = str(err.value)
     assert message.startswith("model.gpir" + where)
     assert says in message
-    assert "^" in message or "end of file" in message or "expected" in message
+    # below the message: the named line of the input, and a caret under the named column
+    first, source, caret = message.split("\n")
+    line, column = (int(n) for n in first.removeprefix("model.gpir:").split(":")[:2])
+    lines = bad.splitlines()
+    assert source == "    " + (lines[line - 1] if line <= len(lines) else "")
+    assert caret == "    " + " " * (column - 1) + "^"

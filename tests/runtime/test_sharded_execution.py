@@ -3,13 +3,15 @@ ranks, computes what eager PyTorch computes, and moves exactly the bytes the pla
 
 import copy
 import random
+import zlib
 
 import pytest
 import torch
 
 import graphpar
 from graphpar.api import lower
-from graphpar.capture import SGD, capture_inference, capture_training
+from graphpar.capture import SGD, Adam, capture_inference, capture_training
+from graphpar.compiler import ModelSpec
 from graphpar.cost.cluster import mesh_for
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.verify import verify
@@ -34,7 +36,7 @@ def random_plan(graph, mesh, seed: int) -> Plan:
     return plan
 
 
-def sharded(captured, mesh_text: str, seed: int):
+def sharded(captured, mesh_text: str, seed: int, spec=None, optimizer=None):
     mesh = mesh_for(mesh_text, "cpu")
     run_pipeline(captured.graph, "cleanup")
     plan = random_plan(captured.graph, mesh, seed)
@@ -42,7 +44,7 @@ def sharded(captured, mesh_text: str, seed: int):
     verify(captured.graph)
     ctx = PassContext()
     ctx.result(ShardingPlans)[captured.graph.name] = plan
-    return lower(captured, ctx)
+    return lower(captured, ctx, spec=spec, optimizer=optimizer)
 
 
 def check_bytes(compiled):
@@ -84,6 +86,22 @@ def test_random_plans_train_like_eager(name, mesh):
                                    msg=lambda m, p=pname: f"{p}: {m}")
     check_bytes(compiled)
     assert {o.role for o in compiled.spmd.outputs} >= {OutputRole.LOSS, OutputRole.UPDATE}
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_random_plans_check_every_gradient_and_adam_state_against_eager(name):
+    """The eager check on sharded plans that communicate: the loss, each gradient, updated
+    parameter and Adam state agree with eager + torch.optim within their rounding tolerance."""
+    ex = get_model(name, "tiny", batch_size=4, train=True)
+    captured = capture_training(copy.deepcopy(ex.module), ex.inputs, ex.loss_fn, ex.targets,
+                                optimizer=Adam(), keep_grads=True)
+    spec = ModelSpec(name, ex.module, ex.inputs, ex.loss_fn, ex.targets)
+    compiled = sharded(captured, "2x2", seed=zlib.crc32(name.encode()) % 1000, spec=spec,
+                       optimizer=Adam())
+    check = compiled.check()
+    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
+    assert check.within_tolerance, "\n".join(check.lines())
+    assert max(compiled.bytes_sent) > 0  # the plan communicates
 
 
 def test_ilp_plan_on_gloo_ranks_equals_in_process_and_eager():

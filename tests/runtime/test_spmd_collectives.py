@@ -18,7 +18,7 @@ from graphpar.ir.layout import Layout, Partial, Replicate, Shard, all_layouts
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
 from graphpar.ir.parser import parse
-from graphpar.ir.printer import print_graph
+from graphpar.ir.printer import node_flops, print_graph
 from graphpar.ir.spmd_ops import SPMD_OPS
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
@@ -233,8 +233,22 @@ def test_ops_are_registered_typed_and_round_trip():
     assert parse(print_graph(g)) == g
     for op in SPMD_OPS:
         assert get_op(op).kind.value == "collective"
-    assert all(get_op(n.op).flops([i.type for i in n.input_values], [o.type for o in n.outputs],
-                                  n.attrs) == 0 for n in g.nodes)
+
+
+def test_a_device_program_counts_flops_of_its_compute_only():
+    """Communication is priced by bytes (cost.collectives); FLOPs counted for it too would
+    charge it twice in the roofline and in the report's compute estimate: a matmul followed
+    by every kind of collective costs exactly the matmul's 2·M·N·K."""
+    body = ALL_OPS_TEXT.replace("    %x: f32[4,8] input,\n",
+                                "    %a: f32[4,16] input,\n    %w: f32[16,8] param,\n")
+    body = body.replace("{\n  %0 = all_reduce(%x)", "{\n  %x = matmul(%a, %w) : f32[4,8]\n"
+                        "  %0 = all_reduce(%x)", 1)
+    g = parse(body)
+    verify(g)
+    assert {n.op for n in g.nodes} == set(SPMD_OPS) | {"matmul"}
+    assert sum(node_flops(n) for n in g.nodes) == 2 * 4 * 16 * 8
+    assert [line for line in print_graph(g).splitlines() if "FLOP" in line] == [
+        line for line in print_graph(g).splitlines() if "matmul" in line]
 
 
 @pytest.mark.parametrize("line,message", [

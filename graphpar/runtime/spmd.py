@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from graphpar.backends.reference import interpret, node_error
+from graphpar.backends.interpreter import Interpreter, node_error
 from graphpar.errors import BackendError, GraphparError, ShardingError
 from graphpar.ir.collectives import GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.graph import Graph, Node
@@ -187,7 +187,7 @@ class _Lockstep:
                  comms: list[LocalCommunicator]):
         self.graphs = graphs
         self.comms = comms
-        self.gens = [interpret(g, inputs[r], comms[r]) for r, g in enumerate(graphs)]
+        self.gens = [Interpreter(g, comms[r]).steps(inputs[r]) for r, g in enumerate(graphs)]
         self.waiting: dict[int, tuple[int, Node, list]] = {}
         self.done: dict[int, list[torch.Tensor]] = {}
         self.mailbox: dict[tuple[int, int, int], deque[torch.Tensor]] = {}

@@ -182,22 +182,28 @@ class WorkerGroup:
     # --- failures ---------------------------------------------------------------------------
 
     def fail(self, exc: BaseException | None = None, grace: float = _GRACE_S):
-        """Stop every worker and raise the failure: the first worker's own error if one
-        failed, else ``exc`` (this process's, as a rank), else the first rank that exited.
-
-        A worker's failure reaches the other ranks as a broken connection, so the workers get
-        up to ``grace`` seconds to say why (none when ``exc`` is this process's own error)."""
-        wait = grace if exc is None or from_peer(exc) else 0.0
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and (
-                any(p.poll() is None for p in self.processes.values())
-                and self._own_error() is None):
-            time.sleep(_POLL_S)
-        message = self.failure()
-        self.stop(kill=True)
+        """Stop every worker and raise the failure (:meth:`collect_failure`) as a
+        BackendError; without one, raise ``exc`` (this process's own error, as a rank)."""
+        message = self.collect_failure(exc, grace)
         if message is None and exc is not None:
             raise exc
         raise BackendError(message or f"the {self.name} workers stopped")
+
+    def collect_failure(self, exc: BaseException | None = None, grace: float = _GRACE_S
+                        ) -> str | None:
+        """Stop every worker; returns what failed (:meth:`failure`), or None if no worker did.
+
+        A worker's failure reaches the other ranks as a broken connection, so the workers get
+        up to ``grace`` seconds to say why (none when ``exc``, this process's error as a rank,
+        is its own rather than a broken connection)."""
+        wait = grace if exc is None or from_peer(exc) else 0.0
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self._own_error() is None and any(
+                p.poll() is None for p in self.processes.values()):
+            time.sleep(_POLL_S)
+        message = self.failure()
+        self.stop(kill=True)
+        return message
 
     def _own_error(self) -> int | None:
         return next((r for r in self.ranks if (m := self._message(r)) is not None

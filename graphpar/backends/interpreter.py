@@ -139,11 +139,11 @@ class Interpreter:
                     result = fn(*args, **attrs)
                 except Exception as exc:
                     raise node_error(self.graph, node, exc) from exc
-            if len(outs) == 1:
-                env[outs[0]] = result
-            else:
+            if isinstance(result, (tuple, list)):  # an op may return a 1-tuple for one output
                 for o, r in zip(outs, result):
                     env[o] = r
+            elif outs:
+                env[outs[0]] = result
             for f in frees:
                 env[f] = None
         return [env[i] for i in self.outputs]

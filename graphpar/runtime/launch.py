@@ -134,13 +134,13 @@ class SpmdWorker:
                                      deterministic=job["deterministic"])
         self.interpreter = Interpreter(graph, self.comm)
 
-    def run(self, run: int = 1) -> None:
-        """Run on ``inputs<rank>.<run>.pt``; write ``result<rank>.<run>.pt``."""
-        inputs = torch.load(self.jobdir / f"inputs{self.rank}.{run}.pt", weights_only=True)
+    def run(self, number: int = 1) -> None:
+        """Run on ``inputs<rank>.<number>.pt``; write ``result<rank>.<number>.pt``."""
+        inputs = torch.load(self.jobdir / f"inputs{self.rank}.{number}.pt", weights_only=True)
         self.comm.records.clear()
         outputs = self.interpreter.run(inputs)
         self.comm.finish()
-        result = self.jobdir / f"result{self.rank}.{run}.pt"
+        result = self.jobdir / f"result{self.rank}.{number}.pt"
         torch.save({"outputs": list(outputs),
                     "records": [r.as_dict() for r in self.comm.records]},
                    result.with_suffix(".tmp"))

@@ -1,7 +1,7 @@
 """Communicators: one rank's view of a mesh, its collectives, and what each one sent.
 
-`Communicator` is the interface the reference executor calls for SPMD ops
-(`graphpar.backends.reference.run(graph, inputs, comm=...)`). It knows the mesh, its rank and
+`Communicator` is what the interpreter calls for SPMD ops
+(`graphpar.backends.interpreter.Interpreter(graph, comm)`). It knows the mesh, its rank and
 coordinate, which ranks form its group along some mesh axes, and implements the free local
 steps itself; subclasses implement the collectives (`GlooCommunicator` over
 torch.distributed). The in-process executor performs collectives for a whole group at once

@@ -152,11 +152,13 @@ class LLMEngine:
         info = decoder_adapter(model).info()
         num_blocks = config.num_blocks or self._blocks_for(info)
         swap = num_blocks if config.swap_blocks is None else config.swap_blocks
-        self.model = PagedDecoder(model, block_size=config.block_size, num_blocks=num_blocks,
-                                  num_cpu_blocks=swap, kernel=config.kernel,
-                                  tensor_parallel=config.tensor_parallel,
-                                  tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
-                                  progress=progress)
+        from graphpar.serving_compile import compile_decoder
+
+        programs = compile_decoder(model, block_size=config.block_size, num_blocks=num_blocks,
+                                   kernel=config.kernel, tensor_parallel=config.tensor_parallel,
+                                   tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
+                                   progress=progress)
+        self.model = PagedDecoder(programs, num_cpu_blocks=swap, progress=progress)
         self.info = self.model.info
         self.block_manager = BlockManager(
             num_blocks, swap, config.block_size,

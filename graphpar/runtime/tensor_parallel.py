@@ -9,58 +9,49 @@ process group.
 
 The driver (rank 0, this process):
 
-1. plans and lowers the programs and writes them to a job directory as IR text, with each
-   worker's weight shards;
-2. starts ``python -m graphpar.runtime.tensor_parallel JOBDIR`` per worker with torchrun's
-   environment and joins them in a gloo process group;
-3. per step, sends the command (step tensors, block copies, swaps) down each worker's stdin,
-   then runs its own share; the plan leaves the logits whole on every rank and the driver
-   samples.
+1. writes the programs (planned and lowered by the compiler) to a job directory as IR text,
+   with each worker's weight shards;
+2. starts the workers as a :class:`~graphpar.runtime.workers.WorkerGroup` (each builds its
+   rank with :func:`serve_rank`) and joins them in a gloo process group as rank 0;
+3. per step, sends the command (step tensors, block copies, swaps) to the workers, then runs
+   its own share; the plan leaves the logits whole on every rank and the driver samples.
 
 Every rank, the driver included, parses the same program text and fits the same templates
 (:func:`load_rank`), so all run one program. A worker that fails leaves its message in the job
 directory; the driver raises it as a GenerationError and stops the others. Commands travel by
-pipe rather than by a collective so that an idle engine never times a worker out; a worker whose
-pipe closes (the driver exited) exits too.
+the group's pipes rather than by a collective so that an idle engine never times a worker out;
+a worker whose pipe closes (the driver exited) exits too.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from graphpar.errors import GenerationError, GraphparError
+from graphpar.errors import BackendError, GenerationError, GraphparError
 from graphpar.ir.graph import Graph, Role
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import print_graph
 from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
+from graphpar.runtime.gloo import GlooCommunicator
 from graphpar.runtime.graph_template import GraphTemplate
-from graphpar.runtime.launch import (
-    LOOPBACK,
-    free_port,
-    from_peer,
-    log_tail,
-    report_rank_error,
-    torchrun_env,
-)
-from graphpar.runtime.paged_model import ModelRank
+from graphpar.runtime.model_rank import ModelRank
+from graphpar.runtime.spmd import shard_tensor
+from graphpar.runtime.workers import WorkerGroup, from_peer
 
-__all__ = ["TensorParallelRanks", "load_rank", "main"]
+if TYPE_CHECKING:  # the compiler's result type only: the runtime does not plan
+    from graphpar.passes.autoshard.serving import ServingProgram
 
-_ALIVE = "graphpar/alive/{}"
-_POLL_S = 0.01
+__all__ = ["TensorParallelRanks", "load_rank", "serve_rank"]
 
 
 def _program_files(name: str, variants: Mapping[str, int]) -> dict[str | None, str]:
@@ -87,33 +78,28 @@ class TensorParallelRanks:
     """Rank 0 here and ranks 1..tp-1 in worker processes, run as one :class:`ModelRank`.
 
     Args:
-        graphs: the decoder's global paged programs, ``name -> (base graph, base sizes,
-            {symbol: (size, graph)})`` with names "decode" and "prefill".
+        programs: the decoder's "decode" and "prefill" programs planned and lowered for ``tp``
+            ranks (``graphpar.passes.autoshard.serving.plan_serving``).
         state: the whole model's weights by graph input name.
-        tp: the number of ranks. plan: "auto" or "megatron" (serving plans), costed on
-            ``cluster`` (a preset name or cluster file).
+        tp: the number of ranks.
         timeout: seconds a collective or the start-up may wait for a peer.
     """
 
-    def __init__(self, graphs: Mapping[str, tuple[Graph, dict, dict]],
-                 state: dict[str, torch.Tensor], tp: int, *, plan: str = "auto",
-                 cluster: str = "cpu", num_cpu_blocks: int = 0, kernel: str = "auto",
+    def __init__(self, programs: Mapping[str, ServingProgram], state: dict[str, torch.Tensor],
+                 tp: int, *, num_cpu_blocks: int = 0, kernel: str = "auto",
                  timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> None:
-        from graphpar.passes.autoshard.serving import plan_serving
-        from graphpar.runtime.gloo import GlooCommunicator
-        from graphpar.runtime.spmd import shard_tensor
-
         if dist.is_available() and dist.is_initialized():
             raise GenerationError("torch.distributed is already initialized in this process; "
                                   "tensor-parallel serving starts its own gloo process group")
         say = progress or (lambda message: None)
         self.tp, self.timeout = tp, timeout
-        self.programs = plan_serving(graphs, tp, plan, cluster)
+        self.programs = dict(programs)
         self.mesh = Mesh((tp,))
         self.jobdir = Path(tempfile.mkdtemp(prefix="graphpar-tp-"))
-        self._procs: list[subprocess.Popen] = []
+        self.group = WorkerGroup(tp, "graphpar.runtime.tensor_parallel:serve_rank", self.jobdir,
+                                 ranks=range(1, tp), timeout=timeout, name="tensor-parallel")
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self.jobdir)
+        self._finalizer = weakref.finalize(self, _shutdown, self.group, self.jobdir)
         try:
             axes = sorted({node_axes(n) for p in self.programs.values() for g in _graphs(p)
                            for n in g.nodes if n.op in GROUP_OPS})
@@ -125,7 +111,7 @@ class TensorParallelRanks:
             for rank in range(1, tp):
                 torch.save({name: shard_tensor(state[name], layouts[name], self.mesh, rank)
                             .clone() for name in persistent}, self.jobdir / f"weights{rank}.pt")
-            self._start(axes)
+            self._start()
             self.comm = GlooCommunicator(self.mesh, 0, axes)
             own = {name: shard_tensor(state[name], layouts[name], self.mesh, 0).contiguous()
                    for name in persistent}
@@ -171,57 +157,35 @@ class TensorParallelRanks:
                "kernel": kernel, "axes": [list(a) for a in axes], "timeout": self.timeout}
         (self.jobdir / "job.json").write_text(json.dumps(job))
 
-    def _start(self, axes) -> None:
-        for attempt in range(2):
-            port = free_port()
-            try:
-                store = dist.TCPStore(LOOPBACK, port, self.tp, is_master=True,
-                                      timeout=timedelta(seconds=self.timeout),
-                                      wait_for_workers=False)
-                break
-            except (RuntimeError, OSError):  # the port was taken in between: once more
-                if attempt:
-                    raise
-        for rank in range(1, self.tp):
-            log = open(self.jobdir / f"log{rank}.txt", "wb")
-            try:
-                self._procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "graphpar.runtime.tensor_parallel", str(self.jobdir)],
-                    env=torchrun_env(rank, self.tp, port), stdin=subprocess.PIPE, stdout=log,
-                    stderr=subprocess.STDOUT))
-            finally:
-                log.close()
-        deadline = time.monotonic() + self.timeout
-        keys = [_ALIVE.format(r) for r in range(1, self.tp)]
-        while not store.check(keys):
-            self._check_workers()
-            if time.monotonic() > deadline:
-                raise GenerationError(f"tensor-parallel workers did not start within "
-                                      f"{self.timeout:g} s{self._log_tail()}")
-            time.sleep(_POLL_S)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=self.tp,
+    def _start(self) -> None:
+        self.group.start()
+        try:
+            self.group.wait_started()
+        except BackendError as exc:
+            raise GenerationError(str(exc)) from None
+        dist.init_process_group("gloo", store=self.group.store, rank=0, world_size=self.tp,
                                 timeout=timedelta(seconds=self.timeout))
 
     # --- what the engine calls --------------------------------------------------------------
 
     def run(self, kind: str, sizes: dict[str, int], step: dict[str, torch.Tensor]
             ) -> torch.Tensor:
-        self._send(("run", kind, sizes, step))
+        self._send("run", kind, sizes, step)
         return self._collective(self.rank.run, kind, sizes, step)
 
     def copy_blocks(self, pairs) -> None:
         if pairs:
-            self._send(("copy_blocks", list(pairs)))
+            self._send("copy_blocks", list(pairs))
             self.rank.copy_blocks(pairs)
 
     def swap_out(self, mapping: dict[int, int]) -> None:
         if mapping:
-            self._send(("swap_out", dict(mapping)))
+            self._send("swap_out", dict(mapping))
             self.rank.swap_out(mapping)
 
     def swap_in(self, mapping: dict[int, int]) -> None:
         if mapping:
-            self._send(("swap_in", dict(mapping)))
+            self._send("swap_in", dict(mapping))
             self.rank.swap_in(mapping)
 
     def close(self) -> None:
@@ -229,36 +193,22 @@ class TensorParallelRanks:
         if self._closed:
             return
         self._closed = True
-        for proc in self._procs:
-            try:
-                if proc.poll() is None and proc.stdin is not None:
-                    pickle.dump(("stop",), proc.stdin)
-                    proc.stdin.close()
-            except OSError:
-                pass
-        deadline = time.monotonic() + 10.0
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.group.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._finalizer()
 
     # --- failures ---------------------------------------------------------------------------
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, *command) -> None:
         if self._closed:
             raise GenerationError("the tensor-parallel ranks are stopped (closed, or stopped "
                                   "after an error)")
-        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for proc in self._procs:
-            try:
-                proc.stdin.write(data)
-                proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                self._fail(None)
+        try:
+            self.group.send(*command)
+        except BackendError as exc:  # a worker is gone: the group says which and why
+            self.close()
+            raise GenerationError(str(exc)) from None
 
     def _collective(self, fn, *args):
         try:
@@ -266,43 +216,17 @@ class TensorParallelRanks:
         except Exception as exc:
             self._fail(exc)
 
-    def _fail(self, exc: BaseException | None):
+    def _fail(self, exc: BaseException):
         """Raise the first worker's own error if one failed, else ``exc``; stop every rank."""
-        # a worker's failure reaches rank 0 as a broken connection: give it time to say why
-        wait = 3.0 if exc is None or from_peer(exc) else 0.0
-        deadline = time.monotonic() + wait
-        message = self._worker_error()
-        while message is None and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-            message = self._worker_error()
+        message = self.group.collect_failure(exc)
         self.close()
         if message is not None:
             raise GenerationError(message) from None
         if isinstance(exc, GraphparError):
             raise exc
-        if exc is not None:
-            raise GenerationError(f"tensor-parallel rank 0 failed: {exc}") from exc
-        raise GenerationError("a tensor-parallel worker exited")
-
-    def _worker_error(self) -> str | None:
-        for rank in range(1, self.tp):
-            path = self.jobdir / f"error{rank}.txt"
-            text = path.read_text().strip() if path.exists() else ""
-            if text and not text.startswith("[peer]"):  # its own error, not a broken link
-                return f"tensor-parallel rank {rank} failed: {text}"
-        for rank, proc in enumerate(self._procs, start=1):
-            code = proc.poll()
-            if code not in (None, 0):
-                return f"tensor-parallel rank {rank} exited with code {code}{self._log_tail()}"
-        return None
-
-    def _check_workers(self) -> None:
-        message = self._worker_error()
-        if message is not None:
-            raise GenerationError(message)
-
-    def _log_tail(self) -> str:
-        return "".join(log_tail(self.jobdir, rank, 10) for rank in range(1, self.tp))
+        if from_peer(exc):
+            raise GenerationError(f"a tensor-parallel worker stopped: {exc}") from exc
+        raise GenerationError(f"tensor-parallel rank 0 failed: {exc}") from exc
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -313,52 +237,20 @@ def _graphs(program) -> list[Graph]:
     return [program.base, *(g for _, g in program.variants.values())]
 
 
-def _shutdown(procs: list[subprocess.Popen], jobdir: Path) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
+def _shutdown(group: WorkerGroup, jobdir: Path) -> None:
+    group.stop(kill=True)
     shutil.rmtree(jobdir, ignore_errors=True)
 
 
 # --- the worker ---------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve as rank $RANK of the job in directory argv[0] until stdin closes."""
-    import os
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    rank = int(os.environ["RANK"])
-    jobdir = Path(argv[0])
-    commands = sys.stdin.buffer
-    try:
-        job = json.loads((jobdir / "job.json").read_text())
-        timeout = timedelta(seconds=float(job["timeout"]))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              job["tp"], is_master=False, timeout=timeout)
-        store.set(_ALIVE.format(rank), "1")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=job["tp"],
-                                timeout=timeout)
-        from graphpar.runtime.gloo import GlooCommunicator
-
-        comm = GlooCommunicator(Mesh((job["tp"],)), rank, [tuple(a) for a in job["axes"]])
-        weights = torch.load(jobdir / f"weights{rank}.pt", weights_only=True)
-        model = load_rank(jobdir, weights, comm)
-        comm.barrier()
-        while True:
-            try:
-                command = pickle.load(commands)
-            except EOFError:
-                break
-            if command[0] == "stop":
-                break
-            getattr(model, command[0])(*command[1:])
-        return 0
-    except BaseException as exc:  # report it where the driver looks, exit non-zero
-        return report_rank_error(jobdir, rank, exc)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def serve_rank(jobdir: Path, rank: int, world: int) -> ModelRank:
+    """Worker rank ``rank``'s :class:`ModelRank` (its weight shards and programs from the job
+    directory), once every rank has loaded its programs; the group runs the driver's commands
+    (``run``, ``copy_blocks``, ``swap_out``, ``swap_in``) on it."""
+    job = json.loads((jobdir / "job.json").read_text())
+    comm = GlooCommunicator(Mesh((world,)), rank, [tuple(a) for a in job["axes"]])
+    weights = torch.load(jobdir / f"weights{rank}.pt", weights_only=True)
+    model = load_rank(jobdir, weights, comm)
+    comm.barrier()
+    return model

@@ -13,8 +13,8 @@ from graphpar.ir.verify import verify
 from graphpar.models import get_model
 from graphpar.passes.autoshard.serving import is_kv_cache, plan_serving
 from graphpar.runtime.graph_template import GraphTemplate
-from graphpar.runtime.paged_model import PagedDecoder
 from graphpar.serve import LLM, SamplingParams
+from graphpar.serving_compile import compile_decoder
 
 S0, S1, S2, R = (Layout.parse(t) for t in ("{S(0)}", "{S(1)}", "{S(2)}", "{R}"))
 
@@ -24,8 +24,8 @@ def tokens(outputs):
 
 
 def serving_programs(module, tp, plan):
-    decoder = PagedDecoder(module, block_size=8, num_blocks=16)
-    return plan_serving(decoder.graphs, tp, plan)
+    programs = compile_decoder(module, block_size=8, num_blocks=16)
+    return plan_serving(programs.graphs, tp, plan)
 
 
 def attention_heads(program):
@@ -134,7 +134,7 @@ def test_two_ranks_swap_preemption_keeps_tokens_exact(models):
 def test_a_worker_that_dies_gives_a_clear_error(models):
     llm = LLM(models("gpt"), max_num_seqs=2, block_size=8, num_blocks=16, tensor_parallel=2)
     try:
-        worker = llm.engine.model.ranks._procs[0]
+        worker = llm.engine.model.ranks.group.processes[1]
         worker.kill()
         worker.wait()
         with pytest.raises(GenerationError, match="tensor-parallel rank 1 exited"):

@@ -1,0 +1,179 @@
+"""The one IR interpreter: walks a graph's nodes, runs each op's torch reference, frees by last use.
+
+Modelled on ``torch.fx.Interpreter``: an :class:`Interpreter` is prepared once for a graph (every
+value gets a slot in a flat list, every node becomes its function, operand slots, attributes,
+result slots and the slots to free after it), then runs it as often as wanted. Every executor
+of IR graphs is this class:
+
+- :func:`graphpar.backends.reference.run` prepares one and runs it once;
+- the lockstep SPMD driver (``graphpar.runtime.spmd.run_spmd_in_process``) drives one
+  :meth:`Interpreter.steps` generator per rank and answers their collectives group-wise;
+- gloo worker processes and the serving ranks run device programs with a communicator, whose
+  ``execute`` the :meth:`Interpreter.communicate` hook calls for each collective.
+
+Nodes that communicate (collectives, send/recv: ``graphpar.ir.spmd_ops.COMM_OPS``) are the
+hook; the free rank-local steps (``LOCAL_OPS``) go straight to the communicator. Without a
+communicator every SPMD op runs its registry reference, which is the identity for a group of
+one and raises ``BackendError`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from graphpar.errors import BackendError, GraphparError
+from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.ops import get_op
+from graphpar.ir.spmd_ops import COMM_OPS, LOCAL_OPS  # also registers the SPMD ops
+from graphpar.ir.verify import describe
+
+__all__ = ["Communicating", "Interpreter", "Request", "node_error"]
+
+Inputs = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
+# what `steps` yields at a communicating node: (node index, node, operands)
+Request = tuple[int, Node, list]
+
+
+class Communicating(Protocol):
+    """What the interpreter needs of a communicator (``graphpar.runtime.comm.Communicator``)."""
+
+    def execute(self, node: Node, args: Sequence[Any], index: int | None = None
+                ) -> torch.Tensor: ...
+
+
+class Interpreter:
+    """``graph`` prepared for running, on its own or as one rank of a device program.
+
+    Args:
+        graph: the IR graph.
+        comm: this rank's communicator for a device program with collectives.
+        checked: names of the inputs whose shape and dtype are checked on every run; the others
+            are checked on the first run only and trusted afterwards (for a serving step, whose
+            weights and caches never change). ``None``: every input, every run.
+        inference: run under ``torch.inference_mode`` (no autograd bookkeeping at all, cheaper
+            than ``no_grad`` per op; its outputs cannot enter autograd later) instead of
+            ``torch.no_grad``.
+    """
+
+    def __init__(self, graph: Graph, comm: Communicating | None = None, *,
+                 checked: Iterable[str] | None = None, inference: bool = False) -> None:
+        self.graph = graph
+        self.comm = comm
+        self.checked = None if checked is None else frozenset(checked)
+        self.inference = inference
+        slot = {v: i for i, v in enumerate(graph.values())}
+        self.size = len(slot)
+        self.inputs = [(v.name, slot[v], v.type) for v in graph.inputs]
+        self.outputs = [slot[o.value] for o in graph.outputs]
+        last_use: dict[Value, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for v in node.input_values:
+                last_use[v] = i
+        keep = {o.value for o in graph.outputs}
+        # one tuple per node: (index, node, function or None to yield, operands, attributes,
+        # result slots, slots freed after it)
+        self.plan = []
+        for i, node in enumerate(graph.nodes):
+            operands = tuple((True, slot[v]) if isinstance(v, Value) else (False, v)
+                             for v in node.inputs)
+            frees = tuple(slot[v] for v in set(node.input_values)
+                          if last_use[v] == i and v not in keep and not v.is_input)
+            fn, attrs = self._function(i, node)
+            self.plan.append((i, node, fn, operands, attrs, tuple(slot[o] for o in node.outputs),
+                              frees))
+        self._first = True
+
+    def _function(self, index: int, node: Node):
+        """The callable that runs `node` with its operands (None: yield it to the caller)."""
+        if self.comm is not None and node.op in COMM_OPS:
+            return None, {}
+        if self.comm is not None and node.op in LOCAL_OPS:
+            comm = self.comm
+
+            def local_step(*args):
+                return comm.execute(node, args, index=index)
+            return local_step, {}
+        return get_op(node.op).reference, dict(node.attrs)
+
+    # --- running ----------------------------------------------------------------------------
+
+    def run(self, inputs: Inputs) -> list[torch.Tensor]:
+        """The graph's outputs in order; each communicating node goes to :meth:`communicate`."""
+        with torch.inference_mode() if self.inference else torch.no_grad():
+            steps = self.steps(inputs)
+            try:
+                request = next(steps)
+                while True:
+                    index, node, args = request
+                    try:
+                        result = self.communicate(index, node, args)
+                    except Exception as exc:
+                        raise node_error(self.graph, node, exc) from exc
+                    request = steps.send(result)
+            except StopIteration as done:
+                return done.value
+
+    def communicate(self, index: int, node: Node, args: list) -> Any:
+        """Run communicating node `node` (its graph position `index`) on operands `args`: the
+        hook a subclass overrides; here, the communicator's ``execute``."""
+        return self.comm.execute(node, args, index=index)  # type: ignore[union-attr]
+
+    def steps(self, inputs: Inputs) -> Generator[Request, Any, list[torch.Tensor]]:
+        """The interpreter loop as a generator: runs the local nodes itself and yields
+        ``(node index, node, operands)`` for each communicating node, to be resumed with its
+        result; returns the graph outputs.
+
+        The lockstep SPMD driver runs one per rank. The caller sets the grad mode (a generator
+        must not: interleaved generators would restore it out of order)."""
+        env: list = [None] * self.size
+        self.bind(inputs, env)
+        for index, node, fn, operands, attrs, outs, frees in self.plan:
+            args = [env[x] if is_value else x for is_value, x in operands]
+            if fn is None:
+                result = yield index, node, args
+            else:
+                try:
+                    result = fn(*args, **attrs)
+                except Exception as exc:
+                    raise node_error(self.graph, node, exc) from exc
+            if isinstance(result, (tuple, list)):  # an op may return a 1-tuple for one output
+                for o, r in zip(outs, result):
+                    env[o] = r
+            elif outs:
+                env[outs[0]] = result
+            for f in frees:
+                env[f] = None
+        return [env[i] for i in self.outputs]
+
+    def bind(self, inputs: Inputs, env: list) -> None:
+        """Put the tensors for the graph inputs (by name, or all in order) in their slots,
+        checking shapes and dtypes as ``checked`` says."""
+        name = self.graph.name
+        if not isinstance(inputs, Mapping):
+            if len(inputs) != len(self.inputs):
+                raise GraphparError(f"graph @{name} takes {len(self.inputs)} inputs, got "
+                                    f"{len(inputs)}")
+            inputs = {input_name: t for (input_name, _, _), t in zip(self.inputs, inputs)}
+        check_all = self._first or self.checked is None
+        for input_name, index, ty in self.inputs:
+            try:
+                tensor = inputs[input_name]
+            except KeyError:
+                raise GraphparError(f"graph @{name}: no tensor given for input "
+                                    f"%{input_name}") from None
+            if (check_all or input_name in self.checked) and (  # type: ignore[operator]
+                    tuple(tensor.shape) != ty.shape or tensor.dtype != ty.dtype):
+                raise GraphparError(f"graph @{name}: input %{input_name} expects {ty}, got "
+                                    f"{tuple(tensor.shape)} {tensor.dtype}")
+            env[index] = tensor
+        self._first = False
+
+
+def node_error(graph: Graph, node: Node, exc: Exception) -> GraphparError:
+    """The error for a node that failed: names the graph and node; a BackendError (an SPMD op
+    without a communicator, a failed collective) stays one."""
+    cls = BackendError if isinstance(exc, BackendError) else GraphparError
+    return cls(f"graph @{graph.name}, {describe(node, graph)} failed to execute: {exc}")

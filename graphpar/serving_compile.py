@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import graphpar.passes.paged_attention  # noqa: F401  (registers the pass and the paged ops)
-from graphpar.backends.reference_paged import SUPPORTED_HEAD_SIZES
+from graphpar.backends.paged import cuda_kernels_available
 from graphpar.capture.capture import Captured
 from graphpar.capture.decoder import (
     DecoderAdapter,
@@ -29,7 +29,8 @@ from graphpar.capture.decoder import (
 )
 from graphpar.errors import BackendError, GenerationError
 from graphpar.ir.graph import Graph
-from graphpar.ir.paged_ops import KERNELS, cuda_kernels_available
+from graphpar.ir.paged_ops import KERNELS
+from graphpar.ir.paged_reference import SUPPORTED_HEAD_SIZES
 from graphpar.passes import run_pipeline
 from graphpar.passes.autoshard.serving import ServingProgram, plan_serving
 

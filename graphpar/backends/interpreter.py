@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from graphpar.backends.paged import KERNEL_OPS
 from graphpar.errors import BackendError, GraphparError
 from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.ops import get_op
@@ -96,7 +97,7 @@ class Interpreter:
             def local_step(*args):
                 return comm.execute(node, args, index=index)
             return local_step, {}
-        return get_op(node.op).reference, dict(node.attrs)
+        return KERNEL_OPS.get(node.op, get_op(node.op).reference), dict(node.attrs)
 
     # --- running ----------------------------------------------------------------------------
 

@@ -7,21 +7,20 @@ from typing import Protocol
 
 import torch
 
-from graphpar.backends import reference_paged, torch_paged
-from graphpar.backends.reference_paged import BlockCopies
+from graphpar.backends import torch_paged
 from graphpar.errors import BackendError
+from graphpar.ir import paged_reference as reference_paged
+from graphpar.ir.paged_ops import KERNELS, paged_attention_with, reshape_and_cache_with
+from graphpar.ir.paged_reference import BlockCopies
 
 __all__ = ["KERNELS", "PagedKernels", "cuda_kernels_available", "paged_kernels"]
 
-KERNELS = ("auto", "torch", "reference", "cuda")
-"""Kernel choices: `auto` sends CUDA tensors to the CUDA kernels when CuPy is installed and
-anything else to the batched torch path; the others force one implementation."""
 
 
 class PagedKernels(Protocol):
     """The paged-attention operations every implementation provides, on the cache layout of
-    :mod:`graphpar.backends.reference_paged` (the ground truth, documented there):
-    :mod:`~graphpar.backends.reference_paged`, :mod:`~graphpar.backends.torch_paged` and
+    :mod:`graphpar.ir.paged_reference` (the ground truth, documented there):
+    :mod:`~graphpar.ir.paged_reference`, :mod:`~graphpar.backends.torch_paged` and
     :mod:`graphpar.backends.cuda.paged_attention`."""
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -75,3 +74,19 @@ def paged_kernels(tensor: torch.Tensor, kernel: str = "auto") -> PagedKernels:
     from graphpar.backends.cuda import paged_attention as cuda_paged
 
     return cuda_paged
+
+
+def _reshape_and_cache(key_cache, value_cache, key, value, slot_mapping, kernel="auto"):
+    return reshape_and_cache_with(paged_kernels(key_cache, kernel), key_cache, value_cache, key,
+                                  value, slot_mapping)
+
+
+def _paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                     query_start_loc=None, scale=1.0, mode="decode", kernel="auto"):
+    return paged_attention_with(paged_kernels(query, kernel), query, key_cache, value_cache,
+                                block_tables, context_lens, query_start_loc, scale, mode)
+
+
+KERNEL_OPS = {"reshape_and_cache": _reshape_and_cache, "paged_attention": _paged_attention}
+"""What the interpreter runs for these ops instead of their registry reference: the kernel the
+node's `kernel` attribute picks for its tensors' device."""

@@ -1,7 +1,7 @@
 """Paged attention in a few batched torch ops: the fast path where there is no CUDA kernel.
 
 A :class:`graphpar.backends.paged.PagedKernels`, on the cache layout of
-:mod:`graphpar.backends.reference_paged` (the ground truth the CUDA kernels are tested against);
+:mod:`graphpar.ir.paged_reference` (the ground truth the CUDA kernels are tested against);
 tests check this module against it. The
 reference favours obviously-correct code (a loop over sequences for prefill, one gather per
 layer built from scratch); here each call is a handful of tensor ops over the whole batch:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from graphpar.backends.reference_paged import copy_blocks, gather_sequence_kv
+from graphpar.ir.paged_reference import copy_blocks, gather_sequence_kv
 
 __all__ = ["copy_blocks", "gather_sequence_kv", "paged_attention", "paged_prefill_attention",
            "reshape_and_cache"]

@@ -1,7 +1,7 @@
 """IR ops of paged attention: `reshape_and_cache` writes K/V into cache blocks, `paged_attention`
 reads them through per-sequence block tables (PagedAttention, SOSP'23, Eq. 4).
 
-The cache layout is that of :mod:`graphpar.backends.reference_paged`: one key and one value
+The cache layout is that of :mod:`graphpar.ir.paged_reference`: one key and one value
 cache per layer, ``[num_blocks, block_size, num_kv_heads, head_size]``; token ``i`` of a batch
 lives at flat slot ``slot_mapping[i] = block * block_size + offset``.
 
@@ -14,7 +14,7 @@ Kernels (the ``kernel`` attribute) are chosen by :func:`graphpar.backends.paged.
 ``auto`` (the default) sends CUDA tensors to the CUDA kernels of
 :mod:`graphpar.backends.cuda.paged_attention` when CuPy is installed and anything else to the
 batched torch path :mod:`graphpar.backends.torch_paged`; ``torch``, ``reference``
-(:mod:`graphpar.backends.reference_paged`, the ground truth) and ``cuda`` force one.
+(:mod:`graphpar.ir.paged_reference`, the ground truth) and ``cuda`` force one.
 
 `OPS` lists both ops for `graphpar.ir.load_ops`.
 """
@@ -25,23 +25,35 @@ import math
 
 import torch
 
-from graphpar.backends.paged import KERNELS, cuda_kernels_available, paged_kernels
+from graphpar.ir import paged_reference
 from graphpar.ir.registry import OpDef, OpKind, Trait
 from graphpar.ir.types import TensorType
 
-__all__ = ["KERNELS", "OPS", "PAGED_OPS", "cuda_kernels_available", "default_scale",
-           "paged_kernels"]
+__all__ = ["KERNELS", "OPS", "PAGED_OPS", "default_scale", "paged_attention_with",
+           "reshape_and_cache_with"]
+
+KERNELS = ("auto", "torch", "reference", "cuda")
+"""The `kernel` attribute's choices (graphpar.backends.paged.paged_kernels runs them): `auto`
+sends CUDA tensors to the CUDA kernels when CuPy is installed and anything else to the batched
+torch path; the others force one implementation."""
 
 PAGED_OPS = ("reshape_and_cache", "paged_attention")
 
 
 # --- reshape_and_cache --------------------------------------------------------------------------
 
-def _reshape_and_cache(key_cache, value_cache, key, value, slot_mapping, kernel="auto"):
+def reshape_and_cache_with(kernels, key_cache, value_cache, key, value, slot_mapping):
+    """reshape_and_cache run by `kernels` (a `graphpar.backends.paged.PagedKernels`)."""
     if key_cache.device.type != "meta":
-        paged_kernels(key_cache, kernel).reshape_and_cache(key, value, key_cache, value_cache,
-                                                           slot_mapping)
+        kernels.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return key_cache, value_cache
+
+
+def _reshape_and_cache(key_cache, value_cache, key, value, slot_mapping, kernel="auto"):
+    # The registry's reference is the pure-torch ground truth; the interpreter runs the
+    # kernel the `kernel` attribute picks (graphpar.backends.paged).
+    return reshape_and_cache_with(paged_reference, key_cache, value_cache, key, value,
+                                  slot_mapping)
 
 
 def _cache_rule(operands, attrs) -> list[TensorType]:
@@ -71,11 +83,12 @@ _RESHAPE_AND_CACHE = OpDef(
 
 # --- paged_attention ----------------------------------------------------------------------------
 
-def _paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                     query_start_loc=None, scale=1.0, mode="decode", kernel="auto"):
+def paged_attention_with(kernels, query, key_cache, value_cache, block_tables, context_lens,
+                         query_start_loc=None, scale=1.0, mode="decode"):
+    """paged_attention run by `kernels` (a `graphpar.backends.paged.PagedKernels`): decode
+    rows past the step's sequences and prefill rows past the last sequence are padding."""
     if query.device.type == "meta":
         return torch.empty_like(query)
-    kernels = paged_kernels(query, kernel)
     if mode == "decode":
         rows = query.shape[0]
         if rows < block_tables.shape[0]:
@@ -91,6 +104,12 @@ def _paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                                  block_tables, context_lens, query_start_loc,
                                                  scale)
     return out
+
+
+def _paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                     query_start_loc=None, scale=1.0, mode="decode", kernel="auto"):
+    return paged_attention_with(paged_reference, query, key_cache, value_cache, block_tables,
+                                context_lens, query_start_loc, scale, mode)
 
 
 def _attention_rule(operands, attrs) -> list[TensorType]:

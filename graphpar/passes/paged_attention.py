@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 import graphpar.ir.paged_ops  # noqa: F401  (registers reshape_and_cache, paged_attention)
-from graphpar.backends.reference_paged import SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
 from graphpar.errors import GenerationError, PassError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.paged_ops import KERNELS
+from graphpar.ir.paged_reference import SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import describe
 from graphpar.passes.cleanup import DeadCodeElimination

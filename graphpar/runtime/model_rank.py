@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from graphpar.backends import reference_paged
+from graphpar.backends.paged import paged_kernels
 from graphpar.errors import GenerationError
-from graphpar.ir.paged_ops import paged_kernels
+from graphpar.ir import paged_reference as reference_paged
 from graphpar.runtime.executor import CompiledGraph
 from graphpar.runtime.graph_template import GraphTemplate
 

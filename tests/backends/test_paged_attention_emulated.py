@@ -14,9 +14,9 @@ import pytest
 import torch
 from paged_testutil import HostEmulationRunner, build_host_emulator, dense_decode, make_paged_batch
 
-from graphpar.backends import reference_paged as ref
 from graphpar.backends.cuda.paged_attention import CupyRunner, PagedAttentionKernels
 from graphpar.errors import BackendError, GenerationError
+from graphpar.ir import paged_reference as ref
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 

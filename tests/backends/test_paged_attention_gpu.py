@@ -9,7 +9,7 @@ import pytest
 import torch
 from paged_testutil import make_paged_batch
 
-from graphpar.backends import reference_paged as ref
+from graphpar.ir import paged_reference as ref
 
 pytestmark = pytest.mark.gpu
 

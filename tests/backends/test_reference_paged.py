@@ -8,7 +8,7 @@ import pytest
 import torch
 from paged_testutil import dense_attention, dense_decode, make_paged_batch
 
-from graphpar.backends import reference_paged as ref
+from graphpar.ir import paged_reference as ref
 
 TOLERANCE = {  # the reference rounds its fp32 result once to the output dtype
     torch.float32: dict(atol=1e-5, rtol=1e-5),

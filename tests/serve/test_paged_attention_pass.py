@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import graphpar.passes.paged_attention  # noqa: F401  (registers the pass)
-from graphpar.backends import reference, reference_paged
+from graphpar.backends import reference
 from graphpar.capture.decoder import (
     KVState,
     capture_decode,
@@ -14,6 +14,7 @@ from graphpar.capture.decoder import (
     kv_cache_attention,
 )
 from graphpar.errors import GenerationError, PassError
+from graphpar.ir import paged_reference as reference_paged
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph

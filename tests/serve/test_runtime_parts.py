@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import graphpar.passes.paged_attention  # noqa: F401
-from graphpar.backends import reference, reference_paged, torch_paged
+from graphpar.backends import reference, torch_paged
 from graphpar.capture.decoder import capture_prefill
+from graphpar.ir import paged_reference as reference_paged
 from graphpar.passes import run_pipeline
 from graphpar.runtime.executor import CompiledGraph
 from graphpar.runtime.graph_template import GraphTemplate, TemplateError

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from graphpar.backends import reference_paged
+from graphpar.ir import paged_reference as reference_paged
 
 # Peak DRAM bandwidth in GB/s (1e9 bytes/s) by device-name fragment; first match wins.
 PEAK_GBPS = [

@@ -1,6 +1,6 @@
 // Paged-attention kernels for graphpar (vLLM's design, PagedAttention paper §4.1 and §5).
 //
-// KV cache layout (shared by these kernels, graphpar/backends/reference_paged.py and the
+// KV cache layout (shared by these kernels, graphpar/ir/paged_reference.py and the
 // launcher graphpar/backends/cuda/paged_attention.py):
 //
 //   key_cache, value_cache : T[num_blocks, block_size, num_kv_heads, head_size]   (row-major)

@@ -1,7 +1,7 @@
 """Launcher for the paged-attention CUDA kernels: the CPU reference's API on torch CUDA tensors.
 
 The kernels live in ``paged_attention.cu`` next to this file; the KV-cache layout is the one
-documented in :mod:`graphpar.backends.reference_paged`. CuPy compiles the source once per
+documented in :mod:`graphpar.ir.paged_reference`. CuPy compiles the source once per
 device with NVRTC (``cupy.RawModule``; CuPy also caches the binary on disk) and launches the
 ``extern "C"`` entry points on torch's current stream, passing raw device pointers, so torch
 tensors of any dtype (bf16 included, which CuPy has no dtype for) go straight in.
@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from graphpar.backends import reference_paged
-from graphpar.backends.reference_paged import SUPPORTED_HEAD_SIZES, BlockCopies
 from graphpar.errors import BackendError, GenerationError
+from graphpar.ir import paged_reference as reference_paged
+from graphpar.ir.paged_reference import SUPPORTED_HEAD_SIZES, BlockCopies
 
 __all__ = [
     "NUM_THREADS",
@@ -122,12 +122,12 @@ class CupyRunner:
             raise BackendError(
                 "the paged-attention CUDA kernels need CuPy, which is not installed: "
                 "pip install 'graphpar[cuda]' (cupy-cuda12x), or use the CPU reference "
-                "graphpar.backends.reference_paged"
+                "graphpar.ir.paged_reference"
             ) from exc
         if not torch.cuda.is_available():
             raise BackendError(
                 "the paged-attention CUDA kernels need a CUDA GPU and torch sees none; "
-                "use the CPU reference graphpar.backends.reference_paged"
+                "use the CPU reference graphpar.ir.paged_reference"
             )
         return cupy
 
@@ -135,7 +135,7 @@ class CupyRunner:
         if not tensor.is_cuda:
             raise BackendError(
                 f"{what} is on {tensor.device}; the CUDA kernels take CUDA tensors "
-                "(use graphpar.backends.reference_paged for CPU tensors)"
+                "(use graphpar.ir.paged_reference for CPU tensors)"
             )
 
     def module(self, device: int) -> Any:
@@ -236,7 +236,7 @@ class PagedAttentionKernels:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Kernel version of :func:`graphpar.backends.reference_paged.reshape_and_cache`."""
+        """Kernel version of :func:`graphpar.ir.paged_reference.reshape_and_cache`."""
         self._check_caches(key_cache, value_cache)
         reference_paged.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
         _, _, num_kv_heads, head_size = key_cache.shape
@@ -289,7 +289,7 @@ class PagedAttentionKernels:
         partition_size: int = PARTITION_SIZE,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Kernel version of :func:`graphpar.backends.reference_paged.paged_attention`.
+        """Kernel version of :func:`graphpar.ir.paged_reference.paged_attention`.
 
         ``max_context_len`` bounds ``context_lens`` (pass it to avoid a device sync; it must
         not be smaller than any context length). Split-K runs when ``use_split`` says so, or by
@@ -395,7 +395,7 @@ class PagedAttentionKernels:
         caches: Sequence[torch.Tensor],
         src_to_dst: BlockCopies,
     ) -> None:
-        """Kernel version of :func:`graphpar.backends.reference_paged.copy_blocks`: one launch."""
+        """Kernel version of :func:`graphpar.ir.paged_reference.copy_blocks`: one launch."""
         pairs = reference_paged.block_copy_pairs(src_to_dst)
         if pairs.numel() == 0 or not caches:
             return

@@ -303,6 +303,10 @@ class Scheduler:
             needed = self.bm.num_blocks_to_append(request.request_id)
             while needed > self.bm.num_free_blocks() - reserved and queue:
                 self._preempt(queue.pop(), plan)
+                # A preempted group may have shared a block with a kept one, which then
+                # writes in place instead of copying: count the kept groups again.
+                reserved = sum(self.bm.num_blocks_to_append(r.request_id) for r in scheduled)
+                needed = self.bm.num_blocks_to_append(request.request_id)
             if needed > self.bm.num_free_blocks() - reserved:
                 self._preempt(request, plan)
                 continue

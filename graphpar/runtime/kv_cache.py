@@ -19,9 +19,11 @@ map their first logical blocks to them.
 Within one engine step the runtime performs the copies in this order, then runs the model:
 swap-out copies (device -> CPU), swap-in copies (CPU -> device), copy-on-write copies (device ->
 device, batched in one launch). A block freed by a swap-out may be the destination of a swap-in or
-a copy of the same step, hence the order. Free finished sequences between steps, and preempt a
-group before (not after) its ``append_slot`` calls of a step: then no block of one step's
-copy-on-write batch is both a source and a destination.
+a copy of the same step, hence the order. Free finished sequences between steps, and make every
+preemption of a step before any ``append_slot`` call of that step: then no block of one step's
+copy-on-write batch is both a source and a destination. (Preempting only a group's own appends
+is not enough: a partly filled prefix block two groups share can be one group's copy source
+and, freed by the other's preemption, a destination of a third group's copy.)
 
 Two kinds of failure are kept apart:
 

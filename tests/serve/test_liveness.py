@@ -130,3 +130,35 @@ def test_two_ranks_preempted_groups_come_back(models):
             outputs = llm.generate(batch, params)
             assert llm.stats.preemptions > 0
             assert_served(module, llm, batch, params, outputs)
+
+
+def test_no_block_is_both_copied_from_and_into_in_one_step():
+    """A partial block P shared by requests A and Z (a prefix since unregistered), and B's
+    samples sharing their last block: A's append copies P; B needs a block, so Z is preempted,
+    freeing its hold on P. Preempting before any append, A then writes P in place and B's copy
+    goes elsewhere; appending first, B's copy-on-write would take P as its destination."""
+    from graphpar.runtime.kv_cache import BlockManager
+    from graphpar.runtime.scheduler import Request, Scheduler, SchedulerConfig, Sequence
+
+    bm = BlockManager(num_device_blocks=3, block_size=4, preemption_mode="recompute")
+    bm.register_prefix("p", 2)
+    running = []
+    for name, tokens, prefix, n in (("a", [1, 2], "p", 1), ("b", [3, 4, 5], None, 2),
+                                    ("z", [1, 2], "p", 1)):
+        request = Request(name, tokens, SamplingParams(n=n), arrival_time=len(running),
+                          status="running")
+        bm.allocate(f"{name}.0", len(tokens), group=name, prefix=prefix)
+        request.seqs.append(Sequence(f"{name}.0", list(tokens), len(tokens)))
+        for i in range(1, n):
+            bm.fork(f"{name}.0", f"{name}.{i}")
+            request.seqs.append(Sequence(f"{name}.{i}", list(tokens), len(tokens)))
+        running.append(request)
+    bm.unregister_prefix("p")
+    scheduler = Scheduler(SchedulerConfig(), bm)
+    scheduler.running = running
+    plan = scheduler.schedule()
+    assert [r.request_id for r, _ in plan.preempted] == ["z"]
+    assert [r.request_id for r in plan.decode] == ["a", "b"]
+    sources, targets = {c.src for c in plan.copies}, {c.dst for c in plan.copies}
+    assert not sources & targets
+    bm.check_invariants()

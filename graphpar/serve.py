@@ -70,11 +70,14 @@ def progress_printer(engine: LLMEngine, total: int, stream=None, interval: float
 
 
 class LLM:
-    """A model served by a continuous-batching engine (keyword options: EngineConfig fields)."""
+    """A model served by a continuous-batching engine (keyword options: EngineConfig fields;
+    ``detokenize``: token ids -> text, for outputs' ``text`` and text stop strings)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 progress: Callable[[str], None] | None = None, **options) -> None:
-        self.engine = LLMEngine(model, config, progress=progress, **options)
+                 progress: Callable[[str], None] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, **options) -> None:
+        self.engine = LLMEngine(model, config, progress=progress, detokenize=detokenize,
+                                **options)
 
     @property
     def stats(self) -> EngineStats:

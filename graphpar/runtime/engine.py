@@ -96,6 +96,7 @@ class CompletionOutput:
     cumulative_logprob: float
     logprobs: list[float]
     finish_reason: str | None  # "stop", "length", or None while running
+    text: str | None = None  # the decoded tokens, when the engine has a tokenizer
 
 
 @dataclass
@@ -159,17 +160,20 @@ class LLMEngine:
 
     ``model`` is a causal LM that :func:`graphpar.capture.decoder.decoder_adapter` accepts (the
     bundled GPT/LLaMA, Hugging Face GPT-2/LLaMA, ...), in eval mode, on the device and in the
-    dtype to serve in. Prompts are token ids.
+    dtype to serve in. Prompts are token ids. ``detokenize`` (token ids -> text, optional) gives
+    outputs their ``text`` and lets requests stop on strings (``SamplingParams.stop``).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 progress: Callable[[str], None] | None = None, **overrides) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, **overrides) -> None:
         config = config or EngineConfig()
         for key, value in overrides.items():
             if not hasattr(config, key):
                 raise GenerationError(f"unknown engine option {key!r}")
             setattr(config, key, value)
         self.config = config
+        self.detokenize = detokenize
         from graphpar.capture.decoder import decoder_adapter
 
         info = decoder_adapter(model).info()
@@ -296,6 +300,10 @@ class LLMEngine:
     def _validate(self, request: Request) -> None:
         params, prompt, info = request.params, request.prompt, self.info
         params.validate()
+        if params.stop_strings and self.detokenize is None:
+            raise GenerationError(
+                f"stop string {params.stop_strings[0]!r} needs a tokenizer: the engine serves "
+                f"token ids (give LLM(..., detokenize=...) or stop token ids)")
         if not prompt:
             raise GenerationError("empty prompt: give at least one token")
         bad = [t for t in prompt if not 0 <= t < info.vocab_size]
@@ -504,8 +512,16 @@ class LLMEngine:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        for stop in params.stop:
+        for stop in params.stop_sequences:
             if seq.num_generated >= len(stop) and seq.tokens[-len(stop):] == list(stop):
+                return "stop"
+        if params.stop_strings:
+            text = self.detokenize(seq.output_tokens)
+            found = [(text.find(s), s) for s in params.stop_strings if s in text]
+            if found:
+                at, stop = min(found)
+                seq.text = text[:at + len(stop)] if params.include_stop_str_in_output \
+                    else text[:at]
                 return "stop"
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.info.max_model_len:
             return "length"
@@ -617,10 +633,15 @@ class LLMEngine:
             seqs = sorted(request.finished_seqs + request.seqs,
                           key=lambda s: int(s.seq_id.rsplit(".", 1)[1]))
         outputs = [CompletionOutput(i, s.output_tokens, s.cumulative_logprob, list(s.logprobs),
-                                    s.finish_reason) for i, s in enumerate(seqs)]
+                                    s.finish_reason, self._text(s)) for i, s in enumerate(seqs)]
         return RequestOutput(request.request_id, list(request.prompt), outputs,
                              request.finished, request.error, request.arrival_time,
                              request.first_token_time, request.finish_time)
+
+    def _text(self, seq: Seq) -> str | None:
+        if seq.text is not None or self.detokenize is None:
+            return seq.text
+        return self.detokenize(seq.output_tokens)
 
     def _update_stats(self, plan: StepPlan) -> None:
         s, sched, bm = self.stats, self.scheduler, self.block_manager

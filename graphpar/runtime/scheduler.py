@@ -44,7 +44,7 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "tokens", "prompt_len", "cumulative_logprob", "logprobs",
-                 "finish_reason", "generator")
+                 "finish_reason", "generator", "text")
 
     def __init__(self, seq_id: str, tokens: list[int], prompt_len: int,
                  generator: torch.Generator | None = None) -> None:
@@ -55,6 +55,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.generator = generator
+        self.text: str | None = None  # the output text, once a text stop string ended it
 
     @property
     def output_tokens(self) -> list[int]:

@@ -21,15 +21,28 @@
 //                                 block covers the whole context and writes `out`; otherwise it
 //                                 covers [part * partition_size, +partition_size) and writes its
 //                                 normalised partial output, running max and exp-sum (split-K).
-//   paged_attention_reduce_<dt>   combines the split-K partials of one (head, sequence) into `out`.
+//                                 The last launched partition also takes every token past it,
+//                                 so a launch with too few partitions is slower, never wrong.
+//   paged_attention_reduce_<dt>   combines the split-K partials of one (head, sequence) into `out`
+//                                 (at most the max_num_partitions that were launched).
 //   reshape_and_cache             writes new K/V tokens into their cache slots (any dtype).
 //   copy_blocks                   copies src -> dst blocks of many caches in one launch (CoW).
 //
 // All arithmetic is in fp32; fp16/bf16 are converted on load and rounded once on store.
+//
+// Bounds (block-table entries, context length vs table width, cache slots) are checked by the
+// launcher on host metadata; building with -DGRAPHPAR_KERNEL_DEBUG also asserts them here.
 
 #if !defined(GRAPHPAR_HOST_EMULATION)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
+
+#if defined(GRAPHPAR_KERNEL_DEBUG) && !defined(GRAPHPAR_HOST_EMULATION)
+#include <assert.h>
+#define GP_DEBUG_ASSERT(cond) assert(cond)
+#else
+#define GP_DEBUG_ASSERT(cond) ((void)0)
 #endif
 
 namespace gp {
@@ -147,12 +160,14 @@ __device__ __forceinline__ void paged_attention_impl(
   const int part = blockIdx.z;
   const int context_len = context_lens[seq];
 
+  GP_DEBUG_ASSERT(context_len >= 0 && context_len <= max_blocks_per_seq * block_size);
   int start = 0;
   int end = context_len;
   if (partition_size > 0) {
     start = part * partition_size;
     if (start >= context_len) return;  // whole block exits: no partial to write
-    end = min(context_len, start + partition_size);
+    // The last launched partition covers the rest: the reduce reads only launched partials.
+    end = part == max_num_partitions - 1 ? context_len : min(context_len, start + partition_size);
   }
 
   const int kv_head = head / (num_heads / num_kv_heads);  // GQA / MQA: heads share a kv head
@@ -196,6 +211,7 @@ __device__ __forceinline__ void paged_attention_impl(
     if (valid) {
       const int logical_block = t / block_size;
       const int offset = t - logical_block * block_size;
+      GP_DEBUG_ASSERT(table[logical_block] >= 0);
       const long long row = static_cast<long long>(table[logical_block]) * block_stride +
                             offset * row_stride + static_cast<long long>(kv_head) * D;
       const uint4* kp = reinterpret_cast<const uint4*>(k_cache + row) + lane_in_group;
@@ -325,7 +341,9 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int context_len = context_lens[seq];
-  const int num_parts = (context_len + partition_size - 1) / partition_size;
+  // Partials exist only for launched partitions (the last one holds the tail).
+  const int num_parts = min((context_len + partition_size - 1) / partition_size,
+                            max_num_partitions);
   const long long head_index = static_cast<long long>(seq) * num_heads + head;
   const long long base = head_index * max_num_partitions;
 

@@ -39,8 +39,12 @@
 #endif
 
 #if defined(GRAPHPAR_KERNEL_DEBUG) && !defined(GRAPHPAR_HOST_EMULATION)
-#include <assert.h>
-#define GP_DEBUG_ASSERT(cond) assert(cond)
+// A trap, not assert(): NVRTC has no <assert.h>. The launch then fails with an illegal
+// instruction that names the kernel.
+#define GP_DEBUG_ASSERT(cond) \
+  do {                        \
+    if (!(cond)) __trap();    \
+  } while (0)
 #else
 #define GP_DEBUG_ASSERT(cond) ((void)0)
 #endif
@@ -105,17 +109,15 @@ struct Traits<__nv_bfloat16> {
   }
 };
 
-// Threads that share one K/V row ("thread group"): the largest power of two <= 32 that divides
-// the number of 16-byte vectors in a row, so every lane has the same number of vectors and no
-// lane idles. E.g. fp16 D=128: 16 vectors -> 16 threads, 2 rows per warp pass; fp16 D=80:
-// 10 vectors -> 2 threads of 5 vectors each, 16 rows per warp pass.
+// Threads that share one K/V row ("thread group"): the row's 16-byte vectors rounded up to a
+// power of two, at most a warp; lanes past the row's end idle. E.g. fp16 D=128: 16 vectors ->
+// 16 threads, 2 rows per warp pass; fp16 D=80: 10 vectors -> 16 threads of one vector (6 idle).
+// Splitting D=80 as 2 threads of 5 vectors instead uses 128 registers (25 % occupancy): every
+// lane then holds 5 vectors of q, k, v and 40 accumulators (see docs/paged-attention-kernel.md).
 __host__ __device__ constexpr int group_size_for(int num_vecs) {
-  return num_vecs % 32 == 0   ? 32
-         : num_vecs % 16 == 0 ? 16
-         : num_vecs % 8 == 0  ? 8
-         : num_vecs % 4 == 0  ? 4
-         : num_vecs % 2 == 0  ? 2
-                              : 1;
+  int group = 1;
+  while (group < num_vecs && group < 32) group *= 2;
+  return group;
 }
 
 template <typename V>
@@ -149,7 +151,7 @@ __device__ __forceinline__ void paged_attention_impl(
   static_assert(D <= kMaxHeadSize, "head size too large for the reduce kernel");
   constexpr int kNumVecs = D / kVec;             // 16-byte vectors per row
   constexpr int kGroup = group_size_for(kNumVecs);  // threads per row
-  constexpr int kVecsPerThread = kNumVecs / kGroup;
+  constexpr int kVecsPerThread = (kNumVecs + kGroup - 1) / kGroup;
   constexpr int kElemsPerThread = kVecsPerThread * kVec;
   constexpr int kRowsPerWarp = kWarpSize / kGroup;  // rows one warp handles per pass
   constexpr int kRowsPerPass = kNumWarps * kRowsPerWarp;
@@ -176,6 +178,11 @@ __device__ __forceinline__ void paged_attention_impl(
   const int lane = tid % kWarpSize;
   const int row_in_warp = lane / kGroup;
   const int lane_in_group = lane % kGroup;
+  // Whether this lane holds vector i of a row (false only for the idle lanes of a padded group).
+  constexpr bool kPadded = kGroup * kVecsPerThread != kNumVecs;
+  auto holds = [lane_in_group](int i) {
+    return !kPadded || lane_in_group + i * kGroup < kNumVecs;
+  };
 
   // This lane's slice of q (pre-scaled): vectors lane_in_group, lane_in_group + kGroup, ...
   float qv[kElemsPerThread];
@@ -185,7 +192,12 @@ __device__ __forceinline__ void paged_attention_impl(
                                        static_cast<long long>(head) * D);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      Tr::unpack(qp[lane_in_group + i * kGroup], qv + i * kVec);
+      if (holds(i)) {
+        Tr::unpack(qp[lane_in_group + i * kGroup], qv + i * kVec);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) qv[i * kVec + e] = 0.f;
+      }
     }
 #pragma unroll
     for (int e = 0; e < kElemsPerThread; ++e) qv[e] *= scale;
@@ -208,6 +220,10 @@ __device__ __forceinline__ void paged_attention_impl(
     const bool valid = t < end;
     uint4 kraw[kVecsPerThread];
     uint4 vraw[kVecsPerThread];
+    if (kPadded) {  // idle lanes add zeros
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) kraw[i] = vraw[i] = uint4{0u, 0u, 0u, 0u};
+    }
     if (valid) {
       const int logical_block = t / block_size;
       const int offset = t - logical_block * block_size;
@@ -218,8 +234,10 @@ __device__ __forceinline__ void paged_attention_impl(
       const uint4* vp = reinterpret_cast<const uint4*>(v_cache + row) + lane_in_group;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        kraw[i] = kp[i * kGroup];
-        vraw[i] = vp[i * kGroup];
+        if (holds(i)) {
+          kraw[i] = kp[i * kGroup];
+          vraw[i] = vp[i * kGroup];
+        }
       }
     }
     float s = 0.f;
@@ -287,6 +305,7 @@ __device__ __forceinline__ void paged_attention_impl(
   if (row_in_warp == 0) {
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
+      if (!holds(i)) continue;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         s_acc[warp][(lane_in_group + i * kGroup) * kVec + e] = acc[i * kVec + e];

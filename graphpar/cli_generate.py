@@ -230,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     progress = None if args.quiet else (
         lambda message: print(f"graphpar: {message} ...", file=sys.stderr, flush=True))
     start = time.perf_counter()
-    with LLM(module, config, progress=progress) as llm:
+    with LLM(module, config, progress=progress, detokenize=tokenizer.decode) as llm:
         return _serve(args, llm, spec, lines, params, tokenizer, start)
 
 
@@ -276,7 +276,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
                 print(f"graphpar: error: request on {args.prompts}:{line.number}: "
                       f"{result.error}", file=sys.stderr)
             else:
-                record["outputs"] = [{"text": tokenizer.decode(c.token_ids),
+                record["outputs"] = [{"text": c.text,
                                       "token_ids": c.token_ids,
                                       "finish_reason": c.finish_reason,
                                       "cumulative_logprob": round(c.cumulative_logprob, 6)}

@@ -29,6 +29,7 @@ from graphpar.runtime.engine import (
     EngineStats,
     LLMEngine,
     RequestOutput,
+    token_ids_of,
 )
 from graphpar.runtime.sampling import SamplingParams
 
@@ -69,11 +70,14 @@ def progress_printer(engine: LLMEngine, total: int, stream=None, interval: float
 
 
 class LLM:
-    """A model served by a continuous-batching engine (keyword options: EngineConfig fields)."""
+    """A model served by a continuous-batching engine (keyword options: EngineConfig fields;
+    ``detokenize``: token ids -> text, for outputs' ``text`` and text stop strings)."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 progress: Callable[[str], None] | None = None, **options) -> None:
-        self.engine = LLMEngine(model, config, progress=progress, **options)
+                 progress: Callable[[str], None] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, **options) -> None:
+        self.engine = LLMEngine(model, config, progress=progress, detokenize=detokenize,
+                                **options)
 
     @property
     def stats(self) -> EngineStats:
@@ -97,13 +101,24 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  show_progress: bool = False, prefix: str | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. ``prefix``: a registered prefix
-        every prompt starts with (its KV is reused, not recomputed)."""
+        every prompt starts with (its KV is reused, not recomputed). All or nothing: when a
+        prompt is not token ids (or anything else raises), no request of the call stays queued.
+        """
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        # Check every prompt before queueing any: a bad one raises with nothing left behind.
+        prompts = [token_ids_of(p, f"prompt {i}") for i, p in enumerate(prompts)]
         on_step = progress_printer(self.engine, len(prompts)) if show_progress else None
-        ids = [self.engine.add_request(p, sp, prefix=prefix) for p, sp in zip(prompts, params)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(p, sp, prefix=prefix))
+        except BaseException:
+            for request_id in ids:
+                self.engine.discard_request(request_id)
+            raise
         outputs = {o.request_id: o for o in self.engine.run(on_step)}
         if on_step is not None:
             on_step.final(self.engine)  # type: ignore[attr-defined]

@@ -14,12 +14,14 @@ it (copy-on-write), so only the last, partly filled block is ever copied.
 
 A request the engine can never serve (a prompt longer than the model's context, a request whose
 KV can never fit, a bad token id or sampling parameter) finishes at once with an error; the
-engine keeps serving the others.
+engine keeps serving the others. No scheduling state the engine reaches makes :meth:`step`
+raise: a request the pool can no longer hold is failed alone with the reason.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +35,27 @@ from graphpar.runtime.sampling import SamplingParams, beam_candidates, beam_scor
 from graphpar.runtime.scheduler import Request, Scheduler, SchedulerConfig, StepPlan
 from graphpar.runtime.scheduler import Sequence as Seq
 
-__all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput"]
+__all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
+           "token_ids_of"]
+
+
+def token_ids_of(tokens: Sequence[int], what: str = "a prompt") -> list[int]:
+    """``tokens`` as a list of ints; GenerationError when it is text or holds non-integers."""
+    if isinstance(tokens, (str, bytes)):
+        raise GenerationError(f"{what} is text ({tokens[:20]!r}); the engine takes token ids: "
+                              f"tokenize it first")
+    try:
+        ids = list(tokens)
+    except TypeError:
+        raise GenerationError(f"{what} is a {type(tokens).__name__}, not a sequence of token "
+                              f"ids") from None
+    out = []
+    for t in ids:
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise GenerationError(f"{what} holds {t!r}, not a token id (an integer)") from None
+    return out
 
 
 @dataclass
@@ -74,6 +96,7 @@ class CompletionOutput:
     cumulative_logprob: float
     logprobs: list[float]
     finish_reason: str | None  # "stop", "length", or None while running
+    text: str | None = None  # the decoded tokens, when the engine has a tokenizer
 
 
 @dataclass
@@ -115,6 +138,7 @@ class EngineStats:
     cow_copies: int = 0
     finished: int = 0
     failed: int = 0
+    stalled: int = 0  # requests failed because a step could run nothing (an engine bug)
     running: int = 0
     waiting: int = 0
     swapped: int = 0
@@ -136,17 +160,20 @@ class LLMEngine:
 
     ``model`` is a causal LM that :func:`graphpar.capture.decoder.decoder_adapter` accepts (the
     bundled GPT/LLaMA, Hugging Face GPT-2/LLaMA, ...), in eval mode, on the device and in the
-    dtype to serve in. Prompts are token ids.
+    dtype to serve in. Prompts are token ids. ``detokenize`` (token ids -> text, optional) gives
+    outputs their ``text`` and lets requests stop on strings (``SamplingParams.stop``).
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
-                 progress: Callable[[str], None] | None = None, **overrides) -> None:
+                 progress: Callable[[str], None] | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, **overrides) -> None:
         config = config or EngineConfig()
         for key, value in overrides.items():
             if not hasattr(config, key):
                 raise GenerationError(f"unknown engine option {key!r}")
             setattr(config, key, value)
         self.config = config
+        self.detokenize = detokenize
         from graphpar.capture.decoder import decoder_adapter
 
         info = decoder_adapter(model).info()
@@ -196,7 +223,7 @@ class LLMEngine:
         them, and its blocks map the prefix's (reference counts; the partly filled last block is
         copied on write). Raises GenerationError if the tokens are invalid or do not fit now.
         """
-        tokens = [int(t) for t in token_ids]
+        tokens = token_ids_of(token_ids, "the prefix")
         probe = Request("prefix", tokens, SamplingParams())
         self._validate(probe)
         bm = self.block_manager
@@ -206,6 +233,7 @@ class LLMEngine:
                                   f"{bm.num_free_blocks()} are free")
         prefix_id = f"prefix-{next(self._ids)}"
         blocks = list(bm.register_prefix(prefix_id, len(tokens)))
+        self._check_in_flight_fit(prefix_id)
         width = self.model.max_blocks_per_seq
         self.model.prefill(StepInputs(
             input_ids=tokens, positions=list(range(len(tokens))),
@@ -216,11 +244,31 @@ class LLMEngine:
         self.stats.prompt_tokens += len(tokens)
         return prefix_id
 
+    def _check_in_flight_fit(self, prefix_id: str) -> None:
+        """Take a just reserved prefix back, raising GenerationError, if its blocks would leave
+        a request in flight too little KV memory to finish even alone."""
+        for request in self.requests.values():
+            if request.finished:
+                continue
+            try:
+                self.scheduler.check_fits(request)
+            except GraphparError as exc:
+                self.block_manager.unregister_prefix(prefix_id)
+                raise GenerationError(
+                    f"cannot register the prefix now: its blocks would leave request "
+                    f"{request.request_id!r} (in flight) too little KV memory to finish ({exc}) "
+                    f"Register it when fewer requests run, or give the KV cache more memory."
+                ) from None
+
     def unregister_prefix(self, prefix_id: str) -> None:
-        """Release a prefix's blocks (requests still using them keep them alive)."""
+        """Release a prefix's blocks (requests still using them keep them alive; requests not
+        yet admitted prefill its tokens themselves)."""
         if self._prefixes.pop(prefix_id, None) is None:
             raise GenerationError(f"unknown prefix {prefix_id!r}")
         self.block_manager.unregister_prefix(prefix_id)
+        for request in self.requests.values():
+            if request.prefix == prefix_id:
+                request.prefix = None
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -232,7 +280,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise GenerationError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_token_ids]
+        prompt = token_ids_of(prompt_token_ids)
         request = Request(request_id, prompt, params,
                           time.perf_counter() if arrival_time is None else arrival_time,
                           prefix=prefix)
@@ -254,6 +302,10 @@ class LLMEngine:
     def _validate(self, request: Request) -> None:
         params, prompt, info = request.params, request.prompt, self.info
         params.validate()
+        if params.stop_strings and self.detokenize is None:
+            raise GenerationError(
+                f"stop string {params.stop_strings[0]!r} needs a tokenizer: the engine serves "
+                f"token ids (give LLM(..., detokenize=...) or stop token ids)")
         if not prompt:
             raise GenerationError("empty prompt: give at least one token")
         bad = [t for t in prompt if not 0 <= t < info.vocab_size]
@@ -278,6 +330,21 @@ class LLMEngine:
                 raise GenerationError(f"the prompt does not start with prefix {request.prefix!r} "
                                       f"({len(shared)} tokens) followed by at least one token")
 
+    def _fail_stalled(self) -> None:
+        """A step that can run nothing fails the request blocking the queues, with the state
+        that blocked it, so the others are served (never reached unless the scheduler has a
+        bug: stats.stalled counts it)."""
+        sched, bm = self.scheduler, self.block_manager
+        request = sched.stalled()
+        seqs = len(request.seqs)
+        sched.remove(request)
+        self.stats.stalled += 1
+        self._fail(request, (
+            f"the engine could not schedule this {request.status} request of {seqs} sequences "
+            f"with nothing else running: {len(sched.waiting)} waiting, {len(sched.swapped)} "
+            f"swapped, {len(sched.recompute)} preempted requests, {bm.num_free_blocks()} of "
+            f"{bm.num_device_blocks} KV blocks free (an engine bug: please report it)"))
+
     def _fail(self, request: Request, message: str) -> None:
         request.error = message
         request.status = "finished"
@@ -291,6 +358,15 @@ class LLMEngine:
             self._finish(request, "abort")
             self._done.append(self._output(request))
 
+    def discard_request(self, request_id: str) -> None:
+        """Forget a request as if never added: dequeued, its blocks freed, no output."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if not request.finished:
+            self.scheduler.remove(request)
+        self._done = [o for o in self._done if o.request_id != request_id]
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._done)
 
@@ -298,14 +374,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the requests that finished in it (errors included)."""
-        finished, self._done = self._done, []
         plan = self.scheduler.schedule()
-        if plan.kind == "idle" and self.scheduler.has_work() and not finished:
-            sched = self.scheduler
-            raise GenerationError(
-                f"the scheduler can run nothing: {len(sched.waiting)} waiting, "
-                f"{len(sched.swapped)} swapped, {len(sched.recompute)} preempted requests, "
-                f"{self.block_manager.num_free_blocks()} free KV blocks (an engine bug)")
+        for request, reason in plan.failed:
+            self._fail(request, f"the KV cache can no longer hold this request: {reason}")
+        if (plan.kind == "idle" and not plan.preempted and not plan.failed
+                and self.scheduler.has_work()):
+            self._fail_stalled()
+        finished, self._done = self._done, []
         self._copies(plan)
         start = time.perf_counter()
         if plan.prefill or plan.decode:
@@ -439,8 +514,16 @@ class LLMEngine:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        for stop in params.stop:
+        for stop in params.stop_sequences:
             if seq.num_generated >= len(stop) and seq.tokens[-len(stop):] == list(stop):
+                return "stop"
+        if params.stop_strings:
+            text = self.detokenize(seq.output_tokens)
+            found = [(text.find(s), s) for s in params.stop_strings if s in text]
+            if found:
+                at, stop = min(found)
+                seq.text = text[:at + len(stop)] if params.include_stop_str_in_output \
+                    else text[:at]
                 return "stop"
         if seq.num_generated >= params.max_tokens or len(seq.tokens) >= self.info.max_model_len:
             return "length"
@@ -552,10 +635,15 @@ class LLMEngine:
             seqs = sorted(request.finished_seqs + request.seqs,
                           key=lambda s: int(s.seq_id.rsplit(".", 1)[1]))
         outputs = [CompletionOutput(i, s.output_tokens, s.cumulative_logprob, list(s.logprobs),
-                                    s.finish_reason) for i, s in enumerate(seqs)]
+                                    s.finish_reason, self._text(s)) for i, s in enumerate(seqs)]
         return RequestOutput(request.request_id, list(request.prompt), outputs,
                              request.finished, request.error, request.arrival_time,
                              request.first_token_time, request.finish_time)
+
+    def _text(self, seq: Seq) -> str | None:
+        if seq.text is not None or self.detokenize is None:
+            return seq.text
+        return self.detokenize(seq.output_tokens)
 
     def _update_stats(self, plan: StepPlan) -> None:
         s, sched, bm = self.stats, self.scheduler, self.block_manager

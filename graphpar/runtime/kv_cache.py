@@ -19,9 +19,11 @@ map their first logical blocks to them.
 Within one engine step the runtime performs the copies in this order, then runs the model:
 swap-out copies (device -> CPU), swap-in copies (CPU -> device), copy-on-write copies (device ->
 device, batched in one launch). A block freed by a swap-out may be the destination of a swap-in or
-a copy of the same step, hence the order. Free finished sequences between steps, and preempt a
-group before (not after) its ``append_slot`` calls of a step: then no block of one step's
-copy-on-write batch is both a source and a destination.
+a copy of the same step, hence the order. Free finished sequences between steps, and make every
+preemption of a step before any ``append_slot`` call of that step: then no block of one step's
+copy-on-write batch is both a source and a destination. (Preempting only a group's own appends
+is not enough: a partly filled prefix block two groups share can be one group's copy source
+and, freed by the other's preemption, a destination of a third group's copy.)
 
 Two kinds of failure are kept apart:
 
@@ -267,14 +269,18 @@ class BlockAllocator:
 class _Seq:
     """Internal per-sequence state: its block table and bookkeeping."""
 
-    __slots__ = ("group", "blocks", "on_cpu", "num_tokens", "prefix")
+    __slots__ = ("group", "blocks", "on_cpu", "num_tokens", "prefix", "prefix_entry")
 
-    def __init__(self, group: GroupId, num_tokens: int, prefix: PrefixId | None) -> None:
+    def __init__(self, group: GroupId, num_tokens: int, prefix: PrefixId | None,
+                 prefix_entry: _Prefix | None) -> None:
         self.group = group
         self.blocks: list[int] = []
         self.on_cpu: list[bool] = []
         self.num_tokens = num_tokens
         self.prefix = prefix
+        # The registration the sequence started from: an id unregistered and registered again
+        # names other tokens, so a resume compares registrations, not ids.
+        self.prefix_entry = prefix_entry
 
 
 class _Group:
@@ -352,6 +358,11 @@ class BlockManager:
     @property
     def num_cpu_blocks(self) -> int:
         return self._cpu.num_blocks
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Device blocks registered prefixes reserve (no request can use them for itself)."""
+        return sum(len(p.blocks) for p in self._prefixes.values())
 
     def num_free_blocks(self, pool: Pool = Pool.DEVICE) -> int:
         """Free blocks in ``pool``."""
@@ -514,7 +525,7 @@ class BlockManager:
             raise NoFreeBlocksError(
                 f"sequence {seq!r} needs {needed} device blocks, {self._device.num_free} are free"
             )
-        s = _Seq(group, prompt_len, prefix)
+        s = _Seq(group, prompt_len, prefix, self._prefixes.get(prefix))
         copies = self._fill_blocks(s, prefix)
         if g is None:
             g = self._groups[group] = _Group()
@@ -534,7 +545,7 @@ class BlockManager:
             raise KVCacheStateError(f"cannot fork {parent!r}: its group is not running")
         if child in self._seqs:
             raise KVCacheStateError(f"sequence {child!r} already exists")
-        c = _Seq(p.group, p.num_tokens, p.prefix)
+        c = _Seq(p.group, p.num_tokens, p.prefix, p.prefix_entry)
         c.blocks = list(p.blocks)
         c.on_cpu = list(p.on_cpu)
         for b in c.blocks:
@@ -566,28 +577,36 @@ class BlockManager:
         A sequence whose last block is full takes a block; one whose last block is shared takes a
         copy-on-write block, except the last holder inside the group, which then writes in place.
         The total is independent of the order of the appends; sums over groups are exact.
+        For a swapped group: what the step right after :meth:`swap_in` takes (sharing inside
+        the group survives the swap, so its CPU reference counts are the ones it will have).
         """
-        g = self._running(group)
+        g = self._group(group)
+        if g.status is GroupStatus.RECOMPUTE:
+            raise KVCacheStateError(f"group {group!r} is recompute, not running or swapped")
         if len(g.seqs) == 1:  # the common case, kept cheap for the scheduler's inner loop
             s = self._seqs[g.seqs[0]]
             if s.num_tokens == len(s.blocks) * self.block_size:
                 return 1
-            return 1 if self._device.refcount(s.blocks[-1]) > 1 else 0
+            return 1 if self._refcount_of(s, -1) > 1 else 0
         need = 0
-        departed: Counter[int] = Counter()
+        departed: Counter[tuple[bool, int]] = Counter()
         for seq in g.seqs:
             s = self._seqs[seq]
             if s.num_tokens == len(s.blocks) * self.block_size:
                 need += 1
                 continue
-            last = s.blocks[-1]
-            if self._device.refcount(last) - departed[last] > 1:
+            last = (s.on_cpu[-1], s.blocks[-1])
+            if self._refcount_of(s, -1) - departed[last] > 1:
                 need += 1
                 departed[last] += 1
         return need
 
+    def _refcount_of(self, s: _Seq, index: int) -> int:
+        return (self._cpu if s.on_cpu[index] else self._device).refcount(s.blocks[index])
+
     def can_append(self, group: GroupId) -> bool:
         """Whether every sequence of ``group`` can take one more token now."""
+        self._running(group)
         return self.num_blocks_to_append(group) <= self._device.num_free
 
     def append_slot(self, seq: SeqId) -> AppendResult:
@@ -710,21 +729,21 @@ class BlockManager:
         g.status = GroupStatus.RECOMPUTE
         return Preemption(group, mode, {}, tokens)
 
-    def blocks_to_resume(self, group: GroupId) -> int:
-        """Device blocks :meth:`resume` would take."""
+    def blocks_to_resume(self, group: GroupId, shared_tokens: int = 0) -> int:
+        """Device blocks :meth:`resume` would take (``shared_tokens``: see :meth:`resume`)."""
         g = self._group(group)
         if g.status is GroupStatus.SWAPPED:
             return len(self._cpu_blocks(g))
         if g.status is GroupStatus.RECOMPUTE:
-            return sum(self._recompute_blocks(self._seqs[seq]) for seq in g.seqs)
+            return sum(self._recompute_blocks(g, shared_tokens))
         raise KVCacheStateError(f"group {group!r} is running, not preempted")
 
-    def can_resume(self, group: GroupId) -> bool:
+    def can_resume(self, group: GroupId, shared_tokens: int = 0) -> bool:
         """Whether a preempted group can be resumed now (keeping the watermark free).
 
         Raises KVCacheError if a recompute group could never fit again, even alone.
         """
-        needed = self.blocks_to_resume(group)
+        needed = self.blocks_to_resume(group, shared_tokens)
         g = self._groups[group]
         if g.status is GroupStatus.RECOMPUTE:
             tokens = sum(self._seqs[seq].num_tokens for seq in g.seqs)
@@ -733,24 +752,39 @@ class BlockManager:
             )
         return self._device.num_free - needed >= self.watermark_blocks
 
-    def resume(self, group: GroupId) -> Resumption:
-        """Bring a preempted group back: swap it in, or re-allocate it for a re-prefill."""
+    def resume(self, group: GroupId, shared_tokens: int = 0) -> Resumption:
+        """Bring a preempted group back: swap it in, or re-allocate it for a re-prefill.
+
+        ``shared_tokens``: leading tokens every sequence of a recompute group has in common (its
+        prompt). The first sequence re-prefills them; the others map its full blocks of them
+        (their ``num_cached_tokens`` counts those positions, written by the first sequence's
+        prefill in the same step), so the group keeps the sharing it had before preemption.
+        """
         g = self._group(group)
         if g.status is GroupStatus.SWAPPED:
             return Resumption(group, PreemptionMode.SWAP, self.swap_in(group), ())
-        needed = self.blocks_to_resume(group)
+        needed = self.blocks_to_resume(group, shared_tokens)
         if needed > self._device.num_free:
             raise NoFreeBlocksError(
                 f"resuming group {group!r} needs {needed} device blocks, "
                 f"{self._device.num_free} are free"
             )
         allocations = []
+        first = self._seqs[g.seqs[0]]
         for seq in g.seqs:
             s = self._seqs[seq]
-            if s.prefix is not None and s.prefix not in self._prefixes:
-                s.prefix = None
-            copies = self._fill_blocks(s, s.prefix)
-            cached = self._prefixes[s.prefix].num_tokens if s.prefix is not None else 0
+            s.prefix = self._live_prefix(s)
+            s.prefix_entry = self._prefixes.get(s.prefix)
+        prefix_shared = self._shared_prefix_blocks(first.num_tokens, first.prefix)
+        group_shared = self._group_shared_blocks(g, shared_tokens)
+        for i, seq in enumerate(g.seqs):
+            s = self._seqs[seq]
+            if i and group_shared > prefix_shared:
+                copies = self._fill_from(s, first.blocks[:group_shared])
+                cached = group_shared * self.block_size
+            else:
+                copies = self._fill_blocks(s, s.prefix)
+                cached = self._prefixes[s.prefix].num_tokens if s.prefix is not None else 0
             allocations.append(
                 Allocation(seq, tuple(s.blocks), s.num_tokens, cached, tuple(copies))
             )
@@ -902,9 +936,34 @@ class BlockManager:
     def _blocks_to_allocate(self, num_tokens: int, prefix: PrefixId | None) -> int:
         return self.blocks_for_tokens(num_tokens) - self._shared_prefix_blocks(num_tokens, prefix)
 
-    def _recompute_blocks(self, s: _Seq) -> int:
-        prefix = s.prefix if s.prefix in self._prefixes else None
-        return self._blocks_to_allocate(s.num_tokens, prefix)
+    def _live_prefix(self, s: _Seq) -> PrefixId | None:
+        """The sequence's prefix if the registration it started from is still registered."""
+        if s.prefix is not None and self._prefixes.get(s.prefix) is s.prefix_entry:
+            return s.prefix
+        return None
+
+    def _recompute_blocks(self, g: _Group, shared_tokens: int) -> list[int]:
+        """New device blocks each sequence of a recompute group takes on resume (as
+        :meth:`resume` builds them): the first sequence maps its live prefix; the others map
+        the first one's full blocks of ``shared_tokens`` when that shares more."""
+        first = self._seqs[g.seqs[0]]
+        prefix_shared = self._shared_prefix_blocks(first.num_tokens, self._live_prefix(first))
+        group_shared = self._group_shared_blocks(g, shared_tokens)
+        needs = []
+        for i, seq in enumerate(g.seqs):
+            s = self._seqs[seq]
+            if i and group_shared > prefix_shared:
+                needs.append(self.blocks_for_tokens(s.num_tokens) - group_shared)
+            else:
+                needs.append(self._blocks_to_allocate(s.num_tokens, self._live_prefix(s)))
+        return needs
+
+    def _group_shared_blocks(self, g: _Group, shared_tokens: int) -> int:
+        """Full blocks of the first ``shared_tokens`` tokens every sequence of ``g`` holds."""
+        if len(g.seqs) < 2:
+            return 0
+        shortest = min(self._seqs[q].num_tokens for q in g.seqs)
+        return min(shared_tokens, shortest) // self.block_size
 
     def _fill_blocks(self, s: _Seq, prefix: PrefixId | None) -> list[BlockCopy]:
         """Build the block table of ``s`` (holding ``s.num_tokens`` tokens) from scratch."""
@@ -925,6 +984,16 @@ class BlockManager:
             s.blocks.append(self._device.allocate())
         s.on_cpu = [False] * len(s.blocks)
         return copies
+
+    def _fill_from(self, s: _Seq, shared: list[int]) -> list[BlockCopy]:
+        """Build the table of ``s`` mapping ``shared`` full blocks, then fresh ones."""
+        for b in shared:
+            self._device.incref(b)
+        s.blocks = list(shared)
+        while len(s.blocks) < self.blocks_for_tokens(s.num_tokens):
+            s.blocks.append(self._device.allocate())
+        s.on_cpu = [False] * len(s.blocks)
+        return []
 
     def _release(self, s: _Seq) -> None:
         for b, cpu in zip(s.blocks, s.on_cpu):
@@ -983,7 +1052,7 @@ class BlockManager:
         total_blocks: int | None = None,
     ) -> None:
         """Raise KVCacheError if ``new_blocks`` could never be free, even with nothing running."""
-        reserved = sum(len(p.blocks) for p in self._prefixes.values())
+        reserved = self.num_reserved_blocks
         capacity = self._device.num_blocks - reserved
         if new_blocks <= capacity:
             return

@@ -3,6 +3,7 @@ top-p (nucleus), parallel samples and beam search."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,9 @@ class SamplingParams:
     (copy-on-write). ``beam_width > 0`` is beam search: ``beam_width`` beams, the best ``n``
     finished hypotheses returned, scored ``sum logprob / generated_len ** length_penalty``.
     Generation stops at ``max_tokens`` new tokens, the model's context length, an EOS token
-    (unless ``ignore_eos``), a token of ``stop_token_ids``, or a token sequence of ``stop``.
+    (unless ``ignore_eos``), a token of ``stop_token_ids``, or an entry of ``stop``: a sequence
+    of token ids, or a string (text stops need the engine to have a tokenizer; the output text
+    then ends before the stop string unless ``include_stop_str_in_output``, as in vLLM).
     """
 
     max_tokens: int = 16
@@ -32,13 +35,25 @@ class SamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[tuple[int, ...], ...] = ()
+    stop: tuple[tuple[int, ...] | str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple(tuple(int(t) for t in s) for s in self.stop))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", tuple(_stop_entry(s) for s in stop))
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """The text entries of ``stop``."""
+        return tuple(s for s in self.stop if isinstance(s, str))
+
+    @property
+    def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
+        """The token-id entries of ``stop``."""
+        return tuple(s for s in self.stop if isinstance(s, tuple))
 
     @property
     def use_beam_search(self) -> bool:
@@ -66,11 +81,26 @@ class SamplingParams:
              f"n ({self.n}) must be <= beam_width ({self.beam_width})"),
             (not self.use_beam_search or self.temperature == 0,
              "beam search is deterministic: leave temperature at 0"),
-            (all(len(s) > 0 for s in self.stop), "stop sequences must not be empty"),
+            (all(isinstance(s, (str, tuple)) for s in self.stop),
+             f"a stop entry is a string or a sequence of token ids, got {self.stop!r}"),
+            (all(len(s) > 0 for s in self.stop if isinstance(s, (str, tuple))),
+             "stop sequences must not be empty"),
+            (not self.stop_strings or not self.use_beam_search,
+             "stop strings are not supported with beam search: give stop token ids"),
         ]
         for ok, message in checks:
             if not ok:
                 raise GenerationError(message)
+
+
+def _stop_entry(stop):
+    """A stop entry as a string or a tuple of ints; anything else is kept for validate()."""
+    if isinstance(stop, str):
+        return stop
+    try:
+        return tuple(operator.index(t) for t in stop)
+    except TypeError:
+        return stop
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor

@@ -14,6 +14,11 @@ of different requests share one step). Policy, as vLLM's (PagedAttention §4.5):
 * A step that cannot get a block for every running sequence preempts the latest arrived
   request (all its sequences at once): by swapping its blocks to CPU memory or by dropping them
   for a later re-prefill (the block manager's policy: recompute a single sequence, swap a group).
+  A step decides all its preemptions before it reserves any decode slot, so a block a step
+  copies from (copy-on-write) is never freed and reused as a destination in the same step.
+* Liveness: when nothing runs, any preempted request that fits may resume (not only the
+  oldest), and a request that no longer fits even alone (the pool shrank under it: a prefix was
+  registered) is failed by itself with the reason (``StepPlan.failed``), never the whole engine.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "tokens", "prompt_len", "cumulative_logprob", "logprobs",
-                 "finish_reason", "generator")
+                 "finish_reason", "generator", "text")
 
     def __init__(self, seq_id: str, tokens: list[int], prompt_len: int,
                  generator: torch.Generator | None = None) -> None:
@@ -50,6 +55,7 @@ class Sequence:
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.generator = generator
+        self.text: str | None = None  # the output text, once a text stop string ended it
 
     @property
     def output_tokens(self) -> list[int]:
@@ -124,6 +130,7 @@ class StepPlan:
     swap_in: dict[int, int] = field(default_factory=dict)
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[tuple[Request, PreemptionMode]] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # dropped from every queue
 
     @property
     def kind(self) -> str:
@@ -166,17 +173,24 @@ class Scheduler:
         seqs = params.num_seqs
         if seqs > 1:
             b = self.bm.block_size
-            # Sharing survives a swap; without swap space a recompute re-prefills every
-            # sequence on its own, so nothing is shared in the worst case.
-            shared = prompt // b if self.bm.num_cpu_blocks else 0
+            # The prompt's full blocks stay shared through a swap and a recompute alike (the
+            # block manager re-maps them on resume); everything past them may be private.
+            shared = prompt // b
             needed = shared + seqs * (-(-total // b) - shared)
-            if needed > self.bm.num_device_blocks:
+            if request.prefix is not None:  # its full blocks are reserved already
+                needed -= self.bm.prefix_num_tokens(request.prefix) // b
+            if needed > self.bm.num_device_blocks - self.bm.num_reserved_blocks:
                 what = "beams" if params.use_beam_search else "parallel samples"
                 raise KVCacheError(
                     f"KV cache too small for a request of {prompt} prompt tokens, up to "
                     f"{total - prompt} new tokens and {seqs} {what}: it may need {needed} blocks "
-                    f"of {b} tokens, the device pool has {self.bm.num_device_blocks}. Give the KV "
+                    f"of {b} tokens, the device pool has {self.bm.num_device_blocks}"
+                    f"{self._reserved_text()}. Give the KV "
                     f"cache more memory, or lower max_tokens, n or beam_width.")
+
+    def _reserved_text(self) -> str:
+        reserved = self.bm.num_reserved_blocks
+        return f" ({reserved} reserved by registered prefixes)" if reserved else ""
 
     @property
     def num_running_seqs(self) -> int:
@@ -214,25 +228,33 @@ class Scheduler:
         tokens_left = self.config.max_num_batched_tokens - len(plan.slots)
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
         busy = bool(plan.slots)
-        while self.recompute:
-            request = self.recompute[0]
-            group = request.request_id
+        for request in list(self.recompute):
+            group, shared = request.request_id, len(request.prompt)
             tokens = sum(self.bm.num_tokens(s.seq_id) for s in request.seqs)
             if len(request.seqs) > seqs_left or (busy and tokens > tokens_left):
                 return
-            if not self._room(self.bm.blocks_to_resume(group), self.bm.can_resume(group)):
-                return
-            resumed = self.bm.resume(group)
+            try:
+                fits_now = self.bm.can_resume(group, shared)
+            except KVCacheError as exc:
+                self._fail(request, plan, str(exc))
+                continue
+            if not self._room(self.bm.blocks_to_resume(group, shared), fits_now):
+                if self.running:
+                    return
+                continue  # nothing runs: a later preempted request that fits may go first
+            resumed = self.bm.resume(group, shared)
             plan.copies.extend(c for a in resumed.allocations for c in a.copies)
             by_id = {s.seq_id: s for s in request.seqs}
             for alloc in resumed.allocations:
                 plan.prefill.append(PrefillItem(request, by_id[alloc.seq], alloc.num_cached_tokens,
                                                 alloc.num_tokens, sample=False))
-            self.recompute.pop(0)
+            self.recompute.remove(request)
             self._start(request)
             tokens_left -= tokens
             seqs_left -= len(request.seqs)
             busy = True
+        if self.recompute:
+            return  # preempted requests come back before any new one is admitted
         while self.waiting:
             request = self.waiting[0]
             prompt = len(request.prompt)
@@ -240,8 +262,13 @@ class Scheduler:
             if seqs > seqs_left or (busy and prompt > tokens_left):
                 return
             prefix = request.prefix
-            if not self._room(self.bm.blocks_to_allocate(prompt, prefix),
-                              self.bm.can_allocate(prompt, prefix)):
+            try:
+                fits_now = self.bm.can_allocate(prompt, prefix)
+            except KVCacheError as exc:
+                self.waiting.popleft()
+                self._fail(request, plan, str(exc))
+                continue
+            if not self._room(self.bm.blocks_to_allocate(prompt, prefix), fits_now):
                 return
             self.waiting.popleft()
             seq = request.seqs[0]
@@ -267,22 +294,28 @@ class Scheduler:
         self.running.sort(key=lambda r: r.arrival_time)
 
     def _schedule_decode(self, plan: StepPlan) -> None:
+        """Keep the oldest running requests whose next tokens fit, preempting from the latest;
+        then reserve their slots (every preemption before any copy-on-write of the step)."""
         queue = deque(self.running)
         scheduled: list[Request] = []
+        reserved = 0  # blocks the kept requests' appends take
         while queue:
             request = queue.popleft()
-            group = request.request_id
-            while not self.bm.can_append(group):
-                if queue:
-                    self._preempt(queue.pop(), plan)
-                else:
-                    self._preempt(request, plan)
-                    request = None
-                    break
-            if request is not None:
-                self._append_slots(request, plan)
-                scheduled.append(request)
+            needed = self.bm.num_blocks_to_append(request.request_id)
+            while needed > self.bm.num_free_blocks() - reserved and queue:
+                self._preempt(queue.pop(), plan)
+                # A preempted group may have shared a block with a kept one, which then
+                # writes in place instead of copying: count the kept groups again.
+                reserved = sum(self.bm.num_blocks_to_append(r.request_id) for r in scheduled)
+                needed = self.bm.num_blocks_to_append(request.request_id)
+            if needed > self.bm.num_free_blocks() - reserved:
+                self._preempt(request, plan)
+                continue
+            reserved += needed
+            scheduled.append(request)
         self.running = scheduled
+        for request in scheduled:
+            self._append_slots(request, plan)
         if not plan.preempted:
             self._swap_in(plan)
         plan.decode = list(self.running)
@@ -296,18 +329,32 @@ class Scheduler:
 
     def _swap_in(self, plan: StepPlan) -> None:
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
-        while self.swapped:
-            request = self.swapped[0]
+        for request in list(self.swapped):
             group = request.request_id
-            needed = self.bm.blocks_to_swap_in(group) + len(request.seqs)
+            # The group's blocks, and the blocks of its first decode step right after.
+            needed = self.bm.blocks_to_swap_in(group) + self.bm.num_blocks_to_append(group)
             if len(request.seqs) > seqs_left or not self._room(
                     needed, self.bm.num_free_blocks() - needed >= self.bm.watermark_blocks):
-                return
+                if self.running:
+                    return
+                continue  # nothing runs: a later swapped request that fits may go first
             plan.swap_in.update(self.bm.swap_in(group))
-            self.swapped.pop(0)
+            self.swapped.remove(request)
             self._start(request)
             self._append_slots(request, plan)
             seqs_left -= len(request.seqs)
+
+    def _fail(self, request: Request, plan: StepPlan, reason: str) -> None:
+        """Drop a request the pool can no longer hold; the engine reports ``reason``."""
+        self.remove(request)
+        plan.failed.append((request, reason))
+
+    def stalled(self) -> Request | None:
+        """The request that blocks the queues when a step can run nothing, or None."""
+        for queue in (self.swapped, self.recompute, self.waiting):
+            if queue:
+                return queue[0]
+        return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         group = request.request_id

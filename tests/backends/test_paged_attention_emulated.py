@@ -125,3 +125,71 @@ def test_cupy_runner_without_cupy_or_gpu_is_a_backend_error():
     batch = make_paged_batch([3], 2, 2, 64, 16)
     with pytest.raises(BackendError, match="CUDA tensors"):
         _run(PagedAttentionKernels(), batch)
+
+
+def test_an_understated_max_context_len_is_an_error_or_still_exact(kernels):
+    """Checked (host metadata): a clear error. Unchecked (device metadata): the launched
+    partitions are too few, and the last one takes the tail, so the output is still right."""
+    batch = make_paged_batch([70, 9], 4, 2, 64, 16, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="max_context_len=20 is below context length 70"):
+        _run(kernels, batch, use_split=True, partition_size=16, max_context_len=20)
+    out = _run(kernels, batch, use_split=True, partition_size=16, max_context_len=20,
+               check=False)
+    assert kernels.runner.launches[-2].grid == (4, 2, 2)  # 2 partitions for 5 needed
+    torch.testing.assert_close(out, dense_decode(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_bounds_are_checked_before_launch(kernels):
+    batch = make_paged_batch([20, 9], 2, 2, 64, 8, torch.float32, seed=4)
+    tables = batch.block_tables.clone()
+    tables[1, 0] = batch.key_cache.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match=r"block_tables\[1, 0\] = .* is not a block"):
+        kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache, tables,
+                                batch.context_lens, batch.scale)
+    too_long = torch.tensor([20, tables.shape[1] * 8 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"context_lens\[1\] = .* does not fit a block table"):
+        kernels.paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                                batch.block_tables, too_long, batch.scale)
+    k, v = ref.allocate_kv_cache(4, 4, 2, 64, torch.float32)
+    key = torch.randn(2, 2, 64)
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] = 16 is outside the cache's 16"):
+        kernels.reshape_and_cache(key, key, k, v, torch.tensor([3, 16]))
+    assert kernels.runner.launches == []  # nothing reached the kernels
+
+
+def test_the_decode_launch_reads_no_device_value(kernels, monkeypatch):
+    """With max_context_len given and device-side metadata (check=False), building and running
+    the decode launches converts no tensor to a Python number (each would be a device sync)."""
+    batch = make_paged_batch([600, 5], 8, 2, 64, 16, torch.float32, seed=5)
+    reads = []
+    for name in ("item", "tolist", "__int__", "__index__", "__float__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original, _n=name: reads.append(_n) or _o(self, *a))
+    out = _run(kernels, batch, max_context_len=608, check=False)
+    assert reads == []
+    _run(kernels, batch, check=False)  # without the bound the launcher has to read one
+    assert reads
+    monkeypatch.undo()
+    torch.testing.assert_close(out, dense_decode(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_ops_passes_the_table_bound_to_the_kernels(monkeypatch):
+    """The IR op hands the CUDA kernels the table width (blocks x block size) as the bound."""
+    from graphpar.ir import paged_ops
+
+    seen = {}
+
+    class Recorder:
+        TAKES_MAX_CONTEXT_LEN = True
+
+        @staticmethod
+        def paged_attention(query, *args, **kwargs):
+            seen.update(kwargs)
+            return query
+
+    monkeypatch.setattr(paged_ops, "paged_kernels", lambda tensor, kernel: Recorder)
+    batch = make_paged_batch([20, 9], 2, 2, 64, 8, torch.float32)
+    paged_ops._paged_attention(batch.query, batch.key_cache, batch.value_cache,
+                               batch.block_tables, batch.context_lens, scale=1.0)
+    assert seen == {"max_context_len": batch.block_tables.shape[1] * 8}

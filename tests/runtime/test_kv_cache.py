@@ -348,3 +348,57 @@ def test_recompute_resume_after_prefix_unregistered_reprefills_the_prefix_too():
     assert alloc.num_cached_tokens == 0 and alloc.copies == () and len(alloc.blocks) == 3
     assert m.num_tokens("s") == 10
     m.check_invariants()
+
+
+def test_a_prefix_id_registered_again_is_not_the_old_prefix():
+    """Resume compares registrations, not ids: a new prefix under the old id holds other tokens."""
+    m = BlockManager(num_device_blocks=8, block_size=4)
+    m.register_prefix("sys", 8)
+    m.allocate("s", 10, prefix="sys")
+    m.preempt("s", PreemptionMode.RECOMPUTE)
+    m.unregister_prefix("sys")
+    m.register_prefix("sys", 8)  # same id, other tokens
+    assert m.blocks_to_resume("s") == 3
+    (alloc,) = m.resume("s").allocations
+    assert alloc.num_cached_tokens == 0 and not set(alloc.blocks) & set(m.prefix_blocks("sys"))
+    m.check_invariants()
+
+
+def test_recompute_resume_keeps_the_prompt_shared():
+    """3 samples of a 9-token prompt, 2 tokens each generated: re-prefilled, they share the
+    prompt's 2 full blocks again (the first sequence writes them in the same step)."""
+    m = BlockManager(num_device_blocks=16, block_size=4)
+    m.allocate("a.0", 9, group="a")
+    m.fork("a.0", "a.1")
+    m.fork("a.0", "a.2")
+    for _ in range(2):
+        for seq in ("a.0", "a.1", "a.2"):
+            m.append_slot(seq)
+    m.preempt("a", PreemptionMode.RECOMPUTE)
+    assert m.blocks_to_resume("a") == 9  # unshared: 3 blocks each
+    assert m.blocks_to_resume("a", shared_tokens=9) == 3 + 1 + 1
+    first, *others = m.resume("a", shared_tokens=9).allocations
+    assert first.num_cached_tokens == 0 and len(first.blocks) == 3
+    for alloc in others:
+        assert alloc.blocks[:2] == first.blocks[:2] and alloc.blocks[2] != first.blocks[2]
+        assert alloc.num_cached_tokens == 8 and alloc.num_tokens == 11
+    assert m.device_allocator.refcount(first.blocks[0]) == 3
+    assert m.num_free_blocks() == 16 - 5
+    m.check_invariants()
+
+
+def test_a_swapped_group_counts_the_blocks_of_its_first_step_back():
+    """What swapping in and then decoding one token takes: 2 CPU blocks back, then one new block
+    for each sample whose shared last block is copied on write (the last holder writes in place)."""
+    m = BlockManager(num_device_blocks=6, num_cpu_blocks=6, block_size=4)
+    m.allocate("g.0", 6, group="g")
+    m.fork("g.0", "g.1")
+    m.fork("g.0", "g.2")
+    m.swap_out("g")
+    assert m.blocks_to_swap_in("g") == 2
+    assert m.num_blocks_to_append("g") == 2
+    with pytest.raises(KVCacheStateError, match="not running"):
+        m.can_append("g")
+    m.swap_in("g")
+    assert m.num_blocks_to_append("g") == 2
+    m.check_invariants()

@@ -97,3 +97,26 @@ def test_a_system_prompt_that_does_not_fit_is_a_usage_error(prompts_file, capsys
     assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--quiet",
                  "--system-prompt", "x" * 40]) == 2
     assert "--system-prompt: prompt of 40 tokens is too long" in capsys.readouterr().err
+
+
+def test_a_text_stop_string_ends_the_output_before_it(tmp_path):
+    """A JSON line with a text stop: served (not a usage error), the text ends before the stop
+    string, the token ids go through the tokens that completed it."""
+    free, stopped = tmp_path / "free.jsonl", tmp_path / "stopped.jsonl"
+    first = tmp_path / "first.txt"
+    first.write_text('{"prompt": "Hello", "max_tokens": 8}\n')
+    assert main(["--example", "gpt:tiny", "--prompts", str(first), "--max-tokens", "8",
+                 "--out", str(free), "--quiet"]) == 0
+    (record,) = [json.loads(line) for line in free.read_text().splitlines()]
+    ids = record["outputs"][0]["token_ids"]
+    stop_ids = [t for t in ids[2:4]]
+    stop = bytes(stop_ids).decode("utf-8", errors="replace")
+    second = tmp_path / "second.txt"
+    second.write_text(json.dumps({"prompt": "Hello", "max_tokens": 8, "stop": [stop]}) + "\n")
+    assert main(["--example", "gpt:tiny", "--prompts", str(second), "--out", str(stopped),
+                 "--quiet"]) == 0
+    (out,) = json.loads(stopped.read_text())["outputs"]
+    text = bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+    assert out["finish_reason"] == "stop" and stop not in out["text"]
+    assert out["text"] == text[:text.index(stop)]
+    assert out["token_ids"] == ids[:len(out["token_ids"])] and len(out["token_ids"]) <= 4

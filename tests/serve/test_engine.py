@@ -217,3 +217,30 @@ def test_step_api_and_progress(models, engines, capsys):
     err = capsys.readouterr().err
     assert "2/2 requests" in err and "tok/s generated" in err and "KV" in err
     assert engine.stats.generated_tokens >= 6
+
+
+def test_stop_strings_need_a_tokenizer_and_are_cut_from_the_text(models):
+    assert SamplingParams(stop=("12",)).stop == ("12",)  # text, not token ids (1, 2)
+    assert SamplingParams(stop=[[1, 2], "ab"]).stop == ((1, 2), "ab")
+    with pytest.raises(GenerationError, match="string or a sequence of token ids"):
+        SamplingParams(stop=(3,)).validate()
+    module = models("gpt")
+    (prompt,) = prompts([4], seed=12)
+    generated = eager_greedy(module, prompt, 8)
+
+    def letters(ids):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+    stop = letters(generated[2:4])
+    at = letters(generated).index(stop)
+    plain = LLM(module, max_num_seqs=2, block_size=8, num_blocks=16)
+    (out,) = plain.generate([prompt], SamplingParams(max_tokens=8, stop=(stop,)))
+    assert "needs a tokenizer" in out.error
+    llm = LLM(module, max_num_seqs=2, block_size=8, num_blocks=16, detokenize=letters)
+    cut, kept = llm.generate([prompt] * 2, [
+        SamplingParams(max_tokens=8, stop=(stop,)),
+        SamplingParams(max_tokens=8, stop=(stop,), include_stop_str_in_output=True)])
+    for out in (cut, kept):
+        assert out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].token_ids == generated[:at + len(stop)]
+    assert cut.outputs[0].text == letters(generated)[:at]
+    assert kept.outputs[0].text == letters(generated)[:at + len(stop)]

@@ -21,15 +21,32 @@
 //                                 block covers the whole context and writes `out`; otherwise it
 //                                 covers [part * partition_size, +partition_size) and writes its
 //                                 normalised partial output, running max and exp-sum (split-K).
-//   paged_attention_reduce_<dt>   combines the split-K partials of one (head, sequence) into `out`.
+//                                 The last launched partition also takes every token past it,
+//                                 so a launch with too few partitions is slower, never wrong.
+//   paged_attention_reduce_<dt>   combines the split-K partials of one (head, sequence) into `out`
+//                                 (at most the max_num_partitions that were launched).
 //   reshape_and_cache             writes new K/V tokens into their cache slots (any dtype).
 //   copy_blocks                   copies src -> dst blocks of many caches in one launch (CoW).
 //
 // All arithmetic is in fp32; fp16/bf16 are converted on load and rounded once on store.
+//
+// Bounds (block-table entries, context length vs table width, cache slots) are checked by the
+// launcher on host metadata; building with -DGRAPHPAR_KERNEL_DEBUG also asserts them here.
 
 #if !defined(GRAPHPAR_HOST_EMULATION)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
+
+#if defined(GRAPHPAR_KERNEL_DEBUG) && !defined(GRAPHPAR_HOST_EMULATION)
+// A trap, not assert(): NVRTC has no <assert.h>. The launch then fails with an illegal
+// instruction that names the kernel.
+#define GP_DEBUG_ASSERT(cond) \
+  do {                        \
+    if (!(cond)) __trap();    \
+  } while (0)
+#else
+#define GP_DEBUG_ASSERT(cond) ((void)0)
 #endif
 
 namespace gp {
@@ -92,17 +109,15 @@ struct Traits<__nv_bfloat16> {
   }
 };
 
-// Threads that share one K/V row ("thread group"): the largest power of two <= 32 that divides
-// the number of 16-byte vectors in a row, so every lane has the same number of vectors and no
-// lane idles. E.g. fp16 D=128: 16 vectors -> 16 threads, 2 rows per warp pass; fp16 D=80:
-// 10 vectors -> 2 threads of 5 vectors each, 16 rows per warp pass.
+// Threads that share one K/V row ("thread group"): the row's 16-byte vectors rounded up to a
+// power of two, at most a warp; lanes past the row's end idle. E.g. fp16 D=128: 16 vectors ->
+// 16 threads, 2 rows per warp pass; fp16 D=80: 10 vectors -> 16 threads of one vector (6 idle).
+// Splitting D=80 as 2 threads of 5 vectors instead uses 128 registers (25 % occupancy): every
+// lane then holds 5 vectors of q, k, v and 40 accumulators (see docs/paged-attention-kernel.md).
 __host__ __device__ constexpr int group_size_for(int num_vecs) {
-  return num_vecs % 32 == 0   ? 32
-         : num_vecs % 16 == 0 ? 16
-         : num_vecs % 8 == 0  ? 8
-         : num_vecs % 4 == 0  ? 4
-         : num_vecs % 2 == 0  ? 2
-                              : 1;
+  int group = 1;
+  while (group < num_vecs && group < 32) group *= 2;
+  return group;
 }
 
 template <typename V>
@@ -136,7 +151,7 @@ __device__ __forceinline__ void paged_attention_impl(
   static_assert(D <= kMaxHeadSize, "head size too large for the reduce kernel");
   constexpr int kNumVecs = D / kVec;             // 16-byte vectors per row
   constexpr int kGroup = group_size_for(kNumVecs);  // threads per row
-  constexpr int kVecsPerThread = kNumVecs / kGroup;
+  constexpr int kVecsPerThread = (kNumVecs + kGroup - 1) / kGroup;
   constexpr int kElemsPerThread = kVecsPerThread * kVec;
   constexpr int kRowsPerWarp = kWarpSize / kGroup;  // rows one warp handles per pass
   constexpr int kRowsPerPass = kNumWarps * kRowsPerWarp;
@@ -147,12 +162,14 @@ __device__ __forceinline__ void paged_attention_impl(
   const int part = blockIdx.z;
   const int context_len = context_lens[seq];
 
+  GP_DEBUG_ASSERT(context_len >= 0 && context_len <= max_blocks_per_seq * block_size);
   int start = 0;
   int end = context_len;
   if (partition_size > 0) {
     start = part * partition_size;
     if (start >= context_len) return;  // whole block exits: no partial to write
-    end = min(context_len, start + partition_size);
+    // The last launched partition covers the rest: the reduce reads only launched partials.
+    end = part == max_num_partitions - 1 ? context_len : min(context_len, start + partition_size);
   }
 
   const int kv_head = head / (num_heads / num_kv_heads);  // GQA / MQA: heads share a kv head
@@ -161,6 +178,11 @@ __device__ __forceinline__ void paged_attention_impl(
   const int lane = tid % kWarpSize;
   const int row_in_warp = lane / kGroup;
   const int lane_in_group = lane % kGroup;
+  // Whether this lane holds vector i of a row (false only for the idle lanes of a padded group).
+  constexpr bool kPadded = kGroup * kVecsPerThread != kNumVecs;
+  auto holds = [lane_in_group](int i) {
+    return !kPadded || lane_in_group + i * kGroup < kNumVecs;
+  };
 
   // This lane's slice of q (pre-scaled): vectors lane_in_group, lane_in_group + kGroup, ...
   float qv[kElemsPerThread];
@@ -170,7 +192,12 @@ __device__ __forceinline__ void paged_attention_impl(
                                        static_cast<long long>(head) * D);
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
-      Tr::unpack(qp[lane_in_group + i * kGroup], qv + i * kVec);
+      if (holds(i)) {
+        Tr::unpack(qp[lane_in_group + i * kGroup], qv + i * kVec);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) qv[i * kVec + e] = 0.f;
+      }
     }
 #pragma unroll
     for (int e = 0; e < kElemsPerThread; ++e) qv[e] *= scale;
@@ -193,17 +220,24 @@ __device__ __forceinline__ void paged_attention_impl(
     const bool valid = t < end;
     uint4 kraw[kVecsPerThread];
     uint4 vraw[kVecsPerThread];
+    if (kPadded) {  // idle lanes add zeros
+#pragma unroll
+      for (int i = 0; i < kVecsPerThread; ++i) kraw[i] = vraw[i] = uint4{0u, 0u, 0u, 0u};
+    }
     if (valid) {
       const int logical_block = t / block_size;
       const int offset = t - logical_block * block_size;
+      GP_DEBUG_ASSERT(table[logical_block] >= 0);
       const long long row = static_cast<long long>(table[logical_block]) * block_stride +
                             offset * row_stride + static_cast<long long>(kv_head) * D;
       const uint4* kp = reinterpret_cast<const uint4*>(k_cache + row) + lane_in_group;
       const uint4* vp = reinterpret_cast<const uint4*>(v_cache + row) + lane_in_group;
 #pragma unroll
       for (int i = 0; i < kVecsPerThread; ++i) {
-        kraw[i] = kp[i * kGroup];
-        vraw[i] = vp[i * kGroup];
+        if (holds(i)) {
+          kraw[i] = kp[i * kGroup];
+          vraw[i] = vp[i * kGroup];
+        }
       }
     }
     float s = 0.f;
@@ -271,6 +305,7 @@ __device__ __forceinline__ void paged_attention_impl(
   if (row_in_warp == 0) {
 #pragma unroll
     for (int i = 0; i < kVecsPerThread; ++i) {
+      if (!holds(i)) continue;
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         s_acc[warp][(lane_in_group + i * kGroup) * kVec + e] = acc[i * kVec + e];
@@ -325,7 +360,9 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
   const int context_len = context_lens[seq];
-  const int num_parts = (context_len + partition_size - 1) / partition_size;
+  // Partials exist only for launched partitions (the last one holds the tail).
+  const int num_parts = min((context_len + partition_size - 1) / partition_size,
+                            max_num_partitions);
   const long long head_index = static_cast<long long>(seq) * num_heads + head;
   const long long base = head_index * max_num_partitions;
 

@@ -9,6 +9,11 @@ tensors of any dtype (bf16 included, which CuPy has no dtype for) go straight in
 Building the list of launches (:class:`Launch`) is separate from running it (a
 :class:`KernelRunner`), so the same argument packing runs on a GPU through CuPy and, in tests,
 through a host emulation of the kernel source.
+
+Bounds: block-table entries, context lengths against the table's width and cache slots are
+checked when the metadata is on the host (free), or on the device when ``check=True`` or
+``GRAPHPAR_CHECK_KERNEL_ARGS=1`` (that costs a device sync). The decode path never reads a
+device value otherwise: pass ``max_context_len`` (any upper bound; too small only costs speed).
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ NUM_THREADS = 128  # gp::kNumThreads in the .cu
 PARTITION_SIZE = 512
 COPY_THREADS = 256
 MAX_GRID_Y = 65535
+
+#: graphpar.ir.paged_ops passes ``max_context_len`` (the table-width bound) to these kernels.
+TAKES_MAX_CONTEXT_LEN = True
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 NULL = np.uint64(0)
@@ -211,6 +219,48 @@ def _index_tensor(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
     return tensor.to(device=device, dtype=dtype).contiguous()
 
 
+def _should_check(check: bool | None, *tensors: torch.Tensor) -> bool:
+    """Check values when asked, or when every tensor is on the host (no device sync)."""
+    if check is not None:
+        return check
+    if os.environ.get("GRAPHPAR_CHECK_KERNEL_ARGS", "") not in ("", "0"):
+        return True
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def check_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                          num_blocks: int, block_size: int,
+                          max_context_len: int | None = None) -> None:
+    """Raise ValueError for a context longer than its table row, a used table entry outside
+    the pool, or a ``max_context_len`` below a context length (values are read: host tensors)."""
+    lens = context_lens.long()
+    width = block_tables.shape[1]
+    if lens.numel() and (int(lens.min()) < 0 or int(lens.max()) > width * block_size):
+        bad = int(((lens < 0) | (lens > width * block_size)).nonzero()[0])
+        raise ValueError(f"context_lens[{bad}] = {int(lens[bad])} does not fit a block table of "
+                         f"{width} blocks of {block_size} tokens")
+    if max_context_len is not None and lens.numel() and int(lens.max()) > max_context_len:
+        raise ValueError(f"max_context_len={max_context_len} is below context length "
+                         f"{int(lens.max())}")
+    used = torch.arange(width)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    entries = block_tables.long()[used]
+    if entries.numel() and (int(entries.min()) < 0 or int(entries.max()) >= num_blocks):
+        seq, col = (used & ((block_tables.long() < 0) | (block_tables.long() >= num_blocks))
+                    ).nonzero()[0].tolist()
+        raise ValueError(f"block_tables[{seq}, {col}] = {int(block_tables[seq, col])} is not a "
+                         f"block of the cache (0..{num_blocks - 1})")
+
+
+def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Raise ValueError for a slot outside ``-1 .. num_slots - 1`` (-1 skips a token)."""
+    slots = slot_mapping.long()
+    bad = ((slots < -1) | (slots >= num_slots)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"slot_mapping[{i}] = {int(slots[i])} is outside the cache's "
+                         f"{num_slots} slots (-1 skips a token)")
+
+
 class PagedAttentionKernels:
     """The paged-attention operations (a :class:`graphpar.backends.paged.PagedKernels`), run by
     a :class:`KernelRunner` (CuPy by default)."""
@@ -235,14 +285,19 @@ class PagedAttentionKernels:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        check: bool | None = None,
     ) -> None:
-        """Kernel version of :func:`graphpar.ir.paged_reference.reshape_and_cache`."""
+        """Kernel version of :func:`graphpar.ir.paged_reference.reshape_and_cache`
+        (``check``: see the module docstring)."""
         self._check_caches(key_cache, value_cache)
         reference_paged.check_cache_write(key, value, key_cache, value_cache, slot_mapping)
         _, _, num_kv_heads, head_size = key_cache.shape
         num_tokens = key.shape[0]
         if num_tokens == 0:
             return
+        if _should_check(check, slot_mapping):
+            check_slots(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
         vec_elems = 16 // key.element_size()
         token_vecs = num_kv_heads * head_size // vec_elems
         strides = []
@@ -288,12 +343,14 @@ class PagedAttentionKernels:
         use_split: bool | None = None,
         partition_size: int = PARTITION_SIZE,
         out: torch.Tensor | None = None,
+        check: bool | None = None,
     ) -> torch.Tensor:
         """Kernel version of :func:`graphpar.ir.paged_reference.paged_attention`.
 
-        ``max_context_len`` bounds ``context_lens`` (pass it to avoid a device sync; it must
-        not be smaller than any context length). Split-K runs when ``use_split`` says so, or by
-        default when ``max_context_len > partition_size``.
+        ``max_context_len`` bounds ``context_lens`` (pass it to avoid a device sync; one below
+        a context length is an error when checked, and otherwise only slower: the last
+        partition takes the tail). Split-K runs when ``use_split`` says so, or by default when
+        ``max_context_len > partition_size``. ``check``: see the module docstring.
         """
         self._check_caches(key_cache, value_cache)
         reference_paged.check_decode_query(query, key_cache, num_kv_heads)
@@ -317,10 +374,13 @@ class PagedAttentionKernels:
             raise ValueError("out must be a contiguous tensor of query's shape and dtype")
         if num_seqs == 0:
             return out
+        if _should_check(check, block_tables, context_lens):
+            check_decode_metadata(block_tables, context_lens, key_cache.shape[0], block_size,
+                                  max_context_len)
         tables = _index_tensor(block_tables, torch.int32, device)
         lens = _index_tensor(context_lens, torch.int32, device)
         if max_context_len is None:
-            max_context_len = int(lens.max())
+            max_context_len = int(lens.max())  # a device sync: callers should pass it
         if use_split is None:
             use_split = max_context_len > partition_size
 
@@ -460,12 +520,13 @@ def paged_attention(
     use_split: bool | None = None,
     partition_size: int = PARTITION_SIZE,
     out: torch.Tensor | None = None,
+    check: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged cache with the CUDA kernel (split-K for long contexts)."""
     return _kernels().paged_attention(
         query, key_cache, value_cache, block_tables, context_lens, scale, num_kv_heads,
         max_context_len=max_context_len, use_split=use_split, partition_size=partition_size,
-        out=out,
+        out=out, check=check,
     )  # fmt: skip
 
 

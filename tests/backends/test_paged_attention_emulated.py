@@ -175,8 +175,9 @@ def test_the_decode_launch_reads_no_device_value(kernels, monkeypatch):
 
 
 def test_paged_ops_passes_the_table_bound_to_the_kernels(monkeypatch):
-    """The IR op hands the CUDA kernels the table width (blocks x block size) as the bound."""
-    from graphpar.ir import paged_ops
+    """The op, run by the backend, hands the CUDA kernels the table width (blocks x block size)
+    as the bound."""
+    from graphpar.backends import paged
 
     seen = {}
 
@@ -188,8 +189,8 @@ def test_paged_ops_passes_the_table_bound_to_the_kernels(monkeypatch):
             seen.update(kwargs)
             return query
 
-    monkeypatch.setattr(paged_ops, "paged_kernels", lambda tensor, kernel: Recorder)
+    monkeypatch.setattr(paged, "paged_kernels", lambda tensor, kernel: Recorder)
     batch = make_paged_batch([20, 9], 2, 2, 64, 8, torch.float32)
-    paged_ops._paged_attention(batch.query, batch.key_cache, batch.value_cache,
+    paged.KERNEL_OPS["paged_attention"](batch.query, batch.key_cache, batch.value_cache,
                                batch.block_tables, batch.context_lens, scale=1.0)
     assert seen == {"max_context_len": batch.block_tables.shape[1] * 8}

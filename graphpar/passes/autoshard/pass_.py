@@ -67,9 +67,10 @@ def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
             if isinstance(v, Value) and need is not None and v.layout != need:
                 node.replace_input(v, resharded(v, need, node))
     full = replicated(mesh)
+    state = graph.inputs_by_name()
     for out in graph.outputs:
         if out.role in (OutputRole.UPDATE, OutputRole.GRAD):
-            need = graph.input(out.target).layout
+            need = state[out.target].layout
         else:
             need = full
         if out.value.layout != need:

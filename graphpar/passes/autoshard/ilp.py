@@ -747,10 +747,11 @@ _SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mi
 
 def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | None = None,
           time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
-          solver: str = DEFAULT_SOLVER) -> Plan:
+          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None) -> Plan:
     """The cheapest plan for `graph` on `mesh` (see the module docstring). `time_limit` bounds
-    the whole call: what building the problem leaves of it is the solver's."""
-    deadline = Deadline(time_limit)
+    the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
+    building the problem leaves of it is the solver's."""
+    deadline = deadline or Deadline(time_limit)
     problem = Problem(graph, mesh, peak_flops, deadline)
     reduced = Reduced(problem, simplify=simplify, tie_layers=tie_layers)
     deadline.check("reducing the problem")

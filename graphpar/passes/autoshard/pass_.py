@@ -18,7 +18,7 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
-from graphpar.passes.autoshard.ilp import Plan, solve
+from graphpar.passes.autoshard.ilp import Deadline, Plan, solve
 from graphpar.passes.autoshard.strategies import node_strategies, replicated
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 
@@ -110,6 +110,7 @@ class AutoShard(GraphPass):
     dtype: str = "fp32"
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+        deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver
         if graph.attrs.get("mesh"):
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh "
                                 f"{graph.attrs['mesh']}")
@@ -120,7 +121,8 @@ class AutoShard(GraphPass):
         mesh = mesh_for(self.mesh, cluster)
         _check_mesh_divides(graph, mesh, self.mesh)
         limit = parse_bytes(self.memory_limit) if self.memory_limit else None
-        plan = solve(graph, mesh, cluster.peak_flops(self.dtype), limit, self.time_limit)
+        plan = solve(graph, mesh, cluster.peak_flops(self.dtype), limit, self.time_limit,
+                     deadline=deadline)
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
             "mesh": self.mesh,

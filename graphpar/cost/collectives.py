@@ -105,23 +105,28 @@ _FORMULAS = {
 }
 
 
+def _terms(kind: StepKind, n: int, latency: float) -> tuple[float, float]:
+    """(latency term, bandwidth factor) of a `kind` step over `n` ranks: it takes
+    `latency term + factor * nbytes / bandwidth` seconds and sends `factor * nbytes` bytes.
+    (0, 0) for local steps and n = 1."""
+    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
+        return 0.0, 0.0
+    steps, factor = _FORMULAS[kind]
+    return steps(n) * latency, factor(n)
+
+
 def collective_bytes(kind: StepKind | str, nbytes: float, n: int) -> float:
     """Bytes each rank sends in a `kind` collective over `n` ranks on an `nbytes` buffer
     (see the module docstring for what `nbytes` is per kind). 0 for local steps and n = 1."""
-    kind = StepKind(kind)
-    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
-        return 0.0
-    return _FORMULAS[kind][1](n) * nbytes
+    factor = _terms(StepKind(kind), n, 0.0)[1]
+    return factor * nbytes if factor else 0.0
 
 
 def collective_time(kind: StepKind | str, nbytes: float, n: int, bandwidth: float,
                     latency: float) -> float:
     """Seconds for a `kind` collective over `n` ranks: steps·latency + bytes sent/bandwidth."""
-    kind = StepKind(kind)
-    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
-        return 0.0
-    steps, factor = _FORMULAS[kind]
-    return steps(n) * latency + factor(n) * nbytes / bandwidth
+    alpha, factor = _terms(StepKind(kind), n, latency)
+    return alpha + factor * nbytes / bandwidth if factor else 0.0
 
 
 @dataclass(frozen=True)
@@ -339,25 +344,6 @@ def _local_bytes(state: tuple[int, ...], dims: tuple[int, ...], total_bytes: int
     return total_bytes // shards
 
 
-def _step_terms(mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
-                latency: tuple[float, ...]) -> list[dict[StepKind, tuple[float, float]]]:
-    """Per mesh axis and step kind, (latency term, bandwidth factor), so that a step on an
-    `nbytes` buffer takes `latency term + factor * nbytes / bandwidth` seconds and sends
-    `factor * nbytes` bytes: `collective_time` and `collective_bytes` with the kind and axis
-    looked up once instead of per edge (the same float operations, so the same results)."""
-    terms = []
-    for n, lat in zip(mesh_shape, latency):
-        per_kind = {}
-        for kind in StepKind:
-            if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
-                per_kind[kind] = (0.0, 0.0)
-            else:
-                steps, factor = _FORMULAS[kind]
-                per_kind[kind] = (steps(n) * lat, factor(n))
-        terms.append(per_kind)
-    return terms
-
-
 class _Steps:
     """The single steps out of each layout of one tensor class on one mesh, with their costs:
     (next state, axis, move, seconds, bytes sent) per edge, in the order the search tries them.
@@ -368,7 +354,9 @@ class _Steps:
                  bandwidth: tuple[float, ...], latency: tuple[float, ...]):
         self.dims, self.total_bytes, self.partials = dims, total_bytes, partials
         self.candidates, self.mesh_shape, self.bandwidth = candidates, mesh_shape, bandwidth
-        self.terms = _step_terms(mesh_shape, bandwidth, latency)
+        # per axis and step kind, looked up once rather than per edge
+        self.terms = [{kind: _terms(kind, n, lat) for kind in StepKind}
+                      for n, lat in zip(mesh_shape, latency)]
         self._out: dict[tuple[int, ...], list[tuple]] = {}
 
     def out_of(self, state: tuple[int, ...]) -> list[tuple]:
@@ -397,7 +385,7 @@ class _Steps:
                 alpha, factor = self.terms[axis][move[0]]
                 buffer = move[1]
                 step_seconds = alpha + factor * buffer / self.bandwidth[axis] if factor else 0.0
-                edges.append((nxt, axis, move, step_seconds, factor * buffer))
+                edges.append((nxt, axis, move, step_seconds, factor * buffer if factor else 0.0))
         return edges
 
 
@@ -408,7 +396,7 @@ def _steps(dims: tuple[int, ...], total_bytes: int, partials: tuple[Partial, ...
     return _Steps(dims, total_bytes, partials, candidates, mesh_shape, bandwidth, latency)
 
 
-@lru_cache(maxsize=1 << 14)
+@lru_cache(maxsize=1 << 12)  # a tree holds every state it reached: keep fewer
 def _tree(steps: _Steps, start: tuple[int, ...]) -> _Tree:
     """Dijkstra from `start` over every layout it reaches; an edge changes one mesh axis'
     placement by one step (`_transition`), to one of that axis' candidates. Ties on seconds

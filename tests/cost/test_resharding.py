@@ -2,6 +2,7 @@
 of every plan on per-device arrays that checks it yields exactly the target layout."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -188,8 +189,6 @@ def test_tensors_of_one_class_reshard_alike():
 def test_a_full_cost_matrix_on_a_3d_mesh_is_one_search_per_source():
     """Every layout pair of a 3-D tensor on 2x2x2 (15,625 pairs): 47 s of CPU with a
     search per pair, 0.5 s with one per source (measured)."""
-    import time
-
     mesh = Mesh((2, 2, 2), bandwidth=(1e11, 1e10, 1e9), latency=(1e-6, 5e-6, 1e-5))
     layouts = all_layouts((8, 16, 32), mesh, include_partial=True)
     assert len(layouts) == 125

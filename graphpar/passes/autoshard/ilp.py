@@ -94,9 +94,12 @@ class Deadline:
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.start)
 
-    def check(self, doing: str) -> None:
-        """Raise ShardingError, naming the option, if the limit has passed while `doing`."""
+    def check(self, doing: str, done: int | None = None, total: int | None = None) -> None:
+        """Raise ShardingError, naming the option, if the limit has passed while `doing` (with
+        `done` of `total` parts of it done, if given: the message is only built then)."""
         if self.left() <= 0:
+            if done is not None:
+                doing += f" ({done} of {total} done)"
             raise ShardingError(
                 f"auto-shard ran out of its time limit of {self.seconds:g} s while {doing}, "
                 "before the ILP solver started; raise --time-limit (auto-shard{time_limit=...}), "
@@ -139,8 +142,8 @@ class Problem:
         self.position = {node: i for i, node in enumerate(graph.nodes)}
         self.choices: list[list] = [input_layouts(v, mesh) for v in graph.inputs]
         for node in graph.nodes:
-            deadline.check(f"enumerating sharding strategies ({len(self.choices)} of "
-                           f"{len(self.items)} nodes and inputs done)")
+            deadline.check("enumerating the strategies of nodes and inputs", len(self.choices),
+                           len(self.items))
             self.choices.append(node_strategies(node, mesh, peak_flops))
         self.training = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self._layouts: dict[Layout, int] = {}
@@ -406,8 +409,8 @@ class Reduced:
             if i in p.memory:
                 self.memory[c] += p.memory[i][g]
         for done, (v, src, dst, k) in enumerate(p.edges):
-            p.deadline.check(f"building resharding cost tables ({done} of {len(p.edges)} "
-                             "edges done)")
+            p.deadline.check("building the resharding cost tables of edges", done,
+                             len(p.edges))
             src_ids = p.produced_ids(v)[self.gmap[src]]
             if dst < 0:
                 dst_ids = p.needed_ids(dst, k)

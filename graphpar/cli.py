@@ -267,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cluster", default="dgx-a100",
                    help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
     c.add_argument("--memory-limit", help="per-device memory limit, e.g. 40GB")
-    c.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, seconds")
+    c.add_argument("--time-limit", type=float, default=30.0,
+                   help="auto-shard time limit, seconds: building and solving the ILP")
     c.add_argument("--run-cpu", type=int, metavar="N",
                    help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
     c.set_defaults(fn=cmd_compile)

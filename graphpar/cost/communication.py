@@ -84,23 +84,28 @@ _FORMULAS = {
 }
 
 
+def _terms(kind: StepKind, n: int, latency: float) -> tuple[float, float]:
+    """(latency term, bandwidth factor) of a `kind` step over `n` ranks: it takes
+    `latency term + factor * nbytes / bandwidth` seconds and sends `factor * nbytes` bytes.
+    (0, 0) for local steps and n = 1."""
+    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
+        return 0.0, 0.0
+    steps, factor = _FORMULAS[kind]
+    return steps(n) * latency, factor(n)
+
+
 def collective_bytes(kind: StepKind | str, nbytes: float, n: int) -> float:
     """Bytes each rank sends in a `kind` collective over `n` ranks on an `nbytes` buffer
     (see the module docstring for what `nbytes` is per kind). 0 for local steps and n = 1."""
-    kind = StepKind(kind)
-    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
-        return 0.0
-    return _FORMULAS[kind][1](n) * nbytes
+    factor = _terms(StepKind(kind), n, 0.0)[1]
+    return factor * nbytes if factor else 0.0
 
 
 def collective_time(kind: StepKind | str, nbytes: float, n: int, bandwidth: float,
                     latency: float) -> float:
     """Seconds for a `kind` collective over `n` ranks: steps·latency + bytes sent/bandwidth."""
-    kind = StepKind(kind)
-    if not kind.communicates or (n <= 1 and kind is not StepKind.SEND_RECV):
-        return 0.0
-    steps, factor = _FORMULAS[kind]
-    return steps(n) * latency + factor(n) * nbytes / bandwidth
+    alpha, factor = _terms(StepKind(kind), n, latency)
+    return alpha + factor * nbytes / bandwidth if factor else 0.0
 
 
 @dataclass(frozen=True)
@@ -252,18 +257,6 @@ def _last_axis(state: tuple[int, ...], dim: int) -> int:
     return -1
 
 
-def _local_numel(state: tuple[int, ...], shape: tuple[int, ...],
-                 mesh_shape: tuple[int, ...]) -> int | None:
-    """Elements per device, or None if some sharded dim does not divide."""
-    sizes = list(shape)
-    for axis, code in enumerate(state):
-        if code >= 0:
-            if sizes[code] % mesh_shape[axis]:
-                return None
-            sizes[code] //= mesh_shape[axis]
-    return math.prod(sizes)
-
-
 def _transition(state: tuple[int, ...], axis: int, new: int, local_bytes: float, n: int,
                 partials: list[Partial]) \
         -> tuple[StepKind, float, int | None, int | None, str | None] | None:
@@ -305,33 +298,94 @@ def _transition(state: tuple[int, ...], axis: int, new: int, local_bytes: float,
     return None  # one partial op to another: through R
 
 
-@lru_cache(maxsize=1 << 16)
-def _plan(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
-          mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
-          latency: tuple[float, ...], via_partial: bool) -> Cost:
-    """Dijkstra over layouts; an edge changes one mesh axis' placement by one step.
+@dataclass(frozen=True)
+class _Tree:
+    """Every layout reachable from one source, searched once: per state its best (seconds,
+    bytes, steps) and the step that reached it. Shared by all destinations of that source."""
 
-    Each axis may pass through Replicate, any Shard(d), the Partial placements that `src`
-    or `dst` have on that axis, and (if `via_partial`) Partial("sum"), which can stand in
-    for any other partial intermediate. Ties on seconds are broken by bytes, then by the
-    number of steps.
+    start: tuple[int, ...]
+    partials: tuple[Partial, ...]
+    best: dict[tuple[int, ...], tuple[float, float, int]]
+    came_from: dict[tuple[int, ...], tuple]
+
+
+def _local_bytes(state: tuple[int, ...], dims: tuple[int, ...], total_bytes: int,
+                 mesh_shape: tuple[int, ...]) -> int | None:
+    """Bytes per device, or None if some sharded dim does not divide."""
+    sizes = list(dims)
+    shards = 1
+    for axis, code in enumerate(state):
+        if code >= 0:
+            if sizes[code] % mesh_shape[axis]:
+                return None
+            sizes[code] //= mesh_shape[axis]
+            shards *= mesh_shape[axis]
+    return total_bytes // shards
+
+
+class _Steps:
+    """The single steps out of each layout of one tensor class on one mesh, with their costs:
+    (next state, axis, move, seconds, bytes sent) per edge, in the order the search tries them.
+    Built per state on first use and shared by the searches from every source."""
+
+    def __init__(self, dims: tuple[int, ...], total_bytes: int, partials: tuple[Partial, ...],
+                 candidates: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...],
+                 bandwidth: tuple[float, ...], latency: tuple[float, ...]):
+        self.dims, self.total_bytes, self.partials = dims, total_bytes, partials
+        self.candidates, self.mesh_shape, self.bandwidth = candidates, mesh_shape, bandwidth
+        # per axis and step kind, looked up once rather than per edge
+        self.terms = [{kind: _terms(kind, n, lat) for kind in StepKind}
+                      for n, lat in zip(mesh_shape, latency)]
+        self._out: dict[tuple[int, ...], list[tuple]] = {}
+
+    def out_of(self, state: tuple[int, ...]) -> list[tuple]:
+        found = self._out.get(state)
+        if found is None:
+            found = self._out[state] = self._edges(state)
+        return found
+
+    def _edges(self, state: tuple[int, ...]) -> list[tuple]:
+        dims, total, mesh_shape = self.dims, self.total_bytes, self.mesh_shape
+        local = _local_bytes(state, dims, total, mesh_shape)
+        assert local is not None
+        local_bytes = float(local)
+        edges = []
+        for axis, options in enumerate(self.candidates):
+            n, old = mesh_shape[axis], state[axis]
+            for new in options:
+                if new == old:
+                    continue
+                move = _transition(state, axis, new, local_bytes, n, self.partials)
+                if move is None:
+                    continue
+                nxt = state[:axis] + (new,) + state[axis + 1:]
+                if _local_bytes(nxt, dims, total, mesh_shape) is None:
+                    continue
+                alpha, factor = self.terms[axis][move[0]]
+                buffer = move[1]
+                step_seconds = alpha + factor * buffer / self.bandwidth[axis] if factor else 0.0
+                edges.append((nxt, axis, move, step_seconds, factor * buffer if factor else 0.0))
+        return edges
+
+
+@lru_cache(maxsize=1 << 10)
+def _steps(dims: tuple[int, ...], total_bytes: int, partials: tuple[Partial, ...],
+           candidates: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...],
+           bandwidth: tuple[float, ...], latency: tuple[float, ...]) -> _Steps:
+    return _Steps(dims, total_bytes, partials, candidates, mesh_shape, bandwidth, latency)
+
+
+@lru_cache(maxsize=1 << 12)  # a tree holds every state it reached: keep fewer
+def _tree(steps: _Steps, start: tuple[int, ...]) -> _Tree:
+    """Dijkstra from `start` over every layout it reaches; an edge changes one mesh axis'
+    placement by one step (`_transition`), to one of that axis' candidates. Ties on seconds
+    are broken by bytes, then by the number of steps.
+
+    The search depends on the tensor only through its class in `steps`: each dim's gcd with
+    the mesh size (what decides which shardings divide) and its size in bytes. Searching to
+    the end rather than stopping at one goal changes no goal's result: the states settled
+    before a goal, and so its path, are the same either way.
     """
-    if src == dst:
-        return ZERO_COST
-    partials: list[Partial] = [Partial()]
-    start = tuple(_encode(p, partials) for p in src)
-    goal = tuple(_encode(p, partials) for p in dst)
-    ndim = len(mesh_shape)
-    candidates: list[list[int]] = []
-    for axis in range(ndim):
-        options = [_R] + list(range(len(shape)))
-        if via_partial:
-            options.append(-2)
-        for code in (start[axis], goal[axis]):
-            if code < _R and code not in options:
-                options.append(code)
-        candidates.append(options)
-
     best: dict[tuple[int, ...], tuple[float, float, int]] = {start: (0.0, 0.0, 0)}
     # state -> (previous state, axis, (kind, nbytes, gather_dim, scatter_dim, op), seconds, sent)
     came_from: dict[tuple[int, ...], tuple] = {}
@@ -343,52 +397,103 @@ def _plan(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
         if state in done:
             continue
         done.add(state)
-        if state == goal:
-            break
-        numel = _local_numel(state, shape, mesh_shape)
-        assert numel is not None
-        local_bytes = float(numel * dtype_bytes)
-        for axis in range(ndim):
-            n = mesh_shape[axis]
-            old = state[axis]
-            for new in candidates[axis]:
-                if new == old:
-                    continue
-                move = _transition(state, axis, new, local_bytes, n, partials)
-                if move is None:
-                    continue
-                nxt = state[:axis] + (new,) + state[axis + 1:]
-                if nxt in done:
-                    continue
-                kind, buffer = move[0], move[1]
-                step_seconds = collective_time(kind, buffer, n, bandwidth[axis], latency[axis])
-                sent = collective_bytes(kind, buffer, n)
-                cost = (seconds + step_seconds, nbytes + sent, nsteps + 1)
-                known = best.get(nxt)
-                if known is not None and known <= cost:
-                    continue
-                if known is None and _local_numel(nxt, shape, mesh_shape) is None:
-                    continue
-                best[nxt] = cost
-                came_from[nxt] = (state, axis, move, step_seconds, sent)
-                heapq.heappush(heap, (*cost, next(counter), nxt))
-    if goal not in done:  # unreachable: src -> all-Replicate -> dst always exists
+        for nxt, axis, move, step_seconds, sent in steps.out_of(state):
+            if nxt in done:
+                continue
+            cost = (seconds + step_seconds, nbytes + sent, nsteps + 1)
+            known = best.get(nxt)
+            if known is not None and known <= cost:
+                continue
+            best[nxt] = cost
+            came_from[nxt] = (state, axis, move, step_seconds, sent)
+            heapq.heappush(heap, (*cost, next(counter), nxt))
+    return _Tree(start, steps.partials, best, came_from)
+
+
+def _search(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
+            mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
+            latency: tuple[float, ...], via_partial: bool) -> tuple[_Tree, tuple[int, ...]]:
+    """The search tree from `src` that holds the cheapest way to `dst`, and `dst`'s state.
+
+    Each axis may pass through Replicate, any Shard(d), the Partial placements that `src`
+    or `dst` have on that axis, and (if `via_partial`) Partial("sum"), which can stand in
+    for any other partial intermediate. Destinations that add no partial of their own to
+    those (the common case) share the source's one tree.
+    """
+    steps, start = _source(shape, dtype_bytes, src, mesh_shape, bandwidth, latency, via_partial)
+    goal = _sum_state(dst)
+    if goal is None or any(code < _R and code not in options
+                           for code, options in zip(goal, steps.candidates)):
+        partials = list(steps.partials)  # dst brings a partial of its own: a tree of its own
+        goal = tuple(_encode(p, partials) for p in dst)
+        candidates = tuple(
+            options + ((goal[axis],) if goal[axis] < _R and goal[axis] not in options else ())
+            for axis, options in enumerate(steps.candidates))
+        steps = _steps(steps.dims, steps.total_bytes, tuple(partials), candidates,
+                       mesh_shape, bandwidth, latency)
+    tree = _tree(steps, start)
+    if goal not in tree.best:  # unreachable: src -> all-Replicate -> dst always exists
         raise ShardingError(f"no resharding plan from {src} to {dst} on mesh "
                             f"{'x'.join(map(str, mesh_shape))}")
+    return tree, goal
+
+
+@lru_cache(maxsize=1 << 14)
+def _source(shape: tuple[int, ...], dtype_bytes: int, src: Layout,
+            mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
+            latency: tuple[float, ...], via_partial: bool) -> tuple[_Steps, tuple[int, ...]]:
+    """The steps a search from `src` may take (per axis Replicate, every Shard(d), Partial
+    (sum) if `via_partial`, and the partial `src` has there), and `src`'s state. Partials
+    are numbered sum first, then `src`'s own, so further ones keep `src`'s state valid."""
+    partials: list[Partial] = [Partial()]
+    start = tuple(_encode(p, partials) for p in src)
+    candidates: list[tuple[int, ...]] = []
+    for axis in range(len(mesh_shape)):
+        options = [_R] + list(range(len(shape)))
+        if via_partial:
+            options.append(-2)
+        if start[axis] < _R and start[axis] not in options:
+            options.append(start[axis])
+        candidates.append(tuple(options))
+    size = math.prod(mesh_shape)
+    dims = tuple(math.gcd(d, size) for d in shape)
+    steps = _steps(dims, math.prod(shape) * dtype_bytes, tuple(partials), tuple(candidates),
+                   mesh_shape, bandwidth, latency)
+    return steps, start
+
+
+@lru_cache(maxsize=1 << 14)
+def _sum_state(layout: Layout) -> tuple[int, ...] | None:
+    """`layout` encoded, if its partials are all sums (they encode the same in every search);
+    None if it has another partial."""
+    if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in layout):
+        return None
+    return tuple(_encode(p, [Partial()]) for p in layout)
+
+
+@lru_cache(maxsize=1 << 16)
+def _plan(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
+          mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
+          latency: tuple[float, ...], via_partial: bool) -> Cost:
+    """The cheapest plan from `src` to `dst`, read off the search tree from `src`."""
+    if src == dst:
+        return ZERO_COST
+    tree, goal = _search(shape, dtype_bytes, src, dst, mesh_shape, bandwidth, latency,
+                         via_partial)
 
     def layout(state: tuple[int, ...]) -> Layout:
-        return Layout(tuple(_decode(code, partials) for code in state))
+        return Layout(tuple(_decode(code, tree.partials) for code in state))
 
     steps: list[Step] = []
     state = goal
-    while state != start:
+    while state != tree.start:
         prev, axis, (kind, buffer, gather_dim, scatter_dim, op), step_seconds, sent = \
-            came_from[state]
+            tree.came_from[state]
         steps.append(Step(kind, (axis,), mesh_shape[axis], buffer, sent, step_seconds,
                           gather_dim, scatter_dim, op, layout(prev), layout(state)))
         state = prev
     steps.reverse()
-    total_seconds, total_bytes, _ = best[goal]
+    total_seconds, total_bytes, _ = tree.best[goal]
     return Cost(total_seconds, total_bytes, tuple(steps))
 
 
@@ -439,9 +544,23 @@ def resharding_cost_matrix(global_shape: Sequence[int], dtype_bytes: int,
                            srcs: Sequence[Layout], dsts: Sequence[Layout],
                            mesh: Mesh, via_partial: bool = True) -> list[list[float]]:
     """`[[resharding_cost(..., s, d, mesh).seconds for d in dsts] for s in srcs]`: the R_vu
-    matrix of Alpa's ILP for one edge."""
-    return [[resharding_cost(global_shape, dtype_bytes, s, d, mesh, via_partial).seconds
-             for d in dsts] for s in srcs]
+    matrix of Alpa's ILP for one edge. Each layout is checked once and each source searched
+    once for all its destinations; no plans are spelled out, only their times read."""
+    shape, dtype_bytes = tuple(int(s) for s in global_shape), int(dtype_bytes)
+    for layout in {*srcs, *dsts}:
+        layout.check(shape, mesh)
+    args = (mesh.shape, mesh.bandwidth, mesh.latency, bool(via_partial))
+    rows = []
+    for s in srcs:
+        row = []
+        for d in dsts:
+            if s == d:
+                row.append(0.0)
+            else:
+                tree, goal = _search(shape, dtype_bytes, s, d, *args)
+                row.append(tree.best[goal][0])
+        rows.append(row)
+    return rows
 
 
 def node_comm_cost(node: Node, mesh: Mesh) -> Step | None:

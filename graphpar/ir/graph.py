@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Union, overload
 
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
@@ -78,7 +79,7 @@ def plain(value: Any) -> Any:
 class Node:
     """One operation: an op name from the registry, operands, result values and plain attributes."""
 
-    __slots__ = ("op", "inputs", "outputs", "attrs", "module", "loc", "graph")
+    __slots__ = ("op", "inputs", "outputs", "attrs", "module", "loc", "graph", "_prev", "_next")
 
     def __init__(
         self,
@@ -96,6 +97,9 @@ class Node:
         self.module = module  # the nn.Module path the node came from, e.g. "blocks.0.attn"
         self.loc = loc  # the user's source line, e.g. "gpt.py:42"
         self.graph: Graph | None = None
+        # Neighbours in the graph's NodeList (its sentinel at either end).
+        self._prev: Node | _Sentinel | None = None
+        self._next: Node | _Sentinel | None = None
 
     @property
     def output(self) -> Value:
@@ -125,6 +129,116 @@ class Node:
         return f"Node({self.op}, {len(self.inputs)} in, {len(self.outputs)} out)"
 
 
+class _Sentinel:
+    """The ends of a NodeList's ring: one object is both the head and the tail."""
+
+    __slots__ = ("_prev", "_next")
+
+    def __init__(self) -> None:
+        self._prev: Node | _Sentinel = self
+        self._next: Node | _Sentinel = self
+
+
+class NodeList:
+    """A graph's nodes in order, as a doubly linked list, as torch.fx keeps them.
+
+    Inserting and erasing are O(1) and leave iteration in progress valid: an iterator that is
+    on a node when it is erased goes on to the node that followed it, and a node inserted after
+    the iterator's position is visited. Positional reads (`nodes[i]`, `nodes[a:b]`,
+    `nodes.index(n)`) go through an array of the order built on first use after an edit, so a
+    pass that reads positions between edits pays O(n) per edit, not per read.
+
+    It belongs to one Graph, which sets `node.graph` before linking a node and clears it after
+    unlinking: that is what membership is, and how iterators tell erased nodes.
+    """
+
+    __slots__ = ("_root", "_len", "_order", "_position")
+
+    def __init__(self) -> None:
+        self._root = _Sentinel()
+        self._len = 0
+        self._order: list[Node] | None = None
+        self._position: dict[Node, int] | None = None
+
+    # --- editing: O(1) -------------------------------------------------------------------------
+
+    def insert_before(self, anchor: Node | _Sentinel, node: Node) -> None:
+        """Link `node` in front of `anchor` (the sentinel: at the end)."""
+        if anchor is not self._root and anchor not in self:
+            raise ValueError(f"cannot insert before {anchor!r}: it is not in this node list")
+        prev = anchor._prev
+        node._prev, node._next = prev, anchor
+        prev._next = anchor._prev = node
+        self._len += 1
+        self._order = self._position = None
+
+    def insert_after(self, anchor: Node, node: Node) -> None:
+        self.insert_before(anchor._next, node)
+
+    def append(self, node: Node) -> None:
+        self.insert_before(self._root, node)
+
+    def remove(self, node: Node) -> None:
+        """Unlink `node`. Its own links stay, so that an iterator standing on it can go on."""
+        if node not in self:
+            raise ValueError(f"{node.op} is not in this node list")
+        node._prev._next, node._next._prev = node._next, node._prev
+        self._len -= 1
+        self._order = self._position = None
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Node]:
+        root, node = self._root, self._root._next
+        while node is not root:
+            if node.graph is not None:  # an erased node keeps its links: step over it
+                yield node
+            node = node._next
+
+    def __reversed__(self) -> Iterator[Node]:
+        root, node = self._root, self._root._prev
+        while node is not root:
+            if node.graph is not None:
+                yield node
+            node = node._prev
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __contains__(self, node: object) -> bool:
+        return (isinstance(node, Node) and node.graph is not None
+                and node.graph.nodes is self)
+
+    @overload
+    def __getitem__(self, i: int) -> Node: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Node]: ...
+
+    def __getitem__(self, i: int | slice) -> Node | list[Node]:
+        return self._array()[i]
+
+    def index(self, node: Node) -> int:
+        """The position of `node` (O(1) between edits)."""
+        if self._position is None:
+            self._position = {n: k for k, n in enumerate(self._array())}
+        try:
+            return self._position[node]
+        except KeyError:
+            raise ValueError(f"{node!r} is not in this node list") from None
+
+    def _array(self) -> list[Node]:
+        if self._order is None:
+            self._order = list(self)
+        return self._order
+
+    def __repr__(self) -> str:
+        return f"NodeList({self._len} nodes)"
+
+
 @dataclass(eq=False)
 class Output:
     """A graph result, with what it is (and for grads/updates, which input it belongs to)."""
@@ -140,11 +254,13 @@ class Graph:
 
     name: str = "main"
     inputs: list[Value] = field(default_factory=list)
-    nodes: list[Node] = field(default_factory=list)
+    nodes: NodeList = field(default_factory=NodeList)
     outputs: list[Output] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)
     # The device mesh the graph is planned on (set by auto-shard; a device program keeps it).
     mesh: Mesh | None = None
+    # Where `add_node`/`create` put a node given no `before`: None appends (see `inserting_before`).
+    _insert: Callable[[Node], None] | None = field(default=None, init=False, repr=False)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -156,15 +272,52 @@ class Graph:
         return value
 
     def add_node(self, node: Node, before: Node | None = None) -> Node:
-        """Append `node` (or insert it before `before`) and record it as a user of its operands."""
+        """Insert `node` before `before` (without it: at the insertion point, by default the
+        end) and record it as a user of its operands. O(1)."""
+        if node.graph is not None:
+            raise ValueError(f"{node.op} is already in graph @{node.graph.name}")
+        if before is not None and before not in self.nodes:
+            raise ValueError(f"cannot insert before {before.op}: it is not in graph @{self.name}")
         node.graph = self
         for v in node.input_values:
             v.users[node] = None
-        if before is None:
-            self.nodes.append(node)
+        if before is not None:
+            self.nodes.insert_before(before, node)
+        elif self._insert is not None:
+            self._insert(node)
         else:
-            self.nodes.insert(self.nodes.index(before), node)
+            self.nodes.append(node)
         return node
+
+    @contextmanager
+    def inserting_before(self, node: Node | None) -> Iterator[None]:
+        """Within the block, nodes added without `before` go in front of `node` (None: at the
+        end), in the order they are added: `with graph.inserting_before(n): graph.create(...)`."""
+        anchor = self.nodes._root if node is None else node
+        with self._inserting(lambda new: self.nodes.insert_before(anchor, new)):
+            yield
+
+    @contextmanager
+    def inserting_after(self, node: Node) -> Iterator[None]:
+        """Within the block, nodes added without `before` follow `node`, in the order they are
+        added (unlike torch.fx, where each new node goes right after `node`)."""
+        last = node
+
+        def insert(new: Node) -> None:
+            nonlocal last
+            self.nodes.insert_after(last, new)
+            last = new
+
+        with self._inserting(insert):
+            yield
+
+    @contextmanager
+    def _inserting(self, insert: Callable[[Node], None]) -> Iterator[None]:
+        saved, self._insert = self._insert, insert
+        try:
+            yield
+        finally:
+            self._insert = saved
 
     def create(
         self,
@@ -194,14 +347,23 @@ class Graph:
     # --- editing ------------------------------------------------------------------------------
 
     def erase(self, node: Node) -> None:
-        """Remove a node whose results are unused."""
-        for out in node.outputs:
-            if out.users or any(o.value is out for o in self.outputs):
-                raise ValueError(f"cannot erase {node.op}: its result is still used")
-        for v in node.input_values:
-            v.users.pop(node, None)
-        self.nodes.remove(node)
-        node.graph = None
+        """Remove a node whose results are unused. O(1) plus a look at the graph's outputs."""
+        self.erase_all([node])
+
+    def erase_all(self, nodes: Iterable[Node]) -> None:
+        """Remove nodes, users before producers, each unused once its users are gone: O(1) per
+        node (the graph's outputs are looked at once)."""
+        returned = {o.value for o in self.outputs}
+        for node in nodes:
+            if node not in self.nodes:
+                raise ValueError(f"cannot erase {node.op}: it is not in graph @{self.name}")
+            for out in node.outputs:
+                if out.users or out in returned:
+                    raise ValueError(f"cannot erase {node.op}: its result is still used")
+            for v in node.input_values:
+                v.users.pop(node, None)
+            self.nodes.remove(node)
+            node.graph = None  # after unlinking: iterators step over nodes with no graph
 
     def replace_all_uses(self, old: Value, new: Value) -> None:
         for user in list(old.users):
@@ -217,6 +379,10 @@ class Graph:
             if v.name == name:
                 return v
         raise KeyError(f"graph @{self.name} has no input %{name}")
+
+    def inputs_by_name(self) -> dict[str, Value]:
+        """The inputs by name: for looking many up (`input` scans the list each time)."""
+        return {v.name: v for v in self.inputs}
 
     def inputs_with_role(self, *roles: Role) -> list[Value]:
         return [v for v in self.inputs if v.role in roles]

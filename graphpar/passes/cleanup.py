@@ -26,8 +26,7 @@ class DeadCodeElimination(GraphPass):
                 live.update(node.input_values)
             else:
                 dead.append(node)
-        for node in dead:  # users before producers, so each erase sees no remaining use
-            graph.erase(node)
+        graph.erase_all(dead)  # users before producers, so each erase sees no remaining use
         return bool(dead)
 
 
@@ -59,8 +58,7 @@ class CommonSubexpressionElimination(GraphPass):
                 for old, new in zip(node.outputs, first.outputs):
                     graph.replace_all_uses(old, new)
                 duplicates.append(node)
-        for node in duplicates:
-            graph.erase(node)
+        graph.erase_all(duplicates)
         return bool(duplicates)
 
 

@@ -2,6 +2,7 @@
 of every plan on per-device arrays that checks it yields exactly the target layout."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -170,6 +171,34 @@ def test_cost_matrix():
     matrix = resharding_cost_matrix(SHAPE, F32, layouts, layouts, MESH2)
     assert [matrix[i][i] for i in range(3)] == [0, 0, 0]
     assert matrix[0][1] == 0 and matrix[1][0] == M / 2 and matrix[2][0] == M
+
+
+def test_tensors_of_one_class_reshard_alike():
+    """Only the bytes and which shardings divide each dim matter (each dim's gcd with the
+    mesh size): (8, 12) and (24, 4) on 2x2 share their searches and every cost."""
+    a, b = (8, 12), (24, 4)
+    layouts = all_layouts(a, MESH2, include_partial=True)
+    assert layouts == all_layouts(b, MESH2, include_partial=True)
+    for src in layouts:
+        for dst in layouts:
+            x, y = (resharding_cost(shape, F32, src, dst, MESH2) for shape in (a, b))
+            assert (x.seconds, x.bytes, [str(s) for s in x.steps]) == \
+                (y.seconds, y.bytes, [str(s) for s in y.steps])
+
+
+def test_a_full_cost_matrix_on_a_3d_mesh_is_one_search_per_source():
+    """Every layout pair of a 3-D tensor on 2x2x2 (15,625 pairs): 47 s of CPU with a
+    search per pair, 0.5 s with one per source (measured)."""
+    mesh = Mesh((2, 2, 2), bandwidth=(1e11, 1e10, 1e9), latency=(1e-6, 5e-6, 1e-5))
+    layouts = all_layouts((8, 16, 32), mesh, include_partial=True)
+    assert len(layouts) == 125
+    start = time.process_time()
+    matrix = resharding_cost_matrix((8, 16, 32), F32, layouts, layouts, mesh)
+    seconds = time.process_time() - start
+    assert np.all(np.diag(matrix) == 0) and np.all(np.array(matrix) >= 0)
+    assert matrix[3][7] == resharding_cost((8, 16, 32), F32, layouts[3], layouts[7],
+                                           mesh).seconds
+    assert seconds < 6.0, f"{seconds:.1f} s of CPU for 125 sources"
 
 
 def test_cost_prints_its_steps():

@@ -4,7 +4,7 @@ import pytest
 
 from graphpar.capture import capture_inference
 from graphpar.cost.cluster import mesh_for
-from graphpar.errors import MemoryLimitError
+from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
 from graphpar.ir.verify import verify
@@ -55,6 +55,16 @@ def test_memory_limit_that_no_plan_meets_says_how_much_is_needed():
                                                 r"needs about .* per device; the largest "
                                                 r"tensors are"):
         shard(graph, "mesh=4,memory_limit=1MB,time_limit=20")
+
+
+def test_time_limit_bounds_building_the_problem_too():
+    """A limit that building the problem alone exceeds is an error naming the option, raised
+    before the solver starts, not a solver run after the limit has passed."""
+    graph = gpt_graph(batch=8, layers=1)
+    with pytest.raises(ShardingError, match=r"time limit of 0.001 s while (enumerating|building)"
+                                            r".*before the ILP solver started; raise "
+                                            r"--time-limit"):
+        shard(graph, "mesh=2x2x2,time_limit=0.001")
 
 
 def test_linear_strategies_cover_megatron_and_data_parallel():

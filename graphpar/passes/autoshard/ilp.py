@@ -29,12 +29,12 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphpar.cost.communication import resharding_cost
+from graphpar.cost.communication import resharding_cost_matrix
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
@@ -83,6 +83,32 @@ class Plan:
         return self.node_strategy[value.producer].outputs[value.index]
 
 
+class Deadline:
+    """The auto-shard time limit, counted from the pass' start: building the problem (strategies,
+    resharding cost tables) and solving it share it, so a limit bounds the whole pass."""
+
+    def __init__(self, seconds: float):
+        self.seconds = float(seconds)
+        self.start = time.perf_counter()
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+    def check(self, doing: str, done: int | None = None, total: int | None = None) -> None:
+        """Raise ShardingError, naming the option, if the limit has passed while `doing` (with
+        `done` of `total` parts of it done, if given: the message is only built then)."""
+        if self.left() <= 0:
+            if done is not None:
+                doing += f" ({done} of {total} done)"
+            raise ShardingError(
+                f"auto-shard ran out of its time limit of {self.seconds:g} s while {doing}, "
+                "before the ILP solver started; raise --time-limit (auto-shard{time_limit=...}), "
+                "or use a mesh with fewer axes (each axis multiplies the layouts and strategies "
+                "to cost)")
+
+
+_NO_DEADLINE = Deadline(float("inf"))
+
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -107,13 +133,18 @@ class Problem:
     """Every graph input's candidate layouts and every node's strategies on one mesh, the edges
     between them, and what each choice costs in time and memory."""
 
-    def __init__(self, graph: Graph, mesh: Mesh, peak_flops: float):
+    def __init__(self, graph: Graph, mesh: Mesh, peak_flops: float,
+                 deadline: Deadline = _NO_DEADLINE):
         self.graph, self.mesh, self.peak_flops = graph, mesh, peak_flops
+        self.deadline = deadline
         self.items: list = [*graph.inputs, *graph.nodes]
         self.index = {item: i for i, item in enumerate(self.items)}
         self.position = {node: i for i, node in enumerate(graph.nodes)}
-        self.choices: list[list] = ([input_layouts(v, mesh) for v in graph.inputs]
-                                    + [node_strategies(n, mesh, peak_flops) for n in graph.nodes])
+        self.choices: list[list] = [input_layouts(v, mesh) for v in graph.inputs]
+        for node in graph.nodes:
+            deadline.check("enumerating the strategies of nodes and inputs", len(self.choices),
+                           len(self.items))
+            self.choices.append(node_strategies(node, mesh, peak_flops))
         self.training = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self._layouts: dict[Layout, int] = {}
         self._layout_list: list[Layout] = []
@@ -160,9 +191,8 @@ class Problem:
             us, inv_s = np.unique(src_ids, return_inverse=True)
             ud, inv_d = np.unique(dst_ids, return_inverse=True)
             layouts = self._layout_list
-            base = np.array([[0.0 if a == b else resharding_cost(
-                shape, itemsize, layouts[a], layouts[b], self.mesh).seconds for b in ud]
-                for a in us])
+            base = np.array(resharding_cost_matrix(shape, itemsize, [layouts[a] for a in us],
+                                                   [layouts[b] for b in ud], self.mesh))
             found = self._costs[key] = base[np.ix_(inv_s.ravel(), inv_d.ravel())]
         return found
 
@@ -209,10 +239,10 @@ class Problem:
             for k, v in enumerate(node.inputs):
                 if isinstance(v, Value):
                     edges.append((v, self._src(v), dst, k))
+        state = self.graph.inputs_by_name()
         for out in self.graph.outputs:
             if out.role in (OutputRole.UPDATE, OutputRole.GRAD):  # back to the state's layout
-                edges.append((out.value, self._src(out.value),
-                              self.index[self.graph.input(out.target)], -1))
+                edges.append((out.value, self._src(out.value), self.index[state[out.target]], -1))
             else:  # the user reads whole results
                 edges.append((out.value, self._src(out.value), -1, -1))
         return edges
@@ -378,7 +408,9 @@ class Reduced:
             self.unary[c] += p.compute[i][g]
             if i in p.memory:
                 self.memory[c] += p.memory[i][g]
-        for v, src, dst, k in p.edges:
+        for done, (v, src, dst, k) in enumerate(p.edges):
+            p.deadline.check("building the resharding cost tables of edges", done,
+                             len(p.edges))
             src_ids = p.produced_ids(v)[self.gmap[src]]
             if dst < 0:
                 dst_ids = p.needed_ids(dst, k)
@@ -463,7 +495,8 @@ class Reduced:
             if memory_limit is not None and result.status == "INFEASIBLE":
                 raise _memory_error(self, inst, memory_limit)
             raise ShardingError(f"the sharding ILP found no plan ({result.status}) within "
-                                f"{time_limit} s; raise the time limit")
+                                f"the {time_limit:.3g} s it had; raise the time limit "
+                                "(--time-limit, auto-shard{time_limit=...})")
         picks_by_class = [int(k[j]) for k, j in zip(inst.keep, result.picks)]
         picks = [int(self.gmap[i][picks_by_class[self.class_of(i)]])
                  for i in range(len(self.problem.items))]
@@ -655,7 +688,7 @@ def _solve_mip(backend: str) -> Callable:
         x = {c: [solver.BoolVar("") for _ in inst.keep[c]] for c in free}
         objective = solver.Objective()
         for c in free:
-            solver.Add(solver.Sum(x[c]) == 1)
+            _row(solver, 1.0, x[c], ())
             for w, b in zip(_objective_units(inst, c), x[c]):
                 objective.SetCoefficient(b, float(w))
         for (a, b), m in inst.edges.items():
@@ -664,10 +697,9 @@ def _solve_mip(backend: str) -> Callable:
             pairs = [[solver.NumVar(0.0, 1.0, "") for _ in range(costs.shape[1])]
                      for _ in range(costs.shape[0])]
             for g, row in enumerate(pairs):
-                solver.Add(solver.Sum(row) == solver.Sum([x[a][j] for j in rows[g]]))
+                _row(solver, 0.0, row, [x[a][j] for j in rows[g]])
             for h in range(costs.shape[1]):
-                solver.Add(solver.Sum([row[h] for row in pairs])
-                           == solver.Sum([x[b][k] for k in cols[h]]))
+                _row(solver, 0.0, [row[h] for row in pairs], [x[b][k] for k in cols[h]])
             units = costs / OBJECTIVE_UNIT
             for g in range(costs.shape[0]):
                 for h in range(costs.shape[1]):
@@ -701,17 +733,32 @@ def _solve_mip(backend: str) -> Callable:
     return solve
 
 
+def _row(solver, rhs: float, plus: Sequence, minus: Sequence) -> None:
+    """The constraint `sum(plus) - sum(minus) == rhs`, set coefficient by coefficient: what
+    `solver.Add(solver.Sum(plus) == solver.Sum(minus) + rhs)` makes, in the same order, without
+    building and walking an expression tree per row (most of the model's build time)."""
+    row = solver.RowConstraint(rhs, rhs, "")
+    for v in plus:
+        row.SetCoefficient(v, 1.0)
+    for v in minus:
+        row.SetCoefficient(v, -1.0)
+
+
 _SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mip("CBC"),
             "highs": _solve_mip("HIGHS")}
 
 
 def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | None = None,
           time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
-          solver: str = DEFAULT_SOLVER) -> Plan:
-    """The cheapest plan for `graph` on `mesh` (see the module docstring)."""
-    problem = Problem(graph, mesh, peak_flops)
-    return Reduced(problem, simplify=simplify, tie_layers=tie_layers).solve(
-        memory_limit, time_limit, solver)
+          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None) -> Plan:
+    """The cheapest plan for `graph` on `mesh` (see the module docstring). `time_limit` bounds
+    the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
+    building the problem leaves of it is the solver's."""
+    deadline = deadline or Deadline(time_limit)
+    problem = Problem(graph, mesh, peak_flops, deadline)
+    reduced = Reduced(problem, simplify=simplify, tie_layers=tie_layers)
+    deadline.check("reducing the problem")
+    return reduced.solve(memory_limit, max(deadline.left(), 1e-3), solver)
 
 
 def _memory_error(reduced: Reduced, inst: _Instance, limit: float) -> MemoryLimitError:

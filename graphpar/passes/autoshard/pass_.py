@@ -15,7 +15,7 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
-from graphpar.passes.autoshard.ilp import Plan, solve
+from graphpar.passes.autoshard.ilp import Deadline, Plan, solve
 from graphpar.passes.autoshard.strategies import node_strategies, replicated
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.units import parse_bytes
@@ -54,9 +54,10 @@ def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
             if isinstance(v, Value) and need is not None and v.layout != need:
                 node.replace_input(v, resharded(v, need, node))
     full = replicated(mesh)
+    state = graph.inputs_by_name()
     for out in graph.outputs:
         if out.role in (OutputRole.UPDATE, OutputRole.GRAD):
-            need = graph.input(out.target).layout
+            need = state[out.target].layout
         else:
             need = full
         if out.value.layout != need:
@@ -96,12 +97,14 @@ class AutoShard(GraphPass):
     dtype: str = "fp32"
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+        deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver
         if graph.mesh is not None:
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         mesh = mesh_for(self.mesh, get_cluster(self.cluster))
         _check_mesh_divides(graph, mesh, self.mesh)
         limit = parse_bytes(self.memory_limit) if self.memory_limit else None
-        plan = solve(graph, mesh, mesh.cluster.peak_flops(self.dtype), limit, self.time_limit)
+        plan = solve(graph, mesh, mesh.cluster.peak_flops(self.dtype), limit, self.time_limit,
+                     deadline=deadline)
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
             "estimated_compute_s": round(plan.compute_seconds, 9),

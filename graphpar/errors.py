@@ -15,6 +15,10 @@ class UsageError(GraphparError):
     exit_code = 2
 
 
+class OutputError(GraphparError):
+    """An output path that cannot be written: a file in the way, no permission, a full disk."""
+
+
 class CaptureError(GraphparError):
     """torch.export / make_fx could not trace the model; carries the user's source line."""
 

@@ -164,6 +164,9 @@ def _type_problem(node: Node, opdef, inferred: dict[Any, list]) -> str | None:
 
 
 def _check_outputs(graph: Graph, defined: set[Value]) -> None:
+    if not graph.outputs:
+        raise VerificationError(f"graph @{graph.name} returns nothing; a model's forward must "
+                                "return a tensor or a tuple of tensors", graph)
     updatable = {v.name: v for v in graph.inputs
                  if v.role in (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)}
     for out in graph.outputs:

@@ -57,13 +57,23 @@ def progress_printer() -> Callable[[str, int, int], None]:
     return report
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file path that cannot be one, before any slow work."""
+    if not str(path) or path.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: give a file name, not a directory")
+    if path.exists() and not path.is_file():  # a device or pipe: never rename over it
+        raise UsageError(f"{option} {path}: exists and is not a regular file; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise OutputError(f"{path}: cannot write {option} there: "
+                          f"{path.absolute().parent} is not a folder")
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike[str], option: str) -> Iterator[IO[str]]:
     """A text file that appears at `path` only once the block finishes: it is written next to
     it and renamed over it, so a failure or an interrupt leaves nothing half-written."""
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"{option} {path}: is a directory; give a file name")
+    check_output_file(path, option)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                    dir=path.parent if str(path.parent) else ".")
@@ -222,7 +232,9 @@ def _check_compile_options(args: argparse.Namespace) -> None:
         if given:
             what = "runs a sharded plan" if given[0] == "--run-cpu" else "bounds the sharding plan"
             raise UsageError(f"{given[0]} {what}: give --mesh too")
-    if args.cluster.endswith(".json") or os.sep in args.cluster:  # a file, not a preset
+    from graphpar.cost.cluster import PRESETS
+
+    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
         from graphpar.ir.parser import read_text_file
 
         try:
@@ -291,8 +303,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
     from graphpar.viz import render_html
 
     out = Path(args.output)
-    if not args.output or out.is_dir():
-        raise UsageError(f"-o {args.output!r}: give the name of the HTML file to write")
+    check_output_file(out, "-o")
     if args.target.endswith(".py") or args.example:
         from graphpar.compiler import compile_model
         from graphpar.passes import parse_pipeline

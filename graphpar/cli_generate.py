@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from graphpar.errors import GraphparError, OutputError, UsageError
+from graphpar.errors import GraphparError, UsageError
 
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "n", "beam_width",
                   "length_penalty", "stop_token_ids", "stop", "ignore_eos", "seed"}
@@ -218,13 +218,10 @@ def _check_options(args: argparse.Namespace) -> None:
         if not torch.cuda.is_available():
             raise UsageError("--kernel cuda: torch sees no CUDA GPU here; use --kernel auto, "
                              "torch or reference")
-    if args.out:
-        out = Path(args.out)
-        if out.is_dir():
-            raise UsageError(f"--out {out}: is a directory; give a file name")
-        if not out.absolute().parent.is_dir():
-            raise OutputError(f"{out}: cannot write --out there: its folder "
-                              f"{out.absolute().parent} does not exist or is not a folder")
+    if args.out is not None:
+        from graphpar.cli import check_output_file
+
+        check_output_file(Path(args.out), "--out")
 
 
 def _bytes(text: str) -> int:

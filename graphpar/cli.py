@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -403,10 +404,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return _run(argv)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _run(argv)
     finally:
         with suppress(ValueError, TypeError):
             signal.signal(signal.SIGTERM, previous)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning as one line of ours, not a source excerpt of graphpar's code."""
+    text = " ".join(str(message).split())
+    print(f"graphpar: warning: {text}", file=sys.stderr)
 
 
 def _run(argv: Sequence[str] | None) -> int:

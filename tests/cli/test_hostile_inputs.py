@@ -349,3 +349,16 @@ def test_kernel_cuda_without_a_gpu_says_so(tmp_path):
                       "cuda")
     assert result.returncode == 2
     assert "--kernel cuda: torch sees no CUDA GPU" in error_line(result)
+
+
+def test_library_warnings_are_one_line_of_ours(capsys, monkeypatch):
+    import warnings
+
+    def ops(args):
+        warnings.warn("a library\n  complains", UserWarning, stacklevel=1)
+        return 0
+
+    monkeypatch.setattr("graphpar.cli.cmd_ops", ops)
+    assert main(["ops"]) == 0
+    err = capsys.readouterr().err
+    assert err == "graphpar: warning: a library complains\n"

@@ -7,6 +7,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from graphpar.errors import GraphparError, IRParseError, VerificationError
 from graphpar.ir.graph import Graph, Node, OutputRole, Program, Role, Value
@@ -30,6 +31,7 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 _BLANK = re.compile(_SPACE)
+_KINDS = {index: name for name, index in _TOKEN.groupindex.items()}
 
 
 MAX_NESTING = 32  # list literals nested deeper than this are not IR a printer wrote
@@ -37,11 +39,15 @@ MAX_DIM = 2**48  # a dimension size past this is a typo, not a tensor
 _PROGRESS_BYTES = 1 << 20
 
 
-class _Tok:
-    __slots__ = ("kind", "text", "line", "col", "pos")
+class _Tok(NamedTuple):
+    kind: str
+    text: str
+    line: int
+    col: int
+    pos: int
 
-    def __init__(self, kind: str, text: str, line: int, col: int, pos: int):
-        self.kind, self.text, self.line, self.col, self.pos = kind, text, line, col, pos
+
+_new_tok = tuple.__new__  # _new_tok(_Tok, fields): a token without a Python-level __new__
 
 
 class _Parser:
@@ -58,6 +64,7 @@ class _Parser:
         self.last: _Tok | None = None
         self.line, self.pos = 1, 0  # where the next untokenized line starts
         self.next_report = _PROGRESS_BYTES
+        self.types: dict[tuple, TensorType] = {}
         self.origin: dict[int, _Tok] = {}  # id of a graph, node or input -> where it was written
 
     def _lex_line(self) -> list[_Tok]:
@@ -75,10 +82,10 @@ class _Parser:
             for m in _TOKEN.finditer(text, start, end):
                 if m.start() != at:
                     break
-                at = m.end()
-                kind = m.lastgroup
-                pos = m.start(kind)
-                toks.append(_Tok(kind, text[pos:at], line, pos - start + 1, pos))
+                group = m.lastindex
+                pos, at = m.span(group)  # the token ends the match: blanks come before it
+                toks.append(_new_tok(_Tok, (_KINDS[group], text[pos:at], line, pos - start + 1,
+                                            pos)))
             at = _BLANK.match(text, at, end).end()
             if at != end:
                 self._fail_at(at, line, at - start + 1, f"unexpected character {text[at]!r}")
@@ -215,7 +222,11 @@ class _Parser:
             self.fail(f"a tensor of shape [{','.join(map(str, dims))}] has more than 2**48 "
                       "elements", tok)
         layout = self.layout() if self.at("{") else None
-        return TensorType(tuple(dims), DTYPES_BY_NAME[tok.text]), layout
+        key = (tok.text, *dims)
+        type_ = self.types.get(key)
+        if type_ is None:  # one TensorType per distinct type: a big graph has few
+            type_ = self.types[key] = TensorType(tuple(dims), DTYPES_BY_NAME[tok.text])
+        return type_, layout
 
     def layout(self):
         start = self.expect("{")

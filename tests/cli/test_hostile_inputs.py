@@ -338,17 +338,19 @@ def test_an_error_near_the_top_of_a_huge_file_is_found_at_once(tmp_path):
 
 # --- 9. smaller -----------------------------------------------------------------------------
 
-def test_kernel_cuda_without_a_gpu_says_so(tmp_path):
+def test_messages_name_options_not_internal_fields(tmp_path):
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello\n")
-    result = graphpar("generate", "--example", "gpt:tiny", "--prompts", prompts, "--kernel",
-                      "cuda")
-    assert result.returncode == 2
-    assert "--kernel cuda: torch sees no CUDA GPU" in error_line(result)
+    generate = ["generate", "--example", "gpt:tiny", "--prompts", prompts, "--quiet"]
+    kv, cuda = graphpar_each([*generate, "--kv-memory", "1KB"], [*generate, "--kernel", "cuda"])
+    assert kv.returncode == 2
+    assert "--kv-memory 1KB: holds no block of 16 tokens" in error_line(kv)
+    assert "kv_cache_bytes" not in kv.stderr
+    if not torch.cuda.is_available():
+        assert cuda.returncode == 2
+        assert "--kernel cuda: torch sees no CUDA GPU" in error_line(cuda)
 
 
 def test_library_warnings_are_one_line_of_ours(capsys, monkeypatch):

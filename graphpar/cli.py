@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import IO
 
-from graphpar.errors import GraphparError, UsageError
+from graphpar.errors import GraphparError, OutputError, UsageError
 
 DEFAULT_EXAMPLE = "gpt:125M"
 
@@ -38,6 +43,54 @@ def step(what: str) -> Iterator[None]:
         _progress(f"{what}: done in {seconds:.1f} s")
 
 
+def progress_printer() -> Callable[[str, int, int], None]:
+    """`on_progress(stage, done, total)` for long loads: a line at most once a second, and
+    only once the work has taken a second."""
+    start = last = time.perf_counter()
+
+    def report(stage: str, done: int, total: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - start > 1.0 and now - last > 1.0:
+            last = now
+            unit = "bytes" if stage == "parsing" else "nodes"
+            _progress(f"{stage}: {done:,} of {total:,} {unit} ({now - start:.0f} s)")
+    return report
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file path that cannot be one, before any slow work."""
+    if not str(path) or path.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: give a file name, not a directory")
+    if path.exists() and not path.is_file():  # a device or pipe: never rename over it
+        raise UsageError(f"{option} {path}: exists and is not a regular file; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise OutputError(f"{path}: cannot write {option} there: "
+                          f"{path.absolute().parent} is not a folder")
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str], option: str) -> Iterator[IO[str]]:
+    """A text file that appears at `path` only once the block finishes: it is written next to
+    it and renamed over it, so a failure or an interrupt leaves nothing half-written."""
+    path = Path(path)
+    check_output_file(path, option)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                   dir=path.parent if str(path.parent) else ".")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write {option} there: {exc.strerror or exc}"
+                          ) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            yield file
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def example_spec(text: str, train: bool = False):
     """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec (in train mode for
     `train`: batch norm then normalizes by the batch, as a training step does)."""
@@ -51,14 +104,14 @@ def example_spec(text: str, train: bool = False):
                                                               f"{example.preset}")
 
 
-def load_target(path: str | None, example: str | None, train: bool = False):
+def load_target(path: str | None, example: str | None, mode: str = "infer"):
     from graphpar.model_file import load_model_file
 
     if path and example:
         raise UsageError("give a model file or --example, not both")
     if example or not path:
-        return example_spec(example or DEFAULT_EXAMPLE, train)
-    return load_model_file(path)
+        return example_spec(example or DEFAULT_EXAMPLE, mode == "train")
+    return load_model_file(path, mode)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -68,14 +121,21 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.ir.printer import format_count, print_program
     from graphpar.passes import parse_pipeline
 
-    passes = parse_pipeline(args.passes)  # bad pipelines fail before any slow work
+    _check_compile_options(args)  # every option is checked before any slow work
+    passes = parse_pipeline(args.passes)
     if args.mesh:
         from graphpar.passes.autoshard import AutoShard
 
         passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
-                                memory_limit=args.memory_limit or "", time_limit=args.time_limit))
-    elif args.run_cpu:
-        raise UsageError("--run-cpu runs a sharded plan: give --mesh too")
+                                memory_limit=args.memory_limit or "",
+                                time_limit=args.time_limit if args.time_limit is not None
+                                else 30.0))
+    for option in ("dump_after", "dump_before"):
+        unknown = set(_names(getattr(args, option))) - {p.name for p in passes} - {"all"}
+        if unknown:
+            raise UsageError(f"--{option.replace('_', '-')} {', '.join(sorted(unknown))}: not a "
+                             f"pass of this pipeline ({', '.join(p.name for p in passes)}) "
+                             "nor 'all'")
     if args.mesh:  # bad meshes and clusters too
         from graphpar.cost.cluster import mesh_for
         from graphpar.errors import ShardingError
@@ -84,17 +144,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
             mesh_size = mesh_for(args.mesh, args.cluster).size
         except ShardingError as exc:
             raise UsageError(f"--mesh {args.mesh}: {exc}") from None
-        if args.run_cpu and args.run_cpu != mesh_size:
+        if args.run_cpu is not None and args.run_cpu != mesh_size:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
                              f"({mesh_size} devices): run one CPU rank per device")
     with step("loading the model"):
-        spec = load_target(args.model, args.example, train=args.mode == "train")
+        spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
-        raise UsageError(f"--out {out}: cannot write there ({exc.strerror or exc})") from None
+        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
     try:
         dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
         with step(f"capturing {spec.name} ({args.mode})"):
@@ -149,6 +209,46 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_compile_options(args: argparse.Namespace) -> None:
+    """Usage errors in compile's options, found before the model is loaded."""
+    if not args.out:
+        raise UsageError("--out: give a directory name")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory; give a directory")
+    if not _existing_parent(out).is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+        raise OutputError(f"{out}: cannot write --out there: a path component is a file")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit)
+                                            and args.time_limit > 0):
+        raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    if args.run_cpu is not None and args.run_cpu < 1:
+        raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
+    if args.memory_limit is not None:
+        from graphpar.units import parse_bytes
+
+        try:
+            if parse_bytes(args.memory_limit) <= 0:
+                raise ValueError("a memory limit must be positive")
+        except ValueError as exc:
+            raise UsageError(f"--memory-limit {args.memory_limit}: {exc}") from None
+    if not args.mesh:
+        given = [name for name, value in (("--run-cpu", args.run_cpu),
+                                          ("--memory-limit", args.memory_limit),
+                                          ("--time-limit", args.time_limit)) if value is not None]
+        if given:
+            what = "runs a sharded plan" if given[0] == "--run-cpu" else "bounds the sharding plan"
+            raise UsageError(f"{given[0]} {what}: give --mesh too")
+    from graphpar.cost.cluster import PRESETS
+
+    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
+        from graphpar.ir.parser import read_text_file
+
+        try:
+            read_text_file(Path(args.cluster), "cluster JSON file")
+        except GraphparError as exc:
+            raise UsageError(f"--cluster {exc}") from None
+
+
 def run_on_cpu_ranks(result) -> dict:
     """Run the compiled plan on CPU ranks over gloo and compare each output with eager PyTorch
     (and torch.optim): the worst error of each kind, by name."""
@@ -170,7 +270,7 @@ def _names(value: str | None) -> list[str]:
 
 
 def _existing_parent(path: Path) -> Path:
-    path = path.resolve()
+    path = path.absolute()
     while not path.exists():
         path = path.parent
     return path if path.is_dir() else path.parent
@@ -192,33 +292,31 @@ def cmd_dump(args: argparse.Namespace) -> int:
     from graphpar.cost.communication import annotate_comm
     from graphpar.ir.parser import load
     from graphpar.ir.printer import print_program
-    from graphpar.ir.verify import verify
 
-    program = load(args.file)
-    if not args.no_verify:
-        for graph in program:
-            verify(graph)
+    program = load(args.file, verify=not args.no_verify, on_progress=progress_printer())
     sys.stdout.write(print_program(program, show_source=args.show_source, annotate=annotate_comm))
     return 0
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
-    from graphpar.viz import write_html
+    from graphpar.viz import render_html
 
+    out = Path(args.output)
+    check_output_file(out, "-o")
     if args.target.endswith(".py") or args.example:
         from graphpar.compiler import compile_model
+        from graphpar.passes import parse_pipeline
 
-        spec = load_target(None if args.example else args.target, args.example)
+        passes = parse_pipeline(args.passes)
+        spec = load_target(None if args.example else args.target, args.example, args.mode)
         with step(f"capturing {spec.name} ({args.mode})"):
-            program = compile_model(spec, args.mode, args.passes).program
+            program = compile_model(spec, args.mode, passes).program
     else:
         from graphpar.ir.parser import load
 
-        program = load(args.target)
-    out = Path(args.output)
-    tmp = out.with_name(f".{out.name}.tmp")
-    write_html(program, tmp)
-    os.replace(tmp, out)
+        program = load(args.target, verify=True, on_progress=progress_printer())
+    with atomic_output(out, "-o") as file:
+        file.write(render_html(program))
     print(f"graphpar viz: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
     return 0
 
@@ -267,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--cluster", default="dgx-a100",
                    help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
     c.add_argument("--memory-limit", help="per-device memory limit, e.g. 40GB")
-    c.add_argument("--time-limit", type=float, default=30.0,
-                   help="auto-shard time limit, seconds: building and solving the ILP")
+    c.add_argument("--time-limit", type=float,
+                   help="auto-shard time limit, seconds: building and solving the ILP "
+                        "(default 30)")
     c.add_argument("--run-cpu", type=int, metavar="N",
                    help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
     c.set_defaults(fn=cmd_compile)
@@ -296,7 +395,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the process is so that cleanup (`finally`) runs as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (errors print one line, no traceback)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    with suppress(ValueError):  # not the main thread: leave signals alone
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _run(argv)
+    finally:
+        with suppress(ValueError, TypeError):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning as one line of ours, not a source excerpt of graphpar's code."""
+    text = " ".join(str(message).split())
+    print(f"graphpar: warning: {text}", file=sys.stderr)
+
+
+def _run(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if not getattr(args, "fn", None):
@@ -311,14 +438,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("graphpar: interrupted", file=sys.stderr)
         return 130
-    except OSError as exc:
-        if exc.filename is None:  # not a path the user gave: a bug, reported below
-            return _internal_error(exc)
-        print(f"graphpar: error: {exc.filename}: {exc.strerror or exc}; check that the path "
-              "exists and can be written (or read)", file=sys.stderr)
+    except Terminated:
+        print("graphpar: terminated", file=sys.stderr)
+        return 143
+    except BrokenPipeError:  # the reader went away (`graphpar ops | head`): nothing to say
+        with suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except MemoryError:
+        print("graphpar: error: ran out of memory (RAM); try a smaller model, input or mesh, "
+              "or a machine with more memory", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        return _os_error(exc)
     except Exception as exc:  # a bug in graphpar, not the user's input
         return _internal_error(exc)
+
+
+def _os_error(exc: OSError) -> int:
+    """A file system error: the user's path, or the disk, named; else a bug."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f"writing {exc.filename}" if exc.filename else "writing output"
+        print(f"graphpar: error: no space left on the device ({where}); free some space or "
+              "write somewhere else", file=sys.stderr)
+        return 1
+    if exc.filename is None:  # not a path the user gave: a bug, reported below
+        return _internal_error(exc)
+    print(f"graphpar: error: {exc.filename}: {exc.strerror or exc}; check that the path "
+          "exists and can be written (or read)", file=sys.stderr)
+    return 1
 
 
 def _internal_error(exc: Exception) -> int:

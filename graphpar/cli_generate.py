@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, fields, replace
@@ -23,6 +22,8 @@ from graphpar.errors import GraphparError, UsageError
 
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "n", "beam_width",
                   "length_penalty", "stop_token_ids", "stop", "ignore_eos", "seed"}
+_INT_KEYS = {"max_tokens", "top_k", "n", "beam_width"}
+_FLOAT_KEYS = {"temperature", "top_p", "length_penalty"}
 _DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
            "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
@@ -117,11 +118,17 @@ class _Tokenizer:
 
 def read_prompts(path: str, tokenizer: _Tokenizer) -> list[_Line]:
     """The requests of a prompts file; a malformed line is a UsageError naming it."""
+    from graphpar.ir.parser import read_text_file
+
     file = Path(path)
-    if not file.is_file():
+    if not file.exists():
         raise UsageError(f"--prompts {path}: no such file")
+    try:
+        text = read_text_file(file, "prompts file")
+    except GraphparError as exc:
+        raise UsageError(f"--prompts {exc}") from None
     lines = []
-    for number, raw in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         text = raw.strip()
         if not text or text.startswith("#"):
             continue
@@ -141,6 +148,10 @@ def read_prompts(path: str, tokenizer: _Tokenizer) -> list[_Line]:
                         f"{', '.join(sorted(_SAMPLING_KEYS))}" +
                         (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
                 overrides = {k: v for k, v in item.items() if k != "prompt"}
+                for key, value in overrides.items():
+                    problem = _type_problem(key, value)
+                    if problem:
+                        raise UsageError(f"{where}: \"{key}\": {json.dumps(value)} {problem}")
                 item = item["prompt"]
             if isinstance(item, str):
                 prompt = tokenizer.encode(item)
@@ -155,6 +166,62 @@ def read_prompts(path: str, tokenizer: _Tokenizer) -> list[_Line]:
     if not lines:
         raise UsageError(f"--prompts {path}: no prompts in the file")
     return lines
+
+
+def _type_problem(key: str, value: Any) -> str | None:
+    """Why a JSON request's sampling option has the wrong type, or None."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if key in _INT_KEYS and not is_int(value):
+        return "is not a whole number"
+    if key in _FLOAT_KEYS and not (is_int(value) or isinstance(value, float)):
+        return "is not a number"
+    if key == "seed" and not (value is None or is_int(value)):
+        return "is not a whole number (or null)"
+    if key == "ignore_eos" and not isinstance(value, bool):
+        return "is not true or false"
+    if key == "stop_token_ids" and not (isinstance(value, list) and all(map(is_int, value))):
+        return "is not a list of token ids"
+    return None
+
+
+def _stop_token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise UsageError(f"--stop-token-ids {text!r}: give token ids separated by commas, "
+                         "e.g. 2,13") from None
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Usage errors in generate's options, found before the model is loaded."""
+    from graphpar.errors import GenerationError
+
+    try:
+        _base_sampling(args).validate()
+    except GenerationError as exc:
+        field, _, rest = str(exc).partition(" ")
+        flag = "-n" if field == "n" else "--" + field.replace("_", "-")
+        raise UsageError(f"{flag}: {rest}" if field in _SAMPLING_KEYS else str(exc)) from None
+    for flag, value, least in (("--block-size", args.block_size, 1),
+                               ("--max-num-seqs", args.max_num_seqs, 1),
+                               ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
+                               ("--tensor-parallel", args.tensor_parallel, 1),
+                               ("--num-blocks", args.num_blocks, 0),
+                               ("--swap-blocks", args.swap_blocks, 0)):
+        if value is not None and value < least:
+            raise UsageError(f"{flag} must be at least {least}, got {value}")
+    if args.kernel == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--kernel cuda: torch sees no CUDA GPU here; use --kernel auto, "
+                             "torch or reference")
+    if args.out is not None:
+        from graphpar.cli import check_output_file
+
+        check_output_file(Path(args.out), "--out")
 
 
 def _bytes(text: str) -> int:
@@ -189,29 +256,41 @@ def _load_model(args: argparse.Namespace):
     return spec, module
 
 
-def _sampling(args: argparse.Namespace, overrides: dict[str, Any], where: str):
+def _base_sampling(args: argparse.Namespace):
+    """The command line's sampling options, the defaults of every request."""
     from graphpar.runtime.sampling import SamplingParams
 
-    stop_ids = tuple(int(t) for t in args.stop_token_ids.split(",") if t.strip())
-    base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, n=args.n,
-                          beam_width=args.beam_width, stop_token_ids=stop_ids,
+                          beam_width=args.beam_width,
+                          stop_token_ids=_stop_token_ids(args.stop_token_ids),
                           ignore_eos=args.ignore_eos, seed=args.seed)
+
+
+def _sampling(args: argparse.Namespace, overrides: dict[str, Any], where: str):
+    from graphpar.errors import GenerationError
+    from graphpar.runtime.sampling import SamplingParams
+
     known = {f.name for f in fields(SamplingParams)}
     try:
-        return replace(base, **{k: v for k, v in overrides.items() if k in known})
-    except (TypeError, ValueError) as exc:
+        params = replace(_base_sampling(args),
+                         **{k: v for k, v in overrides.items() if k in known})
+        params.validate()
+    except (TypeError, ValueError, GenerationError) as exc:
         raise UsageError(f"{where}: bad sampling option: {exc}") from None
+    return params
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
     from graphpar.cli import step
+    from graphpar.errors import GenerationError
     from graphpar.runtime.engine import EngineConfig
     from graphpar.serve import LLM
 
     if not args.model and not args.example:
         raise UsageError("generate needs a model file or --example (e.g. --example gpt:tiny)")
+    _check_options(args)
     tokenizer = _Tokenizer(args.tokenizer)
     lines = read_prompts(args.prompts, tokenizer)
     params = [_sampling(args, line.overrides, f"{args.prompts}:{line.number}") for line in lines]
@@ -223,18 +302,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         preemption_mode=None if args.preemption == "auto" else args.preemption,
         kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
         tp_cluster=args.cluster)
-    if args.block_size < 1 or args.max_num_seqs < 1 or args.tensor_parallel < 1:
-        raise UsageError("--block-size, --max-num-seqs and --tensor-parallel must be at least 1")
     with step("loading the model"):
         spec, module = _load_model(args)
     progress = None if args.quiet else (
         lambda message: print(f"graphpar: {message} ...", file=sys.stderr, flush=True))
     start = time.perf_counter()
-    with LLM(module, config, progress=progress, detokenize=tokenizer.decode) as llm:
+    try:
+        llm = LLM(module, config, progress=progress, detokenize=tokenizer.decode)
+    except GenerationError as exc:
+        if args.kv_memory and "kv_cache_bytes=" in str(exc):  # name the option, not the field
+            raise UsageError(f"--kv-memory {args.kv_memory}: "
+                             f"{str(exc).split(' ', 1)[1]}; give more memory") from None
+        raise
+    with llm:
         return _serve(args, llm, spec, lines, params, tokenizer, start)
 
 
 def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start: float) -> int:
+    from graphpar.cli import atomic_output
     from graphpar.serve import progress_printer
 
     engine, config = llm.engine, llm.engine.config
@@ -248,6 +333,10 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         if config.tensor_parallel > 1:
             print(f"graphpar: {engine.model.ranks.summary()}", file=sys.stderr, flush=True)
+    if config.tensor_parallel > 1 and info.num_heads % config.tensor_parallel:
+        print(f"graphpar: note: --tensor-parallel {config.tensor_parallel} does not divide the "
+              f"model's {info.num_heads} attention heads, so attention is not split across "
+              "ranks; choose a divisor of the head count to shard it", file=sys.stderr)
     if args.dump_programs:
         _dump_programs(engine.model, Path(args.dump_programs), args.quiet)
     on_step = None if args.quiet else progress_printer(engine, len(lines))
@@ -265,27 +354,28 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
     if on_step is not None:
         on_step.final(engine)  # type: ignore[attr-defined]
     failed = 0
-    out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout  # noqa: SIM115
-    try:
-        for line, request_id in zip(lines, ids):
-            result = results[request_id]
-            record: dict[str, Any] = {"line": line.number, "prompt_tokens": len(line.prompt)}
-            if result.error:
-                failed += 1
-                record["error"] = result.error
-                print(f"graphpar: error: request on {args.prompts}:{line.number}: "
-                      f"{result.error}", file=sys.stderr)
-            else:
-                record["outputs"] = [{"text": c.text,
-                                      "token_ids": c.token_ids,
-                                      "finish_reason": c.finish_reason,
-                                      "cumulative_logprob": round(c.cumulative_logprob, 6)}
-                                     for c in result.outputs]
-                record["latency_s"] = round(result.latency or 0.0, 6)
-            out.write(json.dumps(record) + "\n")
-    finally:
-        if args.out:
-            out.close()
+    records = []
+    for line, request_id in zip(lines, ids):
+        result = results[request_id]
+        record: dict[str, Any] = {"line": line.number, "prompt_tokens": len(line.prompt)}
+        if result.error:
+            failed += 1
+            record["error"] = result.error
+            print(f"graphpar: error: request on {args.prompts}:{line.number}: "
+                  f"{result.error}", file=sys.stderr)
+        else:
+            record["outputs"] = [{"text": c.text,
+                                  "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason,
+                                  "cumulative_logprob": round(c.cumulative_logprob, 6)}
+                                 for c in result.outputs]
+            record["latency_s"] = round(result.latency or 0.0, 6)
+        records.append(json.dumps(record) + "\n")
+    if args.out:
+        with atomic_output(args.out, "--out") as out:
+            out.writelines(records)
+    else:
+        sys.stdout.writelines(records)
     stats, seconds = engine.stats, time.perf_counter() - run_start
     print(f"graphpar generate: {len(lines) - failed}/{len(lines)} requests served, "
           f"{stats.generated_tokens} tokens generated in {seconds:.2f} s "
@@ -296,15 +386,15 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
 
 
 def _dump_programs(model, directory: Path, quiet: bool) -> None:
+    from graphpar.cli import atomic_output
     from graphpar.cost.communication import annotate_comm
     from graphpar.ir.printer import print_graph
 
     directory.mkdir(parents=True, exist_ok=True)
     programs = model.programs()
     for name, graph in programs.items():
-        tmp = directory / f".{name}.tmp"
-        tmp.write_text(print_graph(graph, show_source=True, annotate=annotate_comm))
-        os.replace(tmp, directory / name)
+        with atomic_output(directory / name, "--dump-programs") as file:
+            file.write(print_graph(graph, show_source=True, annotate=annotate_comm))
     if not quiet:
         print(f"graphpar: wrote {', '.join(programs)} to {directory}", file=sys.stderr)
 

@@ -15,6 +15,10 @@ class UsageError(GraphparError):
     exit_code = 2
 
 
+class OutputError(GraphparError):
+    """An output path that cannot be written: a file in the way, no permission, a full disk."""
+
+
 class CaptureError(GraphparError):
     """torch.export / make_fx could not trace the model; carries the user's source line."""
 
@@ -28,7 +32,14 @@ class IRParseError(GraphparError):
 
 
 class VerificationError(GraphparError):
-    """An IR graph that breaks an invariant (types, SSA, order); the message names the node."""
+    """An IR graph that breaks an invariant (types, SSA, order); the message names the node.
+
+    `subject` is the node, value or graph at fault, so a caller that knows where it was
+    written (the IR parser) can name that line."""
+
+    def __init__(self, message: str, subject: object = None):
+        super().__init__(message)
+        self.subject = subject
 
 
 class PassError(GraphparError):

@@ -2,35 +2,46 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
-from graphpar.errors import GraphparError, IRParseError
+from graphpar.errors import GraphparError, IRParseError, VerificationError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Program, Role, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
 from graphpar.ir.types import DTYPES_BY_NAME, TensorType
+from graphpar.ir.verify import check_structure
+from graphpar.ir.verify import verify as verify_graph
 
+_SPACE = r"(?:[ \t\r]+|\#[^\n]*$)*"  # blanks and comments (to the end of the line: `$`)
 _TOKEN = re.compile(
-    r"""
-    (?P<ws>[ \t\r]+|\#[^\n]*)
-  | (?P<nl>\n)
-  | (?P<value>%[A-Za-z0-9_.]+)
-  | (?P<graph>@[A-Za-z0-9_.\-]+)
-  | (?P<float>-?(?:\d+\.\d*(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)|-?inf\b|nan\b)
-  | (?P<int>-?\d+)
-  | (?P<string>"(?:[^"\\\n]|\\.)*")
-  | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
-  | (?P<punct>[()\[\]{},:=<>])
-    """,
+    _SPACE + r"""
+    (?:
+      (?P<value>%[A-Za-z0-9_.]+)
+    | (?P<graph>@[A-Za-z0-9_.\-]+)
+    | (?P<float>-?(?:\d+\.\d*(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)|-?inf\b|nan\b)
+    | (?P<int>-?\d+)
+    | (?P<string>"(?:[^"\\\n]|\\.)*")
+    | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
+    | (?P<punct>[()\[\]{},:=<>])
+    )""",
     re.VERBOSE,
 )
+_BLANK = re.compile(_SPACE)
+_KINDS = {index: name for name, index in _TOKEN.groupindex.items()}
 
 
-@dataclass
-class _Tok:
+MAX_NESTING = 32  # list literals nested deeper than this are not IR a printer wrote
+MAX_DIM = 2**48  # a dimension size past this is a typo, not a tensor
+_PROGRESS_BYTES = 1 << 20
+
+
+class _Tok(NamedTuple):
     kind: str
     text: str
     line: int
@@ -38,55 +49,89 @@ class _Tok:
     pos: int
 
 
+_new_tok = tuple.__new__  # _new_tok(_Tok, fields): a token without a Python-level __new__
+
+
 class _Parser:
-    def __init__(self, text: str, filename: str):
+    """Lines are tokenized as the grammar reaches them: an error near the top of a huge file
+    is found at once, and memory holds one line of tokens, not the file's."""
+
+    def __init__(self, text: str, filename: str,
+                 on_progress: Callable[[int, int], None] | None = None):
         self.text = text
         self.filename = filename
-        self.toks = self._lex()
+        self.on_progress = on_progress
+        self.toks: list[_Tok] = []
         self.i = 0
+        self.last: _Tok | None = None
+        self.line, self.pos = 1, 0  # where the next untokenized line starts
+        self.next_report = _PROGRESS_BYTES
+        self.types: dict[tuple, TensorType] = {}
+        self.origin: dict[int, _Tok] = {}  # id of a graph, node or input -> where it was written
 
-    def _lex(self) -> list[_Tok]:
-        toks, line, line_start, pos = [], 1, 0, 0
-        while pos < len(self.text):
-            m = _TOKEN.match(self.text, pos)
-            if m is None:
-                self._fail_at(line, pos - line_start + 1,
-                              f"unexpected character {self.text[pos]!r}")
-            kind = m.lastgroup
-            if kind == "nl":
-                line, line_start = line + 1, m.end()
-            elif kind != "ws":
-                toks.append(_Tok(kind, m.group(), line, pos - line_start + 1, pos))
-            pos = m.end()
-        toks.append(_Tok("eof", "", line, pos - line_start + 1, pos))
-        return toks
+    def _lex_line(self) -> list[_Tok]:
+        """The tokens of the next line that has any; [eof] at the end of the text."""
+        text = self.text
+        while self.pos < len(text):
+            start, line = self.pos, self.line
+            end = text.find("\n", start)
+            end = len(text) if end < 0 else end
+            self.pos, self.line = end + 1, line + 1
+            if self.on_progress is not None and start >= self.next_report:
+                self.next_report = start + _PROGRESS_BYTES
+                self.on_progress(start, len(text))
+            toks, at = [], start
+            for m in _TOKEN.finditer(text, start, end):
+                if m.start() != at:
+                    break
+                group = m.lastindex
+                pos, at = m.span(group)  # the token ends the match: blanks come before it
+                toks.append(_new_tok(_Tok, (_KINDS[group], text[pos:at], line, pos - start + 1,
+                                            pos)))
+            at = _BLANK.match(text, at, end).end()
+            if at != end:
+                self._fail_at(at, line, at - start + 1, f"unexpected character {text[at]!r}")
+            if toks:
+                return toks
+        return [_Tok("eof", "", self.line, 1, len(text))]
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _fail_at(self, line: int, col: int, message: str):
-        source = self.text.splitlines()[line - 1] if self.text.splitlines()[line - 1:] else ""
+    def _fail_at(self, pos: int, line: int, col: int, message: str):
+        start = pos - (col - 1)
+        end = self.text.find("\n", start)
+        source = self.text[start:end if end >= 0 else len(self.text)]
+        skip = max(0, col - 80)  # a long line is shown around the column
+        source, caret = source[skip:skip + 160], col - 1 - skip
         raise IRParseError(
-            f"{self.filename}:{line}:{col}: {message}\n    {source}\n    {' ' * (col - 1)}^"
-        )
+            f"{self.filename}:{line}:{col}: {message}\n    {source}\n    {' ' * caret}^")
 
     def fail(self, message: str, tok: _Tok | None = None):
         tok = tok or self.peek()
-        self._fail_at(tok.line, tok.col, message)
+        self._fail_at(tok.pos, tok.line, tok.col, message)
 
     def peek(self, ahead: int = 0) -> _Tok:
-        return self.toks[min(self.i + ahead, len(self.toks) - 1)]
+        j = self.i + ahead
+        if j < len(self.toks):
+            return self.toks[j]
+        while j >= len(self.toks) and not (self.toks and self.toks[-1].kind == "eof"):
+            self.toks, self.i, j = self.toks[self.i:] + self._lex_line(), 0, j - self.i
+        return self.toks[min(j, len(self.toks) - 1)]
 
     def next(self) -> _Tok:
         tok = self.peek()
-        self.i += 1
+        if tok.kind != "eof":
+            self.i += 1
+        self.last = tok
         return tok
 
     def at(self, text: str) -> bool:
-        return self.peek().text == text
+        i = self.i
+        return (self.toks[i] if i < len(self.toks) else self.peek()).text == text
 
     def accept(self, text: str) -> bool:
         if self.at(text):
-            self.i += 1
+            self.next()
             return True
         return False
 
@@ -104,19 +149,25 @@ class _Parser:
     # --- grammar ------------------------------------------------------------------------------
 
     def program(self) -> Program:
-        graphs = []
+        graphs: dict[str, Graph] = {}
         self.clusters: dict[str, Cluster] = {}
         self.meshes: dict[str, Mesh] = {}
         while self.peek().kind != "eof":
             if self.at("cluster"):
                 self.cluster_decl()
-            elif self.at("mesh"):
+                continue
+            if self.at("mesh"):
                 self.mesh_decl()
-            else:
-                graphs.append(self.graph())
+                continue
+            graph = self.graph()
+            if graph.name in graphs:
+                first = self.origin[id(graphs[graph.name])].line
+                self.fail(f"graph @{graph.name} is defined twice (first on line {first}); "
+                          "give each graph its own name", self.origin[id(graph)])
+            graphs[graph.name] = graph
         if not graphs:
             self.fail("expected 'graph @name(...)', found nothing")
-        return Program.of(graphs)
+        return Program(graphs)
 
     def _declared_name(self, table: dict, what: str) -> str:
         tok = self.expect_kind("graph", f"a {what} name like @{what}")
@@ -177,7 +228,9 @@ class _Parser:
         if self.peek().text != "graph":
             self.fail(f"expected 'graph', found {self.peek().text or 'end of file'!r}")
         self.next()
-        graph = Graph(self.expect_kind("graph", "a graph name like @main").text[1:])
+        name_tok = self.expect_kind("graph", "a graph name like @main")
+        graph = Graph(name_tok.text[1:])
+        self.origin[id(graph)] = name_tok
         self.env: dict[str, Value] = {}
         self.expect("(")
         while not self.at(")"):
@@ -195,6 +248,10 @@ class _Parser:
         self.next()
         self.graph_outputs(graph)
         self.expect("}")
+        try:
+            check_structure(graph)
+        except VerificationError as exc:
+            self.fail(str(exc), self.origin.get(id(exc.subject), self.last))
         return graph
 
     def graph_input(self, graph: Graph) -> None:
@@ -211,6 +268,7 @@ class _Parser:
             self.fail(f"input {tok.text} defined twice", tok)
         value = graph.add_input(tok.text[1:], type_, role)
         value.layout = layout
+        self.origin[id(value)] = tok
         self.env[tok.text[1:]] = value
 
     def typed(self):
@@ -220,12 +278,22 @@ class _Parser:
         self.expect("[")
         dims = []
         while not self.at("]"):
-            dims.append(int(self.expect_kind("int", "a dimension size").text))
+            dim_tok = self.expect_kind("int", "a dimension size")
+            if len(dim_tok.text) > 16 or not 0 <= int(dim_tok.text) <= MAX_DIM:
+                self.fail(f"dimension size {dim_tok.text} is not between 0 and 2**48", dim_tok)
+            dims.append(int(dim_tok.text))
             if not self.accept(","):
                 break
         self.expect("]")
+        if math.prod(dims) > MAX_DIM:
+            self.fail(f"a tensor of shape [{','.join(map(str, dims))}] has more than 2**48 "
+                      "elements", tok)
         layout = self.layout() if self.at("{") else None
-        return TensorType(tuple(dims), DTYPES_BY_NAME[tok.text]), layout
+        key = (tok.text, *dims)
+        type_ = self.types.get(key)
+        if type_ is None:  # one TensorType per distinct type: a big graph has few
+            type_ = self.types[key] = TensorType(tuple(dims), DTYPES_BY_NAME[tok.text])
+        return type_, layout
 
     def layout(self):
         start = self.expect("{")
@@ -235,7 +303,7 @@ class _Parser:
             if tok.kind == "eof":
                 self.fail("unterminated layout '{'", start)
             depth += {"{": 1, "}": -1}.get(tok.text, 0)
-        text = self.text[start.pos:self.toks[self.i - 1].pos + 1]
+        text = self.text[start.pos:self.last.pos + 1]
         from graphpar.ir.layout import Layout
 
         try:
@@ -279,6 +347,7 @@ class _Parser:
             self.fail(f"{op_tok.text} has {opdef.num_outputs} result(s), not {len(names)}", first)
         node = graph.add_node(Node(op_tok.text, operands, [t for t, _ in typed], attrs,
                                    module=module, loc=loc))
+        self.origin[id(node)] = first
         for name, out, (_, layout) in zip(names, node.outputs, typed):
             if name in self.env:
                 self.fail(f"%{name} is defined twice", first)
@@ -293,24 +362,28 @@ class _Parser:
             return self.env[tok.text[1:]]
         return self.literal()
 
-    def literal(self):
+    def literal(self, depth: int = 0):
         tok = self.next()
         if tok.kind == "int":
             return int(tok.text)
         if tok.kind == "float":
             return float(tok.text)
         if tok.kind == "string":
-            import json
-
-            return json.loads(tok.text)
+            try:
+                return json.loads(tok.text)
+            except ValueError as exc:
+                self.fail(f"bad string literal: {exc.args[0].split(':')[0]}; escapes are "
+                          "JSON's (\\\\, \\\", \\n, \\uXXXX)", tok)
         if tok.text in ("true", "false"):
             return tok.text == "true"
         if tok.text == "none":
             return None
         if tok.text == "[":
+            if depth >= MAX_NESTING:
+                self.fail(f"lists nested deeper than {MAX_NESTING} levels", tok)
             items = []
             while not self.at("]"):
-                items.append(self.literal())
+                items.append(self.literal(depth + 1))
                 if not self.accept(","):
                     break
             self.expect("]")
@@ -350,9 +423,23 @@ class _Parser:
                 return
 
 
-def parse_program(text: str, filename: str = "<string>") -> Program:
-    """Every graph in `text`."""
-    return _Parser(text, filename).program()
+def parse_program(text: str, filename: str = "<string>", verify: bool = False,
+                  on_progress: Callable[[str, int, int], None] | None = None) -> Program:
+    """Every graph in `text`. Layouts, mesh axes and names are always checked; `verify` also
+    runs the full verifier, whose errors then name the line of `text` they are about.
+    `on_progress(stage, done, total)` is told of parsing (bytes) and verifying (nodes)."""
+    parser = _Parser(text, filename,
+                     on_progress and (lambda done, total: on_progress("parsing", done, total)))
+    program = parser.program()
+    if verify:
+        for graph in program:
+            try:
+                verify_graph(graph, on_progress=on_progress and (
+                    lambda done, total: on_progress("verifying", done, total)))
+            except VerificationError as exc:
+                tok = parser.origin.get(id(exc.subject)) or parser.origin[id(graph)]
+                raise VerificationError(f"{filename}:{tok.line}: {exc}", exc.subject) from None
+    return program
 
 
 def parse(text: str, filename: str = "<string>") -> Graph:
@@ -364,10 +451,25 @@ def parse(text: str, filename: str = "<string>") -> Graph:
     return next(iter(program))
 
 
-def load(path: str | Path) -> Program:
+def load(path: str | Path, verify: bool = False,
+         on_progress: Callable[[str, int, int], None] | None = None) -> Program:
+    """The program in an IR file (see `parse_program`); an unreadable file is an IRParseError."""
     path = Path(path)
+    return parse_program(read_text_file(path, "IR file"), str(path), verify, on_progress)
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """A UTF-8 text file's contents; a missing, unreadable or binary file is a GraphparError."""
+    if path.is_dir():
+        raise IRParseError(f"{path}: is a directory, not {_article(what)}; give the file's path")
     try:
-        text = path.read_text()
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise IRParseError(f"{path}: cannot read IR file: {exc.strerror}") from None
-    return parse_program(text, str(path))
+        raise IRParseError(f"{path}: cannot read {what}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise IRParseError(f"{path}: not a UTF-8 text file (byte {exc.start} is "
+                           f"0x{exc.object[exc.start]:02x}); give {_article(what)}") from None
+
+
+def _article(what: str) -> str:
+    return ("an " if what[0] in "aeiouAEIOU" else "a ") + what

@@ -1,10 +1,17 @@
-"""The verifier: SSA, order, types and outputs of a graph checked; the failing node is named."""
+"""The verifier: SSA, order, types, layouts and mesh axes of a graph; the failing node is named."""
 
 from __future__ import annotations
 
-from graphpar.errors import GraphparError, VerificationError
+from collections.abc import Callable
+from typing import Any
+
+from graphpar.errors import GraphparError, ShardingError, VerificationError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
+from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS
+
+_PROGRESS_NODES = 1 << 16
 
 
 def describe(node: Node, graph: Graph | None = None, index: int | None = None) -> str:
@@ -21,70 +28,145 @@ def describe(node: Node, graph: Graph | None = None, index: int | None = None) -
     return text
 
 
-def verify(graph: Graph, check_types: bool = True) -> None:
-    """Raise VerificationError at the first broken invariant."""
+def check_structure(graph: Graph) -> None:
+    """Layouts against their value's rank and the graph's mesh, and the mesh axes of
+    collectives: what can be checked without type inference (the parser always does)."""
+    mesh = graph.mesh  # declared: graph @g(...) on @mesh
+    local = bool(graph.attrs.get("spmd"))  # per-device shapes: sharded dims are already split
+    for v in graph.inputs:
+        problem = v.layout is not None and _layout_problem(v, mesh, local)
+        if problem:
+            raise VerificationError(f"graph @{graph.name}: input %{v.name}: {problem}", v)
+    for index, node in enumerate(graph):
+        for i, out in enumerate(node.outputs):
+            problem = out.layout is not None and _layout_problem(out, mesh, local)
+            if problem:
+                raise VerificationError(f"graph @{graph.name}, {describe(node, graph, index)}: "
+                                        f"result {i}: {problem}", node)
+        if node.op in GROUP_OPS or node.op in LOCAL_OPS:
+            _check_axes(node, mesh, f"graph @{graph.name}, {describe(node, graph, index)}")
+
+
+def _layout_problem(value: Value, mesh: Mesh | None, local: bool) -> str | None:
+    layout, type_ = value.layout, value.type
+    if mesh is not None and layout.mesh_ndim != mesh.ndim:
+        return (f"layout {layout} has {layout.mesh_ndim} placement(s) but the graph's mesh "
+                f"{mesh} has {mesh.ndim} axes; give one placement per mesh axis")
+    too_high = [d for d in layout.sharded_dims if d >= type_.rank]
+    if too_high:
+        return f"layout {layout} shards dim {too_high[0]}, but {type_} has {type_.rank} dim(s)"
+    if mesh is not None and not local:
+        try:
+            layout.check(type_.shape, mesh)
+        except ShardingError as exc:
+            return str(exc)
+    return None
+
+
+def _check_axes(node: Node, mesh: Mesh | None, where: str) -> None:
+    axes = node.attrs.get("axes")
+    axes = (axes,) if isinstance(axes, int) else axes
+    if mesh is None or not isinstance(axes, tuple):
+        return  # nothing to check against; the op's type rule names a malformed attribute
+    bad = [a for a in axes if not isinstance(a, int) or not 0 <= a < mesh.ndim]
+    if bad:
+        raise VerificationError(f"{where}: mesh axis {bad[0]} does not exist: the graph's mesh "
+                                f"{mesh} has axes 0..{mesh.ndim - 1}", node)
+
+
+def verify(graph: Graph, check_types: bool = True,
+           on_progress: Callable[[int, int], None] | None = None) -> None:
+    """Raise VerificationError at the first broken invariant. Linear in the graph's size;
+    `on_progress(nodes_done, nodes_total)` is called every 65536 nodes."""
     defined: set[Value] = set()
     names = set()
     for v in graph.inputs:
         if v.producer is not None or v.name is None:
-            raise VerificationError(f"graph @{graph.name}: input {v!r} is not a named input")
+            raise VerificationError(f"graph @{graph.name}: input {v!r} is not a named input", v)
         if v.name in names:
-            raise VerificationError(f"graph @{graph.name}: input %{v.name} is defined twice")
+            raise VerificationError(f"graph @{graph.name}: input %{v.name} is defined twice", v)
         names.add(v.name)
         defined.add(v)
-    for index, node in enumerate(graph.nodes):
-        where = f"graph @{graph.name}, {describe(node, graph, index)}"
-        if node.graph is not graph:
-            raise VerificationError(f"{where}: the node does not belong to this graph")
-        try:
-            opdef = get_op(node.op)
-        except GraphparError as exc:
-            raise VerificationError(f"{where}: {exc}") from None
-        if opdef.num_outputs is not None and len(node.outputs) != opdef.num_outputs:
-            raise VerificationError(
-                f"{where}: has {len(node.outputs)} results, the op has {opdef.num_outputs}")
-        for i, v in enumerate(node.inputs):
-            if isinstance(v, Value):
-                if v not in defined:
-                    raise VerificationError(
-                        f"{where}: operand {i} is used before it is defined (or comes from "
-                        "another graph); nodes must be in topological order")
-                if node not in v.users:
-                    raise VerificationError(f"{where}: operand {i} does not list it as a user")
-        if check_types:
-            _check_types(node, opdef, where)
-        for out in node.outputs:
-            if out.producer is not node:
-                raise VerificationError(f"{where}: a result names another producer")
-            defined.add(out)
+    check_structure(graph)
+    inferred: dict[Any, list] = {}  # repeated layers repeat (op, operand types, attrs)
+    total = len(graph)
+    for index, node in enumerate(graph):
+        if on_progress is not None and index and index % _PROGRESS_NODES == 0:
+            on_progress(index, total)
+        problem = _check_node(node, graph, defined, inferred if check_types else None)
+        if problem:
+            raise VerificationError(f"graph @{graph.name}, {describe(node, graph, index)}: "
+                                    f"{problem}", node)
+        defined.update(node.outputs)
     for v in defined:
         for user in v.users:
             if user.graph is not graph:
-                raise VerificationError(f"graph @{graph.name}: {v!r} lists a user not in it")
+                raise VerificationError(f"graph @{graph.name}: {v!r} lists a user not in it", v)
+    _check_outputs(graph, defined)
+
+
+def _check_node(node: Node, graph: Graph, defined: set[Value],
+                inferred: dict[Any, list] | None) -> str | None:
+    """What is wrong with one node, or None."""
+    if node.graph is not graph:
+        return "the node does not belong to this graph"
+    try:
+        opdef = get_op(node.op)
+    except GraphparError as exc:
+        return str(exc)
+    if opdef.num_outputs is not None and len(node.outputs) != opdef.num_outputs:
+        return f"has {len(node.outputs)} results, the op has {opdef.num_outputs}"
+    for i, v in enumerate(node.inputs):
+        if isinstance(v, Value):
+            if v not in defined:
+                return (f"operand {i} is used before it is defined (or comes from another "
+                        "graph); nodes must be in topological order")
+            if node not in v.users:
+                return f"operand {i} does not list it as a user"
+    for out in node.outputs:
+        if out.producer is not node:
+            return "a result names another producer"
+    return None if inferred is None else _type_problem(node, opdef, inferred)
+
+
+def _type_problem(node: Node, opdef, inferred: dict[Any, list]) -> str | None:
+    operands = [getattr(v, "type", v) for v in node.inputs]
+    try:
+        key: Any = (node.op, tuple(operands), tuple(node.attrs.items()))
+        expected = inferred.get(key)
+    except TypeError:  # an unhashable attribute: infer without the cache
+        key, expected = None, None
+    if expected is None:
+        try:
+            expected = opdef.infer(operands, node.attrs)
+        except TypeError as exc:
+            return f"its operands do not fit the op: {exc}"
+        if key is not None:
+            inferred[key] = expected
+    actual = [o.type for o in node.outputs]
+    if expected != actual:
+        return (f"result types {', '.join(map(str, actual))} but the op gives "
+                f"{', '.join(map(str, expected))}")
+    return None
+
+
+def _check_outputs(graph: Graph, defined: set[Value]) -> None:
+    if not graph.outputs:
+        raise VerificationError(f"graph @{graph.name} returns nothing; a model's forward must "
+                                "return a tensor or a tuple of tensors", graph)
     updatable = {v.name: v for v in graph.inputs
                  if v.role in (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)}
     for out in graph.outputs:
         if out.value not in defined:
-            raise VerificationError(f"graph @{graph.name}: output {out.value!r} is not defined")
+            raise VerificationError(f"graph @{graph.name}: output {out.value!r} is not defined",
+                                    graph)
         if out.role in (OutputRole.GRAD, OutputRole.UPDATE):
             target = updatable.get(out.target)
             if target is None:
                 raise VerificationError(
                     f"graph @{graph.name}: output {out.role.value}(%{out.target}) names no "
-                    "param, buffer or optimizer-state input")
+                    "param, buffer or optimizer-state input", graph)
             if target.type.shape != out.value.type.shape:
                 raise VerificationError(
                     f"graph @{graph.name}: output {out.role.value}(%{out.target}) has type "
-                    f"{out.value.type}, the input has {target.type}")
-
-
-def _check_types(node: Node, opdef, where: str) -> None:
-    try:
-        expected = opdef.infer([getattr(v, "type", v) for v in node.inputs], node.attrs)
-    except TypeError as exc:
-        raise VerificationError(f"{where}: its operands do not fit the op: {exc}") from None
-    actual = [o.type for o in node.outputs]
-    if expected != actual:
-        shown = ", ".join(map(str, expected))
-        raise VerificationError(
-            f"{where}: result types {', '.join(map(str, actual))} but the op gives {shown}")
+                    f"{out.value.type}, the input has {target.type}", graph)

@@ -13,6 +13,7 @@ Pipelines are strings like `cleanup,auto-shard{mesh=2x4}` or lists of pass objec
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -145,6 +146,9 @@ def _parse_options(pass_name: str, text: str) -> dict[str, str]:
         if "=" not in item:
             raise UsageError(f"pass {pass_name!r}: option {item!r} needs a value (name=value)")
         key, value = (s.strip() for s in item.split("=", 1))
+        if not value:
+            raise UsageError(f"pass {pass_name!r}: option {key!r} is empty; give a value "
+                             f"({key}=...)")
         options[key] = value
     return options
 
@@ -176,7 +180,10 @@ def _convert(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:
         if kind == "int":
             return int(value)
         if kind == "float":
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(value)
+            return number
     except ValueError:
         raise UsageError(f"pass {pass_name!r}: option {key}={value!r} is not a {kind}") from None
     return value

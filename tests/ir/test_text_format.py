@@ -116,3 +116,52 @@ def test_parse_errors_name_line_and_column(bad, where, says):
     lines = bad.splitlines()
     assert source == "    " + (lines[line - 1] if line <= len(lines) else "")
     assert caret == "    " + " " * (column - 1) + "^"
+
+
+GRAPH_S = """\
+graph @s(
+    %x: f32[4,16] {S(0),R} input,
+) on @mesh {
+  %0 = relu(%x) : f32[4,16] {S(0),R}
+  %1 = all_gather(%0) {axes=[0], n=2, dim=0} : f32[8,16] {R,R}
+  return %1 output
+}
+"""
+SHARDED = "mesh @mesh = <[2, 2]>\n" + GRAPH_S
+
+
+@pytest.mark.parametrize("old, new, where, says", [
+    ("dim=0}", 'dim=0, s="bad\\q"}', ":6:48:", "bad string literal"),
+    ("dim=0}", "dim=0, s=" + "[" * 10_000 + "}", ":6:80:", "nested deeper than 32"),
+    ("f32[4,16] {S(0),R} input", "f32[-2,16] input", ":3:13:", "dimension size -2"),
+    ("f32[4,16] {S(0),R} input", "f32[" + "9" * 30 + ",16] input", ":3:13:",
+     "dimension size 9999"),
+    ("f32[4,16] {S(0),R} input", "f32[65536,65536,65536,2] input", ":3:9:",
+     "more than 2**48 elements"),
+    ("{S(0),R} input", "{S(5),R} input", ":3:5:", "layout {S(5),R} shards dim 5"),
+    ("axes=[0]", "axes=[7]", ":6:3:", "mesh axis 7 does not exist"),
+    ("output\n}\n", "output\n}\n" + GRAPH_S, ":9:7:", "graph @s is defined twice"),
+])
+def test_hostile_text_is_a_one_line_parse_error(old, new, where, says):
+    with pytest.raises(IRParseError) as err:
+        parse_program(SHARDED.replace(old, new, 1), "m.gpir")
+    first = str(err.value).splitlines()[0]
+    assert first.startswith("m.gpir" + where) and says in first
+
+
+def test_an_early_error_in_a_long_text_is_found_without_reading_on():
+    """Tokens are made as the parser reaches them: the rest is never tokenized (it holds a
+    character that would be a lexing error)."""
+    text = SHARDED.replace("relu(%x)", "relu(%nope)") + "$" * 1_000_000
+    with pytest.raises(IRParseError, match=r"m.gpir:5:13: %nope is used before"):
+        parse_program(text, "m.gpir")
+
+
+def test_verifier_errors_name_the_line_of_the_text():
+    from graphpar.errors import VerificationError
+
+    text = SHARDED.replace("relu(%x) : f32[4,16]", "relu(%x) : f32[4,17]")
+    parse_program(text, "m.gpir")  # types are the verifier's
+    with pytest.raises(VerificationError, match=r"^m.gpir:5: graph @s, node 0 \(relu\): result "
+                                                r"types f32\[4,17\]"):
+        parse_program(text, "m.gpir", verify=True)

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from graphpar.errors import VerificationError
+from graphpar.errors import IRParseError, VerificationError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role
+from graphpar.ir.mesh import Mesh, parse_mesh_shape
+from graphpar.ir.parser import parse_program
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
 
@@ -60,3 +62,70 @@ def test_update_output_must_name_a_param():
     g.add_output(node.output, OutputRole.UPDATE, "x")
     with pytest.raises(VerificationError, match=r"update\(%x\) names no param"):
         verify(g)
+
+
+def sharded_graph(mesh: str = "2x2"):
+    from graphpar.ir.layout import Layout
+
+    g = Graph("s", mesh=Mesh(parse_mesh_shape(mesh)))
+    x = g.add_input("x", TensorType((4, 16), F32))
+    x.layout = Layout.parse("{S(0),R}")
+    node = g.create("relu", [x])
+    node.output.layout = Layout.parse("{S(0),R}")
+    g.add_output(node.output)
+    return g, x, node
+
+
+def test_layouts_are_checked_against_rank_and_mesh():
+    from graphpar.ir.layout import Layout
+
+    g, x, node = sharded_graph()
+    verify(g)
+    x.layout = Layout.parse("{S(5),R}")
+    with pytest.raises(VerificationError, match=r"input %x: layout \{S\(5\),R\} shards dim 5, "
+                                                r"but f32\[4,16\] has 2 dim"):
+        verify(g)
+    x.layout = Layout.parse("{S(0),R,R}")
+    with pytest.raises(VerificationError, match="has 3 placement.s. but the graph's mesh 2x2"):
+        verify(g)
+    x.layout = Layout.parse("{S(0),R}")
+    node.output.layout = Layout.parse("{S(1),S(1)}")
+    g.inputs[0].type = TensorType((4, 6), F32)
+    node.output.type = TensorType((4, 6), F32)
+    with pytest.raises(VerificationError, match=r"node 0 \(relu\): result 0: .*not divisible"):
+        verify(g)
+
+
+def test_mesh_declaration_and_collective_axes_are_checked():
+    with pytest.raises(IRParseError, match=r"<string>:1:16: expected an axis size, found 'q'"):
+        parse_program("mesh @m = <[2, q]>\n")
+    g, _, node = sharded_graph()
+    gather = g.create("all_gather", [node.output], {"axes": (7,), "n": 2, "dim": 0})
+    g.outputs.clear()
+    g.add_output(gather.output)
+    with pytest.raises(VerificationError, match=r"node 1 \(all_gather\): mesh axis 7 does not "
+                                                r"exist: the graph's mesh 2x2 has axes 0..1"):
+        verify(g)
+
+
+def test_a_graph_that_returns_nothing():
+    g, _ = graph_with_linear()
+    g.outputs.clear()
+    with pytest.raises(VerificationError, match="returns nothing"):
+        verify(g)
+
+
+def test_errors_carry_the_node_and_progress_is_reported():
+    g, node = graph_with_linear()
+    node.outputs[0].type = TensorType((4, 33), F32)
+    with pytest.raises(VerificationError) as err:
+        verify(g)
+    assert err.value.subject is node
+    big = Graph("big")
+    v = big.add_input("x", TensorType((2,), F32))
+    for _ in range(70_000):
+        v = big.create("relu", [v]).output
+    big.add_output(v)
+    calls = []
+    verify(big, on_progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(65536, 70_000)]

@@ -361,7 +361,7 @@ def test_library_warnings_are_one_line_of_ours(capsys, monkeypatch):
         warnings.warn("a library\n  complains", UserWarning, stacklevel=1)
         return 0
 
-    monkeypatch.setattr("graphpar.cli.cmd_ops", ops)
+    monkeypatch.setattr("graphpar.cli.show.cmd_ops", ops)
     assert main(["ops"]) == 0
     err = capsys.readouterr().err
     assert err == "graphpar: warning: a library complains\n"

@@ -4,8 +4,13 @@ import json
 
 import pytest
 
-from graphpar.cli_generate import main
+from graphpar.cli import main as graphpar_main
 from graphpar.ir.parser import load
+
+
+def main(argv):
+    """`graphpar generate ARGV...`"""
+    return graphpar_main(["generate", *argv])
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """`graphpar generate`: serve a causal LM over a file of prompts with the continuous-batching
 engine, showing progress and throughput while it runs.
 
-Wired into the `graphpar` command by graphpar.cli (``add_generate_parser``). The prompts file has
-one request per line: plain text (tokenized by ``--tokenizer``), a JSON list of token ids, or a
-JSON object ``{"prompt": text or ids, "max_tokens": 32, "temperature": 0.8, ...}`` whose other
-keys override the command line's sampling options for that request. Blank lines and lines
-starting with ``#`` are skipped. Results are JSON lines (stdout, or ``--out``).
+Wired into the `graphpar` command by graphpar.cli.main (``add_generate_parser``). The prompts
+file has one request per line: plain text (tokenized by ``--tokenizer``), a JSON list of token
+ids, or a JSON object ``{"prompt": text or ids, "max_tokens": 32, "temperature": 0.8, ...}``
+whose other keys override the command line's sampling options for that request. Blank lines
+and lines starting with ``#`` are skipped. Results are JSON lines (stdout, or ``--out``).
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def _check_options(args: argparse.Namespace) -> None:
             raise UsageError("--kernel cuda: torch sees no CUDA GPU here; use --kernel auto, "
                              "torch or reference")
     if args.out is not None:
-        from graphpar.cli import check_output_file
+        from graphpar.cli.common import check_output_file
 
         check_output_file(Path(args.out), "--out")
 
@@ -240,7 +240,7 @@ def _bytes(text: str) -> int:
 def _load_model(args: argparse.Namespace):
     import torch
 
-    from graphpar.cli import load_target
+    from graphpar.cli.common import load_target
 
     spec = load_target(args.model, args.example)
     module = spec.module.eval()
@@ -283,7 +283,7 @@ def _sampling(args: argparse.Namespace, overrides: dict[str, Any], where: str):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
-    from graphpar.cli import step
+    from graphpar.cli.common import step
     from graphpar.errors import GenerationError
     from graphpar.runtime.engine import EngineConfig
     from graphpar.serve import LLM
@@ -319,7 +319,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start: float) -> int:
-    from graphpar.cli import atomic_output
+    from graphpar.cli.common import atomic_output
     from graphpar.serve import progress_printer
 
     engine, config = llm.engine, llm.engine.config
@@ -386,7 +386,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
 
 
 def _dump_programs(model, directory: Path, quiet: bool) -> None:
-    from graphpar.cli import atomic_output
+    from graphpar.cli.common import atomic_output
     from graphpar.cost.communication import annotate_comm
     from graphpar.ir.printer import print_graph
 
@@ -404,21 +404,3 @@ def _where(engine) -> str:
     device = engine.model.device
     return f"{tp} tensor-parallel {device} ranks ({engine.config.tp_plan} plan)" if tp > 1 \
         else str(device)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m graphpar.cli_generate``), with graphpar.cli's conventions."""
-    from graphpar.cli import _Parser
-
-    parser = _Parser(prog="graphpar")
-    add_generate_parser(parser.add_subparsers(dest="command", parser_class=_Parser))
-    try:
-        args = parser.parse_args(["generate", *(sys.argv[1:] if argv is None else argv)])
-        return args.fn(args)
-    except GraphparError as exc:
-        print(f"graphpar: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

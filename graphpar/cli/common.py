@@ -1,0 +1,132 @@
+"""What every graphpar command shares: progress lines, atomic output files, model loading."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import IO
+
+from graphpar.errors import OutputError, UsageError
+
+DEFAULT_EXAMPLE = "gpt:125M"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors exit 2 like ours
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _progress(message: str) -> None:
+    print(f"graphpar: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Announce a step, and its time when it took over a second."""
+    _progress(f"{what} ...")
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    if seconds > 1.0:
+        _progress(f"{what}: done in {seconds:.1f} s")
+
+
+def progress_printer() -> Callable[[str, int, int], None]:
+    """`on_progress(stage, done, total)` for long loads: a line at most once a second, and
+    only once the work has taken a second."""
+    start = last = time.perf_counter()
+
+    def report(stage: str, done: int, total: int) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - start > 1.0 and now - last > 1.0:
+            last = now
+            unit = "bytes" if stage == "parsing" else "nodes"
+            _progress(f"{stage}: {done:,} of {total:,} {unit} ({now - start:.0f} s)")
+    return report
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse an output file path that cannot be one, before any slow work."""
+    if not str(path) or path.is_dir():
+        raise UsageError(f"{option} {str(path)!r}: give a file name, not a directory")
+    if path.exists() and not path.is_file():  # a device or pipe: never rename over it
+        raise UsageError(f"{option} {path}: exists and is not a regular file; give a file name")
+    if not path.absolute().parent.is_dir():
+        raise OutputError(f"{path}: cannot write {option} there: "
+                          f"{path.absolute().parent} is not a folder")
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike[str], option: str) -> Iterator[IO[str]]:
+    """A text file that appears at `path` only once the block finishes: it is written next to
+    it and renamed over it, so a failure or an interrupt leaves nothing half-written."""
+    path = Path(path)
+    check_output_file(path, option)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                   dir=path.parent if str(path.parent) else ".")
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write {option} there: {exc.strerror or exc}"
+                          ) from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            yield file
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def example_spec(text: str, train: bool = False):
+    """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec (in train mode for
+    `train`: batch norm then normalizes by the batch, as a training step does)."""
+    from graphpar.compiler import ModelSpec
+    from graphpar.models import get_model
+
+    name, _, preset = text.partition(":")
+    example = get_model(name, preset or "tiny", train=train)
+    return ModelSpec(f"{name}_{example.preset}", example.module, tuple(example.inputs),
+                     example.loss_fn, tuple(example.targets), f"graphpar.models:{name}/"
+                                                              f"{example.preset}")
+
+
+def load_target(path: str | None, example: str | None, mode: str = "infer"):
+    from graphpar.model_file import load_model_file
+
+    if path and example:
+        raise UsageError("give a model file or --example, not both")
+    if example or not path:
+        return example_spec(example or DEFAULT_EXAMPLE, mode == "train")
+    return load_model_file(path, mode)
+
+
+def _names(value: str | None) -> list[str]:
+    return [v.strip() for v in value.split(",")] if value else []
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path if path.is_dir() else path.parent
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move finished files into `out`: a failed compile leaves nothing half-written there."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for item in staging.iterdir():
+        target = out / item.name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)

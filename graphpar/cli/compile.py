@@ -1,0 +1,170 @@
+"""`graphpar compile`: capture a model, run passes (auto-shard with --mesh), write IR, a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+from graphpar.cli.common import (
+    _existing_parent,
+    _names,
+    _publish,
+    load_target,
+    step,
+)
+from graphpar.errors import GraphparError, OutputError, UsageError
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from graphpar.capture.optim import optimizer_from_name
+    from graphpar.compiler import compile_model
+    from graphpar.cost.communication import annotate_comm
+    from graphpar.ir.printer import format_count, print_program
+    from graphpar.passes import parse_pipeline
+
+    _check_compile_options(args)  # every option is checked before any slow work
+    passes = parse_pipeline(args.passes)
+    if args.mesh:
+        from graphpar.passes.autoshard import AutoShard
+
+        passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
+                                memory_limit=args.memory_limit or "",
+                                time_limit=args.time_limit if args.time_limit is not None
+                                else 30.0))
+    for option in ("dump_after", "dump_before"):
+        unknown = set(_names(getattr(args, option))) - {p.name for p in passes} - {"all"}
+        if unknown:
+            raise UsageError(f"--{option.replace('_', '-')} {', '.join(sorted(unknown))}: not a "
+                             f"pass of this pipeline ({', '.join(p.name for p in passes)}) "
+                             "nor 'all'")
+    if args.mesh:  # bad meshes and clusters too
+        from graphpar.cost.cluster import mesh_for
+        from graphpar.errors import ShardingError
+
+        try:
+            mesh_size = mesh_for(args.mesh, args.cluster).size
+        except ShardingError as exc:
+            raise UsageError(f"--mesh {args.mesh}: {exc}") from None
+        if args.run_cpu is not None and args.run_cpu != mesh_size:
+            raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+                             f"({mesh_size} devices): run one CPU rank per device")
+    with step("loading the model"):
+        spec = load_target(args.model, args.example, args.mode)
+    optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
+    out = Path(args.out)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
+    try:
+        dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
+        with step(f"capturing {spec.name} ({args.mode})"):
+            result = compile_model(
+                spec, args.mode, passes, optimizer=optimizer, dump_dir=dump_dir,
+                dump_after=_names(args.dump_after), dump_before=_names(args.dump_before),
+                on_pass=lambda p, i, n: None, keep_grads=bool(args.run_cpu))
+        ir_name = f"{result.graph.name}.gpir"
+        (staging / ir_name).write_text(
+            print_program(result.program, show_source=True, annotate=annotate_comm))
+        summary = result.summary()
+        if args.run_cpu:
+            with step(f"running the plan on {args.run_cpu} CPU ranks (gloo)"):
+                summary["run_cpu"] = run_on_cpu_ranks(result)
+        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
+                                  if p.is_file()) + ["report.json"]
+        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    s = summary
+    print(f"graphpar compile: {s['model']} ({s['mode']}) from {s['source']}")
+    print(f"  graph      {s['nodes']} nodes, {len(s['ops'])} distinct ops")
+    print(f"  params     {s['parameters']:,} in {s['parameter_tensors']} tensors "
+          f"({s['parameter_bytes'] / 2**20:.1f} MiB)")
+    print(f"  compute    {format_count(s['flops_estimated'], 'FLOP')} per step (estimated)")
+    print(f"  capture    {s['capture_seconds_measured']:.2f} s (measured)")
+    for p in s["passes"]:
+        print(f"  pass {p['name']:<16} {p['seconds_measured'] * 1e3:8.1f} ms   "
+              f"nodes {p['nodes_before']} -> {p['nodes_after']}")
+    if "plan" in s:
+        p = s["plan"]
+        print(f"  plan       mesh {p['mesh']} on {p['cluster']}: step "
+              f"{p['step_seconds_estimated'] * 1e3:.3f} ms (compute "
+              f"{p['compute_seconds_estimated'] * 1e3:.3f} + communication "
+              f"{p['communication_seconds_estimated'] * 1e3:.3f}, estimated), "
+              f"{p['memory_bytes_per_device_estimated'] / 2**20:.1f} MiB per device (estimated), "
+              f"{p['reshards']} reshards")
+        print(f"  solver     {p['solver']['status']}, {p['solver']['variables']} variables, "
+              f"{p['solver']['solve_seconds']:.2f} s, gap {p['solver']['optimality_gap']}")
+    if "run_cpu" in s:
+        r = s["run_cpu"]
+        print(f"  run-cpu    {r['ranks']} ranks: max |error| vs eager {r['max_abs_error']:.2e}; "
+              f"bytes sent per rank {r['bytes_measured']:.0f} measured, "
+              f"{r['bytes_predicted']:.0f} predicted")
+        for line in r["error_lines"]:
+            print(f"             {line}")
+    top = ", ".join(f"{op} {n}" for op, n in list(s["ops"].items())[:8])
+    print(f"  top ops    {top}")
+    print(f"  wrote      {out / ir_name}, {out / 'report.json'}"
+          + (f", {out / 'dumps'}/" if (out / "dumps").exists() and dump_dir else ""))
+    return 0
+
+
+def _check_compile_options(args: argparse.Namespace) -> None:
+    """Usage errors in compile's options, found before the model is loaded."""
+    if not args.out:
+        raise UsageError("--out: give a directory name")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory; give a directory")
+    if not _existing_parent(out).is_dir() or (out.parent.exists() and not out.parent.is_dir()):
+        raise OutputError(f"{out}: cannot write --out there: a path component is a file")
+    if args.time_limit is not None and not (math.isfinite(args.time_limit)
+                                            and args.time_limit > 0):
+        raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    if args.run_cpu is not None and args.run_cpu < 1:
+        raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
+    if args.memory_limit is not None:
+        from graphpar.units import parse_bytes
+
+        try:
+            if parse_bytes(args.memory_limit) <= 0:
+                raise ValueError("a memory limit must be positive")
+        except ValueError as exc:
+            raise UsageError(f"--memory-limit {args.memory_limit}: {exc}") from None
+    if not args.mesh:
+        given = [name for name, value in (("--run-cpu", args.run_cpu),
+                                          ("--memory-limit", args.memory_limit),
+                                          ("--time-limit", args.time_limit)) if value is not None]
+        if given:
+            what = "runs a sharded plan" if given[0] == "--run-cpu" else "bounds the sharding plan"
+            raise UsageError(f"{given[0]} {what}: give --mesh too")
+    from graphpar.cost.cluster import PRESETS
+
+    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
+        from graphpar.ir.parser import read_text_file
+
+        try:
+            read_text_file(Path(args.cluster), "cluster JSON file")
+        except GraphparError as exc:
+            raise UsageError(f"--cluster {exc}") from None
+
+
+def run_on_cpu_ranks(result) -> dict:
+    """Run the compiled plan on CPU ranks over gloo and compare each output with eager PyTorch
+    (and torch.optim): the worst error of each kind, by name."""
+    from graphpar.api import lower
+
+    compiled = lower(result.captured, result.context, spec=result.spec,
+                     optimizer=result.optimizer)
+    check = compiled.check(processes=True)
+    return {"ranks": compiled.mesh.size,
+            "max_abs_error": check.max_abs_error,
+            "errors": check.as_dict(),
+            "error_lines": check.lines(),
+            "bytes_measured": max(compiled.bytes_sent, default=0.0),
+            "bytes_predicted": compiled.predicted_bytes}

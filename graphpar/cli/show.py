@@ -1,0 +1,74 @@
+"""`graphpar dump`, `viz`, `ops` and `passes`: look at IR files, graphs, ops and passes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from graphpar.cli.common import (
+    atomic_output,
+    check_output_file,
+    load_target,
+    progress_printer,
+    step,
+)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from graphpar.cost.communication import annotate_comm
+    from graphpar.ir.parser import load
+    from graphpar.ir.printer import print_program
+
+    program = load(args.file, verify=not args.no_verify, on_progress=progress_printer())
+    sys.stdout.write(print_program(program, show_source=args.show_source, annotate=annotate_comm))
+    return 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from graphpar.viz import render_html
+
+    out = Path(args.output)
+    check_output_file(out, "-o")
+    if args.target.endswith(".py") or args.example:
+        from graphpar.compiler import compile_model
+        from graphpar.passes import parse_pipeline
+
+        passes = parse_pipeline(args.passes)
+        spec = load_target(None if args.example else args.target, args.example, args.mode)
+        with step(f"capturing {spec.name} ({args.mode})"):
+            program = compile_model(spec, args.mode, passes).program
+    else:
+        from graphpar.ir.parser import load
+
+        program = load(args.target, verify=True, on_progress=progress_printer())
+    with atomic_output(out, "-o") as file:
+        file.write(render_html(program))
+    print(f"graphpar viz: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
+    return 0
+
+
+def cmd_ops(args: argparse.Namespace) -> int:
+    from graphpar.ir.registry import all_ops
+
+    for name, op in sorted(all_ops().items()):
+        traits = sorted(t.value for t in op.traits)
+        if op.comm_kind is not None:
+            traits.append(f"comm={op.comm_kind}")
+        shown = f"[{', '.join(traits)}]" if traits else ""
+        doc = op.doc.splitlines()[0] if op.doc else ""
+        print(f"{name:<24} {op.kind.value:<12} {shown:<44} {doc}".rstrip())
+    return 0
+
+
+def cmd_passes(args: argparse.Namespace) -> int:
+    from graphpar.passes import available_passes
+    from graphpar.passes.manager import _ALIASES, _PASSES
+
+    for name in available_passes():
+        if name in _ALIASES:
+            print(f"{name:<20} = {_ALIASES[name]}")
+        else:
+            doc = (_PASSES[name].__doc__ or "").strip().splitlines()
+            print(f"{name:<20} {doc[0] if doc else ''}")
+    return 0

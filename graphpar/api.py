@@ -14,8 +14,8 @@ from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.auto_shard import AutoShard, ShardingPlans
 from graphpar.passes.autoshard.ilp import Plan
-from graphpar.passes.autoshard.pass_ import AutoShard, ShardingPlans
 from graphpar.passes.lower_spmd import graph_mesh
 
 if TYPE_CHECKING:

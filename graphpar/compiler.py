@@ -16,7 +16,7 @@ from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, Program, Role
 from graphpar.ir.printer import node_flops
 from graphpar.passes import PassContext, PassManager, parse_pipeline
-from graphpar.passes.autoshard.pass_ import ShardingPlans
+from graphpar.passes.autoshard.auto_shard import ShardingPlans
 
 DEFAULT_PIPELINE = "cleanup"
 

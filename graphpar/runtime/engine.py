@@ -1,7 +1,7 @@
 """The serving engine: requests in, tokens out, one model step per iteration.
 
 :class:`LLMEngine` joins the pieces of vLLM's design: the KV block manager
-(:mod:`graphpar.runtime.kv_cache`), the iteration-level FCFS scheduler
+(:mod:`graphpar.runtime.block_manager`), the iteration-level FCFS scheduler
 (:mod:`graphpar.runtime.scheduler`), the model's paged prefill/decode programs
 (:mod:`graphpar.runtime.paged_model`) and the samplers (:mod:`graphpar.runtime.sampling`).
 Each :meth:`LLMEngine.step` schedules, performs the block copies the block manager asked for
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphpar.errors import GenerationError, GraphparError
-from graphpar.runtime.kv_cache import BlockManager
+from graphpar.runtime.block_manager import BlockManager
 from graphpar.runtime.paged_model import PagedDecoder, StepInputs
 from graphpar.runtime.sampling import SamplingParams, beam_candidates, beam_score, sample_tokens
 from graphpar.runtime.scheduler import Request, Scheduler, SchedulerConfig, StepPlan

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from graphpar.errors import KVCacheError
-from graphpar.runtime.kv_cache import BlockCopy, BlockManager, PreemptionMode
+from graphpar.runtime.block_manager import BlockCopy, BlockManager, PreemptionMode
 from graphpar.runtime.sampling import SamplingParams
 
 __all__ = ["PrefillItem", "Request", "Scheduler", "SchedulerConfig", "Sequence", "StepPlan"]

@@ -10,8 +10,8 @@ from graphpar.ir.printer import print_graph
 from graphpar.ir.verify import verify
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.auto_shard import ShardingPlans
 from graphpar.passes.autoshard.factors import factor_spec
-from graphpar.passes.autoshard.pass_ import ShardingPlans
 from graphpar.passes.autoshard.strategies import node_strategies
 
 

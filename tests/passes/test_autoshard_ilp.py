@@ -14,9 +14,9 @@ from graphpar.ir.layout import Layout
 from graphpar.ir.verify import verify
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, batch_factors, hand_plan, hand_plans
 from graphpar.passes.autoshard.ilp import Problem, Reduced, _layer_key
-from graphpar.passes.autoshard.pass_ import shard_graph
 from graphpar.passes.autoshard.strategies import node_signature
 
 CLUSTER = get_cluster("dgx-a100")

@@ -17,8 +17,9 @@ from graphpar.ir.graph import OutputRole
 from graphpar.ir.verify import verify
 from graphpar.models import MODEL_NAMES, get_model
 from graphpar.passes import PassContext, run_pipeline
+from graphpar.passes.autoshard.apply import shard_graph
+from graphpar.passes.autoshard.auto_shard import ShardingPlans
 from graphpar.passes.autoshard.ilp import Plan
-from graphpar.passes.autoshard.pass_ import ShardingPlans, shard_graph
 from graphpar.passes.autoshard.strategies import input_layouts, node_strategies
 
 MESHES = ["2", "4", "2x2", "2x4", "2x2x2"]

@@ -7,7 +7,7 @@ from serve_testutil import eager_beam_search, eager_greedy, eager_logprobs, prom
 
 from graphpar.errors import BackendError, GenerationError
 from graphpar.models import get_model
-from graphpar.runtime.kv_cache import Pool
+from graphpar.runtime.block_manager import Pool
 from graphpar.runtime.naive import naive_generate
 from graphpar.runtime.sampling import SamplingParams, sample_tokens
 from graphpar.serve import LLM

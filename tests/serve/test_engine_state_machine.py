@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 from serve_testutil import eager_beam_search, eager_greedy
 
 from graphpar.errors import GraphparError
-from graphpar.runtime.kv_cache import BlockManager, Pool
+from graphpar.runtime.block_manager import BlockManager, Pool
 from graphpar.runtime.sampling import SamplingParams
 from graphpar.serve import LLM
 

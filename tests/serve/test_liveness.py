@@ -6,7 +6,7 @@ import pytest
 from serve_testutil import eager_beam_search, eager_greedy, prompts
 
 from graphpar.errors import GenerationError
-from graphpar.runtime.kv_cache import Pool
+from graphpar.runtime.block_manager import Pool
 from graphpar.serve import LLM, SamplingParams
 
 GROUPS = {  # the second request of each situation: 3 samples or 3 beams of one prompt
@@ -137,7 +137,7 @@ def test_no_block_is_both_copied_from_and_into_in_one_step():
     samples sharing their last block: A's append copies P; B needs a block, so Z is preempted,
     freeing its hold on P. Preempting before any append, A then writes P in place and B's copy
     goes elsewhere; appending first, B's copy-on-write would take P as its destination."""
-    from graphpar.runtime.kv_cache import BlockManager
+    from graphpar.runtime.block_manager import BlockManager
     from graphpar.runtime.scheduler import Request, Scheduler, SchedulerConfig, Sequence
 
     bm = BlockManager(num_device_blocks=3, block_size=4, preemption_mode="recompute")

@@ -4,7 +4,7 @@ generated tokens are those of eager generation on the whole prompt."""
 import pytest
 from serve_testutil import eager_greedy, prompts
 
-from graphpar.runtime.kv_cache import Pool
+from graphpar.runtime.block_manager import Pool
 from graphpar.serve import LLM, SamplingParams
 
 

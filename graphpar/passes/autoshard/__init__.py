@@ -1,7 +1,8 @@
 """Auto-sharding: Alpa's intra-operator pass over one graph on one device mesh."""
 
+from graphpar.passes.autoshard.apply import shard_graph
+from graphpar.passes.autoshard.auto_shard import AutoShard
 from graphpar.passes.autoshard.factors import register_sharding_rules
-from graphpar.passes.autoshard.pass_ import AutoShard, shard_graph
 
 __all__ = ["AutoShard", "shard_graph"]
 

@@ -28,9 +28,10 @@ from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Program, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
+from graphpar.passes.autoshard.apply import shard_graph
+from graphpar.passes.autoshard.auto_shard import ShardingPlans
 from graphpar.passes.autoshard.hand_plans import _axis_roles, _Filter
 from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
-from graphpar.passes.autoshard.pass_ import ShardingPlans, shard_graph
 from graphpar.passes.autoshard.strategies import Strategy
 from graphpar.passes.lower_spmd import LowerSPMD
 from graphpar.passes.manager import Pass, PassContext, PassManager, register_pass

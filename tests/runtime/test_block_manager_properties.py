@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from graphpar.errors import KVCacheError
-from graphpar.runtime.kv_cache import (
+from graphpar.runtime.block_manager import (
     BlockManager,
     GroupStatus,
     NoFreeBlocksError,

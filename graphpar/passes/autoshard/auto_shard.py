@@ -1,9 +1,5 @@
-"""The `auto-shard` pass: solve the ILP, then write the plan into the IR.
-
-Every value gets its layout; wherever a consumer needs another layout than its operand has, an
-explicit `reshard` node stands between them (global semantics: the identity), so the plan reads
-in the IR text and `lower-spmd` turns each reshard into collectives.
-"""
+"""The `auto-shard` pass: solve Alpa's intra-operator ILP for a graph, then write the plan into it
+(`graphpar.passes.autoshard.apply`) and hand the plan on as a typed result (`ShardingPlans`)."""
 
 from __future__ import annotations
 
@@ -11,58 +7,18 @@ from dataclasses import dataclass
 
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Graph, Node, OutputRole, Value
-from graphpar.ir.layout import Layout
+from graphpar.ir.graph import Graph
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
+from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.ilp import Deadline, Plan, solve
-from graphpar.passes.autoshard.strategies import node_strategies, replicated
+from graphpar.passes.autoshard.strategies import node_strategies
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.units import parse_bytes
 
 
 class ShardingPlans(dict[str, Plan]):
     """auto-shard's result: the solved plan of each graph, by graph name."""
-
-
-def shard_graph(graph: Graph, mesh: Mesh, plan: Plan) -> int:
-    """Write `plan` into `graph`: layouts on values, `reshard` nodes where layouts change, and
-    the mesh on the graph. Returns how many reshard nodes were inserted."""
-    graph.mesh = mesh
-    for v, layout in plan.input_layout.items():
-        v.layout = layout
-    for node, strategy in plan.node_strategy.items():
-        for out, layout in zip(node.outputs, strategy.outputs):
-            out.layout = layout
-    inserted: dict[tuple[Value, Layout], Value] = {}
-
-    def resharded(value: Value, layout: Layout, before: Node | None) -> Value:
-        key = (value, layout)
-        if key not in inserted:
-            node = graph.create("reshard", [value], module=_module(value), before=before,
-                                output_types=[value.type])
-            node.output.layout = layout
-            inserted[key] = node.output
-        return inserted[key]
-
-    for node in list(graph.nodes):
-        strategy = plan.node_strategy.get(node)
-        if strategy is None:
-            continue
-        for i, v in enumerate(node.inputs):
-            need = strategy.inputs[i]
-            if isinstance(v, Value) and need is not None and v.layout != need:
-                node.replace_input(v, resharded(v, need, node))
-    full = replicated(mesh)
-    state = graph.inputs_by_name()
-    for out in graph.outputs:
-        if out.role in (OutputRole.UPDATE, OutputRole.GRAD):
-            need = state[out.target].layout
-        else:
-            need = full
-        if out.value.layout != need:
-            out.value = resharded(out.value, need, None)
-    return len(inserted)
 
 
 def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
@@ -79,10 +35,6 @@ def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
         f"({' x '.join(map(str, mesh.shape))}). Dimension sizes in the graph: "
         f"{', '.join(map(str, sizes[:12]))}{' ...' if len(sizes) > 12 else ''}. Choose mesh "
         "axis sizes that divide the batch, hidden size or number of heads.")
-
-
-def _module(value: Value) -> str | None:
-    return value.producer.module if value.producer is not None else None
 
 
 @register_pass("auto-shard")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from graphpar.errors import KVCacheError
-from graphpar.runtime.kv_cache import (
+from graphpar.runtime.block_manager import (
     BlockAllocator,
     BlockCopy,
     BlockManager,

@@ -31,8 +31,9 @@ from graphpar.errors import BackendError, GenerationError
 from graphpar.ir.graph import Graph
 from graphpar.ir.paged_ops import KERNELS
 from graphpar.ir.paged_reference import SUPPORTED_HEAD_SIZES
-from graphpar.passes import run_pipeline
+from graphpar.passes import parse_pipeline, run_pipeline
 from graphpar.passes.autoshard.serving import ServingProgram, plan_serving
+from graphpar.passes.paged_attention import PagedAttention
 
 __all__ = ["ServingPrograms", "compile_decoder"]
 
@@ -92,8 +93,9 @@ def compile_decoder(model: torch.nn.Module, *, block_size: int = 16, num_blocks:
         raise GenerationError("tensor-parallel serving runs on CPU ranks over gloo; move "
                               "the model to the CPU or serve with tensor_parallel=1")
     max_blocks_per_seq = math.ceil(info.max_model_len / block_size)
-    pipeline = (f"paged-attention{{block_size={block_size},num_blocks={num_blocks},"
-                f"max_blocks_per_seq={max_blocks_per_seq},kernel={kernel}}},cleanup")
+    pipeline = [PagedAttention(block_size=block_size, num_blocks=num_blocks,
+                               max_blocks_per_seq=max_blocks_per_seq, kernel=kernel),
+                *parse_pipeline("cleanup")]
 
     def paged(captured: Captured) -> Graph:
         graph = captured.graph.copy()

@@ -258,18 +258,22 @@ class _Parser:
         tok = self.expect_kind("value", "an input like %x: f32[2,3] input")
         self.expect(":")
         type_, layout = self.typed()
-        role_tok = self.expect_kind("ident", "an input role")
-        try:
-            role = Role(role_tok.text)
-        except ValueError:
-            self.fail(f"unknown input role {role_tok.text!r}; roles: "
-                      f"{', '.join(r.value for r in Role)}", role_tok)
+        role = self.role(Role, "input")
         if tok.text[1:] in self.env:
             self.fail(f"input {tok.text} defined twice", tok)
         value = graph.add_input(tok.text[1:], type_, role)
         value.layout = layout
         self.origin[id(value)] = tok
         self.env[tok.text[1:]] = value
+
+    def role(self, roles, what: str):
+        """An input or output role: a member of the enum `roles`."""
+        tok = self.expect_kind("ident", f"an {what} role")
+        try:
+            return roles(tok.text)
+        except ValueError:
+            self.fail(f"unknown {what} role {tok.text!r}; roles: "
+                      f"{', '.join(r.value for r in roles)}", tok)
 
     def typed(self):
         tok = self.expect_kind("ident", "a type like f32[2,3]")
@@ -408,12 +412,7 @@ class _Parser:
             value = self.operand()
             if not isinstance(value, Value):
                 self.fail("a graph output must be a value", tok)
-            role_tok = self.expect_kind("ident", "an output role")
-            try:
-                role = OutputRole(role_tok.text)
-            except ValueError:
-                self.fail(f"unknown output role {role_tok.text!r}; roles: "
-                          f"{', '.join(r.value for r in OutputRole)}", role_tok)
+            role = self.role(OutputRole, "output")
             target = None
             if self.accept("("):
                 target = self.expect_kind("value", "the input it belongs to").text[1:]

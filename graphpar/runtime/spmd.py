@@ -132,32 +132,28 @@ class _Lockstep:
         index, node, args = self.waiting[rank]
         comm = self.comms[rank]
         graph = self.graphs[rank]
-        if node.op == "send":
-            dst, tag = node.attrs["dst"], node.attrs.get("tag", 0)
+        if node.op in ("send", "recv"):
+            peer, tag = node.attrs["dst" if node.op == "send" else "src"], node.attrs.get("tag", 0)
             try:
-                comm.check_peer(dst)
+                comm.check_peer(peer)
             except BackendError as exc:
                 raise node_error(graph, node, exc) from exc
-            self.mailbox.setdefault((rank, dst, tag), deque()).append(args[0].clone())
-            comm.record("send", args[0], (), 2, peer=dst, node=index)
+        if node.op == "send":  # to `peer`
+            self.mailbox.setdefault((rank, peer, tag), deque()).append(args[0].clone())
+            comm.record("send", args[0], (), 2, peer=peer, node=index)
             self.advance(rank, args[0])
             return True
-        if node.op == "recv":
-            src, tag = node.attrs["src"], node.attrs.get("tag", 0)
-            try:
-                comm.check_peer(src)
-            except BackendError as exc:
-                raise node_error(graph, node, exc) from exc
-            queue = self.mailbox.get((src, rank, tag))
+        if node.op == "recv":  # from `peer`
+            queue = self.mailbox.get((peer, rank, tag))
             if not queue:
                 return False
             message = queue.popleft()
             expected = (tuple(node.attrs["shape"]), node.outputs[0].type.dtype)
             if (tuple(message.shape), message.dtype) != expected:
                 raise node_error(graph, node, BackendError(
-                    f"rank {rank} expects {node.outputs[0].type} from rank {src} (tag {tag}) "
-                    f"but rank {src} sent {tuple(message.shape)} {message.dtype}"))
-            comm.record("recv", message, (), 2, peer=src, node=index)
+                    f"rank {rank} expects {node.outputs[0].type} from rank {peer} (tag {tag}) "
+                    f"but rank {peer} sent {tuple(message.shape)} {message.dtype}"))
+            comm.record("recv", message, (), 2, peer=peer, node=index)
             self.advance(rank, message)
             return True
         # a group collective

@@ -165,7 +165,10 @@ def make_pass(name: str, options: dict[str, Any] | None = None) -> Pass:
             known = ", ".join(fields) or "none"
             raise UsageError(f"pass {name!r} has no option {key!r}; its options: {known}")
         kwargs[key] = _convert(name, key, value, fields[key])
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (GraphparError, ValueError) as exc:  # options the pass itself refuses
+        raise UsageError(f"pass {name!r}: {exc}") from None
 
 
 def _convert(pass_name: str, key: str, value: Any, f: dataclasses.Field) -> Any:

@@ -116,3 +116,18 @@ def test_analyses_are_cached_until_a_pass_changes_the_graph():
 
 def test_every_registered_pass_is_listed():
     assert {"dce", "cse", "canonicalize", "fold-constants", "cleanup"} <= set(available_passes())
+
+
+@pytest.mark.parametrize("options, says", [
+    ("mesh=abc", "mesh 'abc' is not a shape"),
+    ("mesh=2,memory_limit=abc", "expected a size like"),
+    ("mesh=2,cluster=nope", "unknown cluster preset 'nope'"),
+    ("mesh=2,time_limit=-1", "time_limit=-1.0: give a positive number of seconds"),
+    ("mesh=2,time_limit=nan", "option time_limit='nan' is not a float"),
+    ("mesh=2,dtype=int8", "no peak FLOP/s for dtype 'int8'"),
+])
+def test_pass_options_are_checked_when_the_pipeline_is_parsed(options, says):
+    """Before any model is captured: the pass itself refuses what it cannot use."""
+    with pytest.raises(UsageError, match=r"^pass 'auto-shard': ") as err:
+        parse_pipeline(f"cleanup,auto-shard{{{options}}}")
+    assert says in str(err.value)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from graphpar.cost.cluster import get_cluster, mesh_for
@@ -47,6 +48,17 @@ class AutoShard(GraphPass):
     memory_limit: str = ""
     time_limit: float = 30.0
     dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        """Bad options fail when the pass is made (a pipeline string is parsed), not after the
+        model is captured."""
+        mesh_for(self.mesh, get_cluster(self.cluster)).cluster.peak_flops(self.dtype)
+        if self.memory_limit:
+            parse_bytes(self.memory_limit)
+        if not (isinstance(self.time_limit, (int, float)) and math.isfinite(self.time_limit)
+                and self.time_limit > 0):
+            raise ShardingError(f"time_limit={self.time_limit}: give a positive number of "
+                                "seconds")
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver

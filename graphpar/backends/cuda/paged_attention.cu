@@ -49,6 +49,13 @@
 #define GP_DEBUG_ASSERT(cond) ((void)0)
 #endif
 
+// Counts bytes read from the K/V caches. A no-op on the GPU; the host emulation
+// (tests/backends/cuda_host_emulation.h) defines it to count every cache load, so tests can
+// check how often each kv head's K/V is read per decode step.
+#if !defined(GP_COUNT_KV_BYTES)
+#define GP_COUNT_KV_BYTES(bytes) ((void)0)
+#endif
+
 namespace gp {
 
 constexpr int kWarpSize = 32;
@@ -237,6 +244,7 @@ __device__ __forceinline__ void paged_attention_impl(
         if (holds(i)) {
           kraw[i] = kp[i * kGroup];
           vraw[i] = vp[i * kGroup];
+          GP_COUNT_KV_BYTES(2 * sizeof(uint4));
         }
       }
     }

@@ -140,7 +140,7 @@ __host__ __device__ constexpr int max_heads_per_block(int head_size) {
 }
 
 // Tokens per K/V tile in shared memory: kTileBytes of K (and as many of V), at most 32 rows.
-constexpr int kTileBytes = 8192;
+constexpr int kTileBytes = 4096;
 __host__ __device__ constexpr int tile_rows(int head_size, int elem_bytes) {
   return kTileBytes / (head_size * elem_bytes) < 32 ? kTileBytes / (head_size * elem_bytes) : 32;
 }
@@ -182,6 +182,7 @@ __device__ __forceinline__ void paged_attention_impl(
   constexpr int kGroup = group_size_for(kNumVecs);   // threads per logit (one K row)
   constexpr int kVecsPerThread = (kNumVecs + kGroup - 1) / kGroup;
   constexpr int kGroupsPerBlock = kNumThreads / kGroup;
+  constexpr int kLoadSteps = (kTile * kNumVecs + kNumThreads - 1) / kNumThreads;
   constexpr int kUnitsPerThread = (kMaxHeads * kNumVecs + kNumThreads - 1) / kNumThreads;
 
   const int seq = blockIdx.y;
@@ -257,7 +258,11 @@ __device__ __forceinline__ void paged_attention_impl(
   for (int tile = start; tile < end; tile += kTile) {
     const int rows = min(kTile, end - tile);
     // 1. Consecutive threads load consecutive 16-byte vectors of a row: each row is read once.
-    for (int i = tid; i < rows * kNumVecs; i += kNumThreads) {
+    // A fixed, unrolled trip count lets every load of the tile be in flight at once.
+#pragma unroll
+    for (int step = 0; step < kLoadSteps; ++step) {
+      const int i = tid + step * kNumThreads;
+      if (i >= rows * kNumVecs) continue;
       const int r = i / kNumVecs;
       const int vec = i - r * kNumVecs;
       const int t = tile + r;

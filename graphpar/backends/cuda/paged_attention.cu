@@ -161,8 +161,10 @@ __device__ __forceinline__ V shfl_xor(V v, int lane_mask) {
 //   2. one thread group per (head, row) computes the logit q_h . k_row;
 //   3. one warp per head folds the tile's logits into the head's running max and exp-sum and
 //      turns them into probabilities;
-//   4. each thread rescales its output accumulators (head, 16-byte vector of D) and adds
-//      p * v over the tile's rows.
+//   4. each accumulator slot (a 16-byte vector of one head's output, and a slice of the tile's
+//      rows) rescales and adds p * v over its rows. Small groups leave most (head, vector)
+//      outputs to several slots, so all threads work; the slices are summed once at the end
+//      (the rescaling is linear, so it applies to each slice alike).
 template <typename T, int D>
 __device__ __forceinline__ void paged_attention_impl(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
@@ -184,6 +186,9 @@ __device__ __forceinline__ void paged_attention_impl(
   constexpr int kGroupsPerBlock = kNumThreads / kGroup;
   constexpr int kLoadSteps = (kTile * kNumVecs + kNumThreads - 1) / kNumThreads;
   constexpr int kUnitsPerThread = (kMaxHeads * kNumVecs + kNumThreads - 1) / kNumThreads;
+  constexpr int kSlots = kUnitsPerThread * kNumThreads;  // accumulator slots of kVec floats
+  // s_q holds the queries, then (after the last tile) each slot's partial output.
+  constexpr int kSharedFloats = kMaxHeads * D > kSlots * kVec ? kMaxHeads * D : kSlots * kVec;
 
   const int seq = blockIdx.y;
   const int part = blockIdx.z;
@@ -194,6 +199,7 @@ __device__ __forceinline__ void paged_attention_impl(
   const int first_head = kv_head * group + chunk * heads_per_block;
   const int n_heads = min(heads_per_block, group - chunk * heads_per_block);
   const int n_units = n_heads * kNumVecs;  // (head, 16-byte vector) outputs of this block
+  const int n_slices = kSlots / n_units;   // slots per output, each over 1 / n_slices of a tile
   GP_DEBUG_ASSERT(n_heads > 0 && n_heads <= kMaxHeads);
   const int context_len = context_lens[seq];
 
@@ -218,7 +224,7 @@ __device__ __forceinline__ void paged_attention_impl(
     return !kPadded || lane_in_group + i * kGroup < kNumVecs;
   };
 
-  __shared__ float s_q[kMaxHeads][D];  // the block's queries, pre-scaled, fp32
+  __shared__ float s_q[kSharedFloats];  // the block's queries [n_heads][D], pre-scaled, fp32
   __shared__ uint4 s_k[kTile][kNumVecs];
   __shared__ uint4 s_v[kTile][kNumVecs];
   __shared__ float s_p[kMaxHeads][kTile];  // the tile's logits, then probabilities
@@ -235,14 +241,15 @@ __device__ __forceinline__ void paged_attention_impl(
     float f[kVec];
     Tr::unpack(qp[vec], f);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) s_q[h][vec * kVec + e] = f[e] * scale;
+    for (int e = 0; e < kVec; ++e) s_q[h * D + vec * kVec + e] = f[e] * scale;
   }
   if (tid < kMaxHeads) {
     s_max[tid] = kNegBig;
     s_sum[tid] = 0.f;
   }
 
-  // Output accumulators: unit tid + j * kNumThreads is (head, vector) = divmod(unit, kNumVecs).
+  // Slot tid + j * kNumThreads accumulates output `unit` = slot % n_units, (head, vector) =
+  // divmod(unit, kNumVecs), over rows slice, slice + n_slices, ... (slice = slot / n_units).
   float acc[kUnitsPerThread][kVec];
 #pragma unroll
   for (int j = 0; j < kUnitsPerThread; ++j) {
@@ -294,7 +301,7 @@ __device__ __forceinline__ void paged_attention_impl(
           float kf[kVec];
           Tr::unpack(s_k[r][vec], kf);
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) s = fmaf(s_q[h][vec * kVec + e], kf[e], s);
+          for (int e = 0; e < kVec; ++e) s = fmaf(s_q[h * D + vec * kVec + e], kf[e], s);
         }
       }
 #pragma unroll
@@ -333,14 +340,16 @@ __device__ __forceinline__ void paged_attention_impl(
     // 4.
 #pragma unroll
     for (int j = 0; j < kUnitsPerThread; ++j) {
-      const int unit = tid + j * kNumThreads;
-      if (unit >= n_units) continue;
+      const int slot = tid + j * kNumThreads;
+      const int slice = slot / n_units;
+      if (slice >= n_slices) continue;
+      const int unit = slot - slice * n_units;
       const int h = unit / kNumVecs;
       const int vec = unit - h * kNumVecs;
       const float rescale = s_rescale[h];
 #pragma unroll
       for (int e = 0; e < kVec; ++e) acc[j][e] *= rescale;
-      for (int r = 0; r < rows; ++r) {
+      for (int r = slice; r < rows; r += n_slices) {
         const float p = s_p[h][r];
         float vf[kVec];
         Tr::unpack(s_v[r][vec], vf);
@@ -351,10 +360,16 @@ __device__ __forceinline__ void paged_attention_impl(
     __syncthreads();  // the next tile overwrites s_k, s_v and s_p
   }
 
+  // Sum the slices through shared memory: the last tile's barrier has freed s_q.
 #pragma unroll
   for (int j = 0; j < kUnitsPerThread; ++j) {
-    const int unit = tid + j * kNumThreads;
-    if (unit >= n_units) continue;
+    const int slot = tid + j * kNumThreads;
+    if (slot >= n_slices * n_units) continue;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) s_q[slot * kVec + e] = acc[j][e];
+  }
+  __syncthreads();
+  for (int unit = tid; unit < n_units; unit += kNumThreads) {
     const int h = unit / kNumVecs;
     const int vec = unit - h * kNumVecs;
     const float inv_sum = s_sum[h] > 0.f ? 1.f / s_sum[h] : 0.f;  // empty context -> zeros
@@ -362,7 +377,9 @@ __device__ __forceinline__ void paged_attention_impl(
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const int d = vec * kVec + e;
-      const float o = acc[j][e] * inv_sum;
+      float o = 0.f;
+      for (int slice = 0; slice < n_slices; ++slice) o += s_q[(slice * n_units + unit) * kVec + e];
+      o *= inv_sum;
       if (partition_size > 0) {
         tmp_out[(head_index * max_num_partitions + part) * D + d] = o;
       } else {

@@ -71,6 +71,21 @@ def test_every_instantiation_matches_reference(kernels, head_size, dtype):
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", ref.SUPPORTED_HEAD_SIZES)
+def test_every_instantiation_matches_reference_with_gqa_and_mha(kernels, head_size, dtype):
+    """Each kernel with a group of 4 query heads per kv head (one block computes all four) and
+    with MHA (a group of one, its rows split over all 128 threads), single pass and split-K."""
+    for num_heads, num_kv_heads in ((8, 2), (3, 3)):
+        batch = make_paged_batch([37, 1, 20], num_heads, num_kv_heads, head_size, 8, dtype,
+                                 seed=head_size + num_heads)
+        want = dense_decode(batch)
+        single = _run(kernels, batch, use_split=False)
+        split = _run(kernels, batch, use_split=True, partition_size=16)
+        torch.testing.assert_close(single.float(), want, **TOLERANCE[dtype])
+        torch.testing.assert_close(split.float(), want, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_gqa_long_context_chooses_split_k(kernels, block_size):
     """Contexts over 512 tokens go through split-K by default; shorter ones do not."""

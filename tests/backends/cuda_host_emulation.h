@@ -24,6 +24,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define GP_COUNT_KV_BYTES(bytes) (emu::g_kv_bytes_read += static_cast<long long>(bytes))
 
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
@@ -72,6 +73,10 @@ inline __nv_bfloat16 __float2bfloat16_rn(float x) {
 }
 
 namespace emu {
+
+// Bytes the kernels read from the K/V caches since the last reset (GP_COUNT_KV_BYTES). Fibers
+// share one OS thread, so a plain counter is exact.
+inline long long g_kv_bytes_read = 0;
 
 constexpr int kStackBytes = 256 * 1024;
 

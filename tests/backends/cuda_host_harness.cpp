@@ -7,6 +7,11 @@
 // params[i] points at the value of the kernel's i-th parameter, exactly as for cuLaunchKernel.
 // Returns nullptr on success or an error message.
 //
+//   long long emu_kv_bytes_read(int reset)
+//
+// Bytes the kernels read from the K/V caches (GP_COUNT_KV_BYTES) since the last reset; a
+// non-zero `reset` starts a new count after reading.
+//
 // Build: g++ -std=c++20 -O1 -shared -fPIC -DGP_KERNEL_SOURCE='"<path>.cu"' cuda_host_harness.cpp
 
 #define GRAPHPAR_HOST_EMULATION 1
@@ -78,4 +83,10 @@ extern "C" const char* emu_launch(const char* kernel, unsigned gx, unsigned gy, 
     }
   }
   return nullptr;
+}
+
+extern "C" long long emu_kv_bytes_read(int reset) {
+  const long long bytes = emu::g_kv_bytes_read;
+  if (reset) emu::g_kv_bytes_read = 0;
+  return bytes;
 }

@@ -151,7 +151,13 @@ class HostEmulationRunner:
             ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
             ctypes.POINTER(ctypes.c_void_p),
         ]  # fmt: skip
+        self.lib.emu_kv_bytes_read.restype = ctypes.c_longlong
+        self.lib.emu_kv_bytes_read.argtypes = [ctypes.c_int]
         self.launches: list[Launch] = []
+
+    def kv_bytes_read(self, reset: bool = True) -> int:
+        """Bytes the kernels read from the K/V caches since the last reset (then resets)."""
+        return int(self.lib.emu_kv_bytes_read(int(reset)))
 
     def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.device.type != "cpu":

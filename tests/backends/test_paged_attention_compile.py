@@ -1,6 +1,6 @@
 """nvcc builds paged_attention.cu for Ampere (sm_80) and Hopper (sm_90) without a warning.
 
-Needs nvcc, not a GPU. Each architecture is compiled once (about 3 s each on 2 cores).
+Needs nvcc, not a GPU. Each architecture is compiled once (about 8 s each on 2 cores).
 """
 
 from __future__ import annotations

@@ -14,7 +14,11 @@ import pytest
 import torch
 from paged_testutil import HostEmulationRunner, build_host_emulator, dense_decode, make_paged_batch
 
-from graphpar.backends.cuda.paged_attention import CupyRunner, PagedAttentionKernels
+from graphpar.backends.cuda.paged_attention import (
+    CupyRunner,
+    PagedAttentionKernels,
+    head_chunks,
+)
 from graphpar.errors import BackendError, GenerationError
 from graphpar.ir import paged_reference as ref
 
@@ -67,17 +71,68 @@ def test_every_instantiation_matches_reference(kernels, head_size, dtype):
     ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_size", ref.SUPPORTED_HEAD_SIZES)
+def test_every_instantiation_matches_reference_with_gqa_and_mha(kernels, head_size, dtype):
+    """Each kernel with a group of 4 query heads per kv head (one block computes all four) and
+    with MHA (a group of one, its rows split over all 128 threads), single pass and split-K."""
+    for num_heads, num_kv_heads in ((8, 2), (3, 3)):
+        batch = make_paged_batch([37, 1, 20], num_heads, num_kv_heads, head_size, 8, dtype,
+                                 seed=head_size + num_heads)
+        want = dense_decode(batch)
+        single = _run(kernels, batch, use_split=False)
+        split = _run(kernels, batch, use_split=True, partition_size=16)
+        torch.testing.assert_close(single.float(), want, **TOLERANCE[dtype])
+        torch.testing.assert_close(split.float(), want, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_gqa_long_context_chooses_split_k(kernels, block_size):
     """Contexts over 512 tokens go through split-K by default; shorter ones do not."""
     batch = make_paged_batch([600, 5], 8, 2, 128, block_size, torch.float16, seed=block_size)
     out = _run(kernels, batch)
-    assert [launch.grid for launch in kernels.runner.launches] == [(8, 2, 2), (8, 2, 1)]
+    # attention: a block per (kv head, sequence, partition); reduce: per (query head, sequence)
+    assert [launch.grid for launch in kernels.runner.launches] == [(2, 2, 2), (8, 2, 1)]
     torch.testing.assert_close(out.float(), dense_decode(batch), **TOLERANCE[torch.float16])
     kernels.runner.launches.clear()
     short = make_paged_batch([300, 5], 4, 4, 64, block_size, torch.float32, seed=1)
     torch.testing.assert_close(_run(kernels, short), dense_decode(short), atol=1e-5, rtol=1e-5)
     assert len(kernels.runner.launches) == 1
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split_k"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (32, 8), (8, 1), (4, 4)])
+def test_a_decode_step_reads_each_kv_head_once(kernels, num_heads, num_kv_heads, split):
+    """One block computes every query head of its kv head, so a decode step reads each
+    sequence's K and V rows once per kv head: exactly sum(context_len) x kv_heads x head_size
+    x 2 x itemsize bytes (rows up to the context length, not whole cache blocks; split-K
+    partitions are disjoint). One block per query head read num_heads / num_kv_heads times that."""
+    lens = [17, 40, 0, 33]
+    for dtype, head_size in [(torch.float16, 128), (torch.float32, 80), (torch.bfloat16, 256)]:
+        batch = make_paged_batch(lens, num_heads, num_kv_heads, head_size, 16, dtype, seed=7)
+        kernels.runner.kv_bytes_read()  # starts a new count
+        out = _run(kernels, batch, use_split=split, partition_size=16)
+        once = sum(lens) * num_kv_heads * head_size * 2 * batch.key_cache.element_size()
+        assert kernels.runner.kv_bytes_read() == once, (dtype, head_size)
+        torch.testing.assert_close(out.float(), dense_decode(batch), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_size", "chunks"),
+                         [(16, 1, 256, 2), (48, 2, 128, 2), (40, 1, 64, 2), (27, 1, 80, 2)])
+def test_a_group_larger_than_a_block_is_split_into_chunks(kernels, num_heads, num_kv_heads,
+                                                          head_size, chunks):
+    """A GQA group over ACC_PER_BLOCK / head_size heads runs as even chunks of heads, each
+    reading its kv head's K/V once (27 heads of size 80: chunks of 14 and 13)."""
+    assert head_chunks(num_heads, num_kv_heads, head_size)[0] == chunks
+    batch = make_paged_batch([37, 5], num_heads, num_kv_heads, head_size, 8, torch.float32,
+                             seed=num_heads)
+    kernels.runner.kv_bytes_read()
+    for split in (False, True):
+        out = _run(kernels, batch, use_split=split, partition_size=16)
+        torch.testing.assert_close(out, dense_decode(batch), atol=1e-5, rtol=1e-5)
+    once = 42 * num_kv_heads * head_size * 2 * 4
+    assert kernels.runner.kv_bytes_read() == 2 * chunks * once
+    assert kernels.runner.launches[0].grid == (num_kv_heads * chunks, 2, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -135,7 +190,7 @@ def test_an_understated_max_context_len_is_an_error_or_still_exact(kernels):
         _run(kernels, batch, use_split=True, partition_size=16, max_context_len=20)
     out = _run(kernels, batch, use_split=True, partition_size=16, max_context_len=20,
                check=False)
-    assert kernels.runner.launches[-2].grid == (4, 2, 2)  # 2 partitions for 5 needed
+    assert kernels.runner.launches[-2].grid == (2, 2, 2)  # 2 partitions for 5 needed
     torch.testing.assert_close(out, dense_decode(batch), atol=1e-5, rtol=1e-5)
 
 

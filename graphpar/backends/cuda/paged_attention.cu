@@ -16,11 +16,15 @@
 //
 // Entry points (extern "C", so CuPy's RawModule.get_function finds them by plain name):
 //
-//   paged_attention_<dt>_h<D>     one thread block per (head, sequence, partition); dt is f32, f16
-//                                 or bf16, D is 64, 80, 96, 128 or 256. partition_size == 0: the
-//                                 block covers the whole context and writes `out`; otherwise it
-//                                 covers [part * partition_size, +partition_size) and writes its
-//                                 normalised partial output, running max and exp-sum (split-K).
+//   paged_attention_<dt>_h<D>     one thread block per (kv head, sequence, partition) computing
+//                                 every query head of that kv head, so each K/V row is read once
+//                                 (a GQA group over max_heads_per_block(D) heads is split into
+//                                 gridDim.x / num_kv_heads chunks of heads_per_block heads); dt
+//                                 is f32, f16 or bf16, D is 64, 80, 96, 128 or 256.
+//                                 partition_size == 0: the block covers the whole context and
+//                                 writes `out`; otherwise it covers [part * partition_size,
+//                                 +partition_size) and writes its normalised partial output,
+//                                 running max and exp-sum (split-K).
 //                                 The last launched partition also takes every token past it,
 //                                 so a launch with too few partitions is slower, never wrong.
 //   paged_attention_reduce_<dt>   combines the split-K partials of one (head, sequence) into `out`
@@ -47,6 +51,13 @@
   } while (0)
 #else
 #define GP_DEBUG_ASSERT(cond) ((void)0)
+#endif
+
+// Counts bytes read from the K/V caches. A no-op on the GPU; the host emulation
+// (tests/backends/cuda_host_emulation.h) defines it to count every cache load, so tests can
+// check how often each kv head's K/V is read per decode step.
+#if !defined(GP_COUNT_KV_BYTES)
+#define GP_COUNT_KV_BYTES(bytes) ((void)0)
 #endif
 
 namespace gp {
@@ -109,15 +120,29 @@ struct Traits<__nv_bfloat16> {
   }
 };
 
-// Threads that share one K/V row ("thread group"): the row's 16-byte vectors rounded up to a
-// power of two, at most a warp; lanes past the row's end idle. E.g. fp16 D=128: 16 vectors ->
-// 16 threads, 2 rows per warp pass; fp16 D=80: 10 vectors -> 16 threads of one vector (6 idle).
-// Splitting D=80 as 2 threads of 5 vectors instead uses 128 registers (25 % occupancy): every
-// lane then holds 5 vectors of q, k, v and 40 accumulators (see docs/paged-attention-kernel.md).
+// Threads that compute one logit (q . k_row, a "thread group"): the row's 16-byte vectors
+// rounded up to a power of two, at most a warp; lanes past the row's end idle. E.g. fp16 D=128:
+// 16 vectors -> 16 threads; fp16 D=80: 10 vectors -> 16 threads of one vector (6 idle).
+// Splitting D=80 as 2 threads of 5 vectors instead uses 128 registers (25 % occupancy, see
+// docs/paged-attention-kernel.md).
 __host__ __device__ constexpr int group_size_for(int num_vecs) {
   int group = 1;
   while (group < num_vecs && group < 32) group *= 2;
   return group;
+}
+
+// Query heads one attention block computes: its fp32 output accumulators (heads x D) are
+// spread over the block's registers, kAccPerThread per thread. The launcher splits a larger
+// GQA group into chunks of at most this many heads (each chunk then reads the K/V again).
+constexpr int kAccPerThread = 16;
+__host__ __device__ constexpr int max_heads_per_block(int head_size) {
+  return kNumThreads * kAccPerThread / head_size;
+}
+
+// Tokens per K/V tile in shared memory: kTileBytes of K (and as many of V), at most 32 rows.
+constexpr int kTileBytes = 4096;
+__host__ __device__ constexpr int tile_rows(int head_size, int elem_bytes) {
+  return kTileBytes / (head_size * elem_bytes) < 32 ? kTileBytes / (head_size * elem_bytes) : 32;
 }
 
 template <typename V>
@@ -125,41 +150,57 @@ __device__ __forceinline__ V shfl_xor(V v, int lane_mask) {
   return __shfl_xor_sync(0xffffffffu, v, lane_mask);
 }
 
-// Merge the online-softmax state (m_o, l_o, acc_o) into (m, l, acc): both describe
-// sum_t exp(s_t - m) * v_t over disjoint token sets.
-__device__ __forceinline__ void merge_coefficients(float m, float m_o, float* a, float* b,
-                                                   float* m_new) {
-  *m_new = fmaxf(m, m_o);
-  *a = expf(m - *m_new);
-  *b = expf(m_o - *m_new);
-}
-
-// Decode attention for one (head, sequence, partition): out = softmax(q K^T * scale) V over the
-// partition's tokens, read through the block table (Eq. 4 of the PagedAttention paper with an
-// online softmax: a running max and sum per thread group, merged at the end).
+// Decode attention for the query heads that share one kv head, for one (sequence, partition):
+// out_h = softmax(q_h K^T * scale) V over the partition's tokens, read through the block table
+// (Eq. 4 of the PagedAttention paper with an online softmax per head, tile by tile).
+//
+// The block computes heads first_head .. first_head + n_heads - 1 (all of a kv head's group
+// when it has at most kMaxHeads heads, else one chunk of it, see the launcher), so each K/V row
+// is read from the cache once per kv head, not once per query head. Per tile of kTile tokens:
+//   1. the block copies the tile's K and V rows into shared memory (16-byte loads, coalesced);
+//   2. one thread group per (head, row) computes the logit q_h . k_row;
+//   3. one warp per head folds the tile's logits into the head's running max and exp-sum and
+//      turns them into probabilities;
+//   4. each accumulator slot (a 16-byte vector of one head's output, and a slice of the tile's
+//      rows) rescales and adds p * v over its rows. Small groups leave most (head, vector)
+//      outputs to several slots, so all threads work; the slices are summed once at the end
+//      (the rescaling is linear, so it applies to each slice alike).
 template <typename T, int D>
 __device__ __forceinline__ void paged_attention_impl(
     T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,
     float* __restrict__ exp_sums, const T* __restrict__ q, const T* __restrict__ k_cache,
     const T* __restrict__ v_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ context_lens, int num_kv_heads, int block_size,
-    int max_blocks_per_seq, int q_stride, float scale, int partition_size,
+    const int* __restrict__ context_lens, int num_heads, int num_kv_heads, int heads_per_block,
+    int block_size, int max_blocks_per_seq, int q_stride, float scale, int partition_size,
     int max_num_partitions) {
   using Tr = Traits<T>;
   constexpr int kVec = Tr::kVec;
   static_assert(D % kVec == 0, "head size must be a whole number of 16-byte vectors");
   static_assert(D <= kMaxHeadSize, "head size too large for the reduce kernel");
-  constexpr int kNumVecs = D / kVec;             // 16-byte vectors per row
-  constexpr int kGroup = group_size_for(kNumVecs);  // threads per row
+  constexpr int kNumVecs = D / kVec;                  // 16-byte vectors per row
+  constexpr int kMaxHeads = max_heads_per_block(D);  // query heads one block computes
+  static_assert(kMaxHeads <= kNumThreads, "one thread per head initialises the softmax state");
+  constexpr int kTile = tile_rows(D, static_cast<int>(sizeof(T)));  // tokens per tile
+  constexpr int kGroup = group_size_for(kNumVecs);   // threads per logit (one K row)
   constexpr int kVecsPerThread = (kNumVecs + kGroup - 1) / kGroup;
-  constexpr int kElemsPerThread = kVecsPerThread * kVec;
-  constexpr int kRowsPerWarp = kWarpSize / kGroup;  // rows one warp handles per pass
-  constexpr int kRowsPerPass = kNumWarps * kRowsPerWarp;
+  constexpr int kGroupsPerBlock = kNumThreads / kGroup;
+  constexpr int kLoadSteps = (kTile * kNumVecs + kNumThreads - 1) / kNumThreads;
+  constexpr int kUnitsPerThread = (kMaxHeads * kNumVecs + kNumThreads - 1) / kNumThreads;
+  constexpr int kSlots = kUnitsPerThread * kNumThreads;  // accumulator slots of kVec floats
+  // s_q holds the queries, then (after the last tile) each slot's partial output.
+  constexpr int kSharedFloats = kMaxHeads * D > kSlots * kVec ? kMaxHeads * D : kSlots * kVec;
 
-  const int head = blockIdx.x;
-  const int num_heads = gridDim.x;
   const int seq = blockIdx.y;
   const int part = blockIdx.z;
+  const int chunks = gridDim.x / num_kv_heads;  // blocks per kv head
+  const int kv_head = blockIdx.x / chunks;
+  const int chunk = blockIdx.x - kv_head * chunks;
+  const int group = num_heads / num_kv_heads;  // GQA / MQA: query heads per kv head
+  const int first_head = kv_head * group + chunk * heads_per_block;
+  const int n_heads = min(heads_per_block, group - chunk * heads_per_block);
+  const int n_units = n_heads * kNumVecs;  // (head, 16-byte vector) outputs of this block
+  const int n_slices = kSlots / n_units;   // slots per output, each over 1 / n_slices of a tile
+  GP_DEBUG_ASSERT(n_heads > 0 && n_heads <= kMaxHeads);
   const int context_len = context_lens[seq];
 
   GP_DEBUG_ASSERT(context_len >= 0 && context_len <= max_blocks_per_seq * block_size);
@@ -172,175 +213,184 @@ __device__ __forceinline__ void paged_attention_impl(
     end = part == max_num_partitions - 1 ? context_len : min(context_len, start + partition_size);
   }
 
-  const int kv_head = head / (num_heads / num_kv_heads);  // GQA / MQA: heads share a kv head
   const int tid = threadIdx.x;
   const int warp = tid / kWarpSize;
   const int lane = tid % kWarpSize;
-  const int row_in_warp = lane / kGroup;
-  const int lane_in_group = lane % kGroup;
+  const int group_id = tid / kGroup;  // a thread group never straddles warps (kGroup <= 32)
+  const int lane_in_group = tid % kGroup;
   // Whether this lane holds vector i of a row (false only for the idle lanes of a padded group).
   constexpr bool kPadded = kGroup * kVecsPerThread != kNumVecs;
   auto holds = [lane_in_group](int i) {
     return !kPadded || lane_in_group + i * kGroup < kNumVecs;
   };
 
-  // This lane's slice of q (pre-scaled): vectors lane_in_group, lane_in_group + kGroup, ...
-  float qv[kElemsPerThread];
-  {
+  __shared__ float s_q[kSharedFloats];  // the block's queries [n_heads][D], pre-scaled, fp32
+  __shared__ uint4 s_k[kTile][kNumVecs];
+  __shared__ uint4 s_v[kTile][kNumVecs];
+  __shared__ float s_p[kMaxHeads][kTile];  // the tile's logits, then probabilities
+  __shared__ float s_max[kMaxHeads];       // running max per head
+  __shared__ float s_sum[kMaxHeads];       // running sum of exp(logit - max) per head
+  __shared__ float s_rescale[kMaxHeads];   // exp(old max - new max) for this tile
+
+  for (int i = tid; i < n_units; i += kNumThreads) {
+    const int h = i / kNumVecs;
+    const int vec = i - h * kNumVecs;
     const uint4* qp =
         reinterpret_cast<const uint4*>(q + static_cast<long long>(seq) * q_stride +
-                                       static_cast<long long>(head) * D);
+                                       static_cast<long long>(first_head + h) * D);
+    float f[kVec];
+    Tr::unpack(qp[vec], f);
 #pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (holds(i)) {
-        Tr::unpack(qp[lane_in_group + i * kGroup], qv + i * kVec);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) qv[i * kVec + e] = 0.f;
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < kElemsPerThread; ++e) qv[e] *= scale;
+    for (int e = 0; e < kVec; ++e) s_q[h * D + vec * kVec + e] = f[e] * scale;
+  }
+  if (tid < kMaxHeads) {
+    s_max[tid] = kNegBig;
+    s_sum[tid] = 0.f;
   }
 
-  float m = kNegBig;  // running max of this thread group's logits
-  float l = 0.f;      // running sum of exp(logit - m)
-  float acc[kElemsPerThread];
+  // Slot tid + j * kNumThreads accumulates output `unit` = slot % n_units, (head, vector) =
+  // divmod(unit, kNumVecs), over rows slice, slice + n_slices, ... (slice = slot / n_units).
+  float acc[kUnitsPerThread][kVec];
 #pragma unroll
-  for (int e = 0; e < kElemsPerThread; ++e) acc[e] = 0.f;
+  for (int j = 0; j < kUnitsPerThread; ++j) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[j][e] = 0.f;
+  }
+  __syncthreads();
 
   const long long row_stride = static_cast<long long>(num_kv_heads) * D;  // between tokens
   const long long block_stride = row_stride * block_size;                  // between blocks
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
-  // The loop bound depends only on the warp, so all 32 lanes run the same iterations and the
-  // full-mask shuffles below are well defined; rows past `end` are masked by `valid`.
-  for (int base = start + warp * kRowsPerWarp; base < end; base += kRowsPerPass) {
-    const int t = base + row_in_warp;
-    const bool valid = t < end;
-    uint4 kraw[kVecsPerThread];
-    uint4 vraw[kVecsPerThread];
-    if (kPadded) {  // idle lanes add zeros
+  for (int tile = start; tile < end; tile += kTile) {
+    const int rows = min(kTile, end - tile);
+    // 1. Consecutive threads load consecutive 16-byte vectors of a row: each row is read once.
+    // A fixed, unrolled trip count lets every load of the tile be in flight at once.
 #pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) kraw[i] = vraw[i] = uint4{0u, 0u, 0u, 0u};
-    }
-    if (valid) {
+    for (int step = 0; step < kLoadSteps; ++step) {
+      const int i = tid + step * kNumThreads;
+      if (i >= rows * kNumVecs) continue;
+      const int r = i / kNumVecs;
+      const int vec = i - r * kNumVecs;
+      const int t = tile + r;
       const int logical_block = t / block_size;
       const int offset = t - logical_block * block_size;
       GP_DEBUG_ASSERT(table[logical_block] >= 0);
       const long long row = static_cast<long long>(table[logical_block]) * block_stride +
                             offset * row_stride + static_cast<long long>(kv_head) * D;
-      const uint4* kp = reinterpret_cast<const uint4*>(k_cache + row) + lane_in_group;
-      const uint4* vp = reinterpret_cast<const uint4*>(v_cache + row) + lane_in_group;
+      s_k[r][vec] = reinterpret_cast<const uint4*>(k_cache + row)[vec];
+      s_v[r][vec] = reinterpret_cast<const uint4*>(v_cache + row)[vec];
+      GP_COUNT_KV_BYTES(2 * sizeof(uint4));
+    }
+    __syncthreads();
+
+    // 2. The loop bound is the same for the whole block, so all 32 lanes of a warp run the same
+    // iterations and the full-mask shuffles are well defined; pairs past the end are masked.
+    const int pairs = n_heads * rows;
+    for (int base = 0; base < pairs; base += kGroupsPerBlock) {
+      const int pair = base + group_id;
+      const bool valid = pair < pairs;
+      const int h = valid ? pair / rows : 0;
+      const int r = pair - h * rows;
+      float s = 0.f;
+      if (valid) {
 #pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        if (holds(i)) {
-          kraw[i] = kp[i * kGroup];
-          vraw[i] = vp[i * kGroup];
+        for (int i = 0; i < kVecsPerThread; ++i) {
+          if (!holds(i)) continue;
+          const int vec = lane_in_group + i * kGroup;
+          float kf[kVec];
+          Tr::unpack(s_k[r][vec], kf);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) s = fmaf(s_q[h * D + vec * kVec + e], kf[e], s);
         }
       }
+#pragma unroll
+      for (int mask = kGroup / 2; mask > 0; mask >>= 1) s += shfl_xor(s, mask);
+      if (valid && lane_in_group == 0) s_p[h][r] = s;
     }
-    float s = 0.f;
-    if (valid) {
-#pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
-        float kf[kVec];
-        Tr::unpack(kraw[i], kf);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) s = fmaf(qv[i * kVec + e], kf[e], s);
-      }
-    }
-#pragma unroll
-    for (int mask = kGroup / 2; mask > 0; mask >>= 1) s += shfl_xor(s, mask);
+    __syncthreads();
 
-    if (valid) {
-      float alpha;
-      float p;
-      if (s > m) {
-        alpha = expf(m - s);
-        p = 1.f;
-        m = s;
-      } else {
-        alpha = 1.f;
-        p = expf(s - m);
-      }
-      l = fmaf(l, alpha, p);
+    // 3. The loop bound depends only on the warp, so the warp's shuffles stay uniform.
+    for (int h = warp; h < n_heads; h += kNumWarps) {
+      const float old_max = s_max[h];
+      float tile_max = kNegBig;
+      for (int r = lane; r < rows; r += kWarpSize) tile_max = fmaxf(tile_max, s_p[h][r]);
 #pragma unroll
-      for (int i = 0; i < kVecsPerThread; ++i) {
+      for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) {
+        tile_max = fmaxf(tile_max, shfl_xor(tile_max, mask));
+      }
+      const float new_max = fmaxf(old_max, tile_max);
+      float tile_sum = 0.f;
+      for (int r = lane; r < rows; r += kWarpSize) {
+        const float p = expf(s_p[h][r] - new_max);
+        s_p[h][r] = p;
+        tile_sum += p;
+      }
+#pragma unroll
+      for (int mask = kWarpSize / 2; mask > 0; mask >>= 1) tile_sum += shfl_xor(tile_sum, mask);
+      if (lane == 0) {
+        const float rescale = expf(old_max - new_max);
+        s_rescale[h] = rescale;
+        s_sum[h] = fmaf(s_sum[h], rescale, tile_sum);
+        s_max[h] = new_max;
+      }
+    }
+    __syncthreads();
+
+    // 4.
+#pragma unroll
+    for (int j = 0; j < kUnitsPerThread; ++j) {
+      const int slot = tid + j * kNumThreads;
+      const int slice = slot / n_units;
+      if (slice >= n_slices) continue;
+      const int unit = slot - slice * n_units;
+      const int h = unit / kNumVecs;
+      const int vec = unit - h * kNumVecs;
+      const float rescale = s_rescale[h];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[j][e] *= rescale;
+      for (int r = slice; r < rows; r += n_slices) {
+        const float p = s_p[h][r];
         float vf[kVec];
-        Tr::unpack(vraw[i], vf);
+        Tr::unpack(s_v[r][vec], vf);
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) {
-          acc[i * kVec + e] = fmaf(p, vf[e], acc[i * kVec + e] * alpha);
-        }
+        for (int e = 0; e < kVec; ++e) acc[j][e] = fmaf(p, vf[e], acc[j][e]);
       }
     }
+    __syncthreads();  // the next tile overwrites s_k, s_v and s_p
   }
 
-  // Merge the thread groups of a warp (lanes lane ^ kGroup, lane ^ 2*kGroup, ... hold the same
-  // output elements for other rows).
+  // Sum the slices through shared memory: the last tile's barrier has freed s_q.
 #pragma unroll
-  for (int mask = kGroup; mask < kWarpSize; mask <<= 1) {
-    const float m_o = shfl_xor(m, mask);
-    const float l_o = shfl_xor(l, mask);
-    float a, b, m_new;
-    merge_coefficients(m, m_o, &a, &b, &m_new);
-    l = l * a + l_o * b;
+  for (int j = 0; j < kUnitsPerThread; ++j) {
+    const int slot = tid + j * kNumThreads;
+    if (slot >= n_slices * n_units) continue;
 #pragma unroll
-    for (int e = 0; e < kElemsPerThread; ++e) {
-      const float acc_o = shfl_xor(acc[e], mask);
-      acc[e] = acc[e] * a + acc_o * b;
-    }
-    m = m_new;
-  }
-
-  // Merge the warps through shared memory.
-  __shared__ float s_max[kNumWarps];
-  __shared__ float s_sum[kNumWarps];
-  __shared__ float s_acc[kNumWarps][D];
-  if (lane == 0) {
-    s_max[warp] = m;
-    s_sum[warp] = l;
-  }
-  if (row_in_warp == 0) {
-#pragma unroll
-    for (int i = 0; i < kVecsPerThread; ++i) {
-      if (!holds(i)) continue;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        s_acc[warp][(lane_in_group + i * kGroup) * kVec + e] = acc[i * kVec + e];
-      }
-    }
+    for (int e = 0; e < kVec; ++e) s_q[slot * kVec + e] = acc[j][e];
   }
   __syncthreads();
-
-  float block_max = kNegBig;
+  for (int unit = tid; unit < n_units; unit += kNumThreads) {
+    const int h = unit / kNumVecs;
+    const int vec = unit - h * kNumVecs;
+    const float inv_sum = s_sum[h] > 0.f ? 1.f / s_sum[h] : 0.f;  // empty context -> zeros
+    const long long head_index = static_cast<long long>(seq) * num_heads + first_head + h;
 #pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) block_max = fmaxf(block_max, s_max[w]);
-  float coef[kNumWarps];
-  float block_sum = 0.f;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    coef[w] = expf(s_max[w] - block_max);
-    block_sum = fmaf(s_sum[w], coef[w], block_sum);
-  }
-  const float inv_sum = block_sum > 0.f ? 1.f / block_sum : 0.f;  // empty context -> zeros
-
-  const long long head_index = static_cast<long long>(seq) * num_heads + head;
-  for (int d = tid; d < D; d += kNumThreads) {
-    float o = 0.f;
-#pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) o = fmaf(s_acc[w][d], coef[w], o);
-    o *= inv_sum;
-    if (partition_size > 0) {
-      tmp_out[(head_index * max_num_partitions + part) * D + d] = o;
-    } else {
-      out[head_index * D + d] = Tr::from_float(o);
+    for (int e = 0; e < kVec; ++e) {
+      const int d = vec * kVec + e;
+      float o = 0.f;
+      for (int slice = 0; slice < n_slices; ++slice) o += s_q[(slice * n_units + unit) * kVec + e];
+      o *= inv_sum;
+      if (partition_size > 0) {
+        tmp_out[(head_index * max_num_partitions + part) * D + d] = o;
+      } else {
+        out[head_index * D + d] = Tr::from_float(o);
+      }
     }
   }
-  if (partition_size > 0 && tid == 0) {
-    max_logits[head_index * max_num_partitions + part] = block_max;
-    exp_sums[head_index * max_num_partitions + part] = block_sum;
+  if (partition_size > 0 && tid < n_heads) {
+    const long long head_index = static_cast<long long>(seq) * num_heads + first_head + tid;
+    max_logits[head_index * max_num_partitions + part] = s_max[tid];
+    exp_sums[head_index * max_num_partitions + part] = s_sum[tid];
   }
 }
 
@@ -432,13 +482,13 @@ __device__ __forceinline__ void paged_attention_reduce_impl(
           T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ max_logits,     \
           float* __restrict__ exp_sums, const T* __restrict__ q, const T* __restrict__ k_cache, \
           const T* __restrict__ v_cache, const int* __restrict__ block_tables,                  \
-          const int* __restrict__ context_lens, int num_kv_heads, int block_size,               \
-          int max_blocks_per_seq, int q_stride, float scale, int partition_size,                \
-          int max_num_partitions) {                                                             \
+          const int* __restrict__ context_lens, int num_heads, int num_kv_heads,                \
+          int heads_per_block, int block_size, int max_blocks_per_seq, int q_stride,            \
+          float scale, int partition_size, int max_num_partitions) {                            \
     gp::paged_attention_impl<T, D>(out, tmp_out, max_logits, exp_sums, q, k_cache, v_cache,     \
-                                   block_tables, context_lens, num_kv_heads, block_size,        \
-                                   max_blocks_per_seq, q_stride, scale, partition_size,         \
-                                   max_num_partitions);                                         \
+                                   block_tables, context_lens, num_heads, num_kv_heads,         \
+                                   heads_per_block, block_size, max_blocks_per_seq, q_stride,   \
+                                   scale, partition_size, max_num_partitions);                  \
   }
 
 #define GP_DEFINE_ATTENTION_ALL_HEADS(T, NAME) GP_FOR_EACH_HEAD_SIZE(GP_DEFINE_ATTENTION, T, NAME)

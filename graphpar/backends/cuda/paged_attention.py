@@ -33,6 +33,7 @@ from graphpar.ir import paged_reference as reference_paged
 from graphpar.ir.paged_reference import SUPPORTED_HEAD_SIZES, BlockCopies
 
 __all__ = [
+    "ACC_PER_BLOCK",
     "NUM_THREADS",
     "PARTITION_SIZE",
     "SOURCE_PATH",
@@ -41,6 +42,7 @@ __all__ = [
     "Launch",
     "PagedAttentionKernels",
     "copy_blocks",
+    "head_chunks",
     "kernel_names",
     "paged_attention",
     "paged_prefill_attention",
@@ -49,6 +51,8 @@ __all__ = [
 
 SOURCE_PATH = Path(__file__).with_name("paged_attention.cu")
 NUM_THREADS = 128  # gp::kNumThreads in the .cu
+#: Query heads times head size one attention block accumulates (gp::max_heads_per_block).
+ACC_PER_BLOCK = NUM_THREADS * 16
 #: Tokens per split-K partition; contexts longer than this use the split-K kernels.
 PARTITION_SIZE = 512
 COPY_THREADS = 256
@@ -59,6 +63,16 @@ TAKES_MAX_CONTEXT_LEN = True
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 NULL = np.uint64(0)
+
+
+def head_chunks(num_heads: int, num_kv_heads: int, head_size: int) -> tuple[int, int]:
+    """(blocks per kv head, query heads per block) of a decode launch: one block computes all
+    ``num_heads // num_kv_heads`` query heads of its kv head, so K/V is read once per kv head;
+    a group over ``ACC_PER_BLOCK // head_size`` heads is split into as few, as even chunks as fit
+    (each chunk reads its kv head's K/V once)."""
+    group = num_heads // num_kv_heads
+    chunks = -(-group // (ACC_PER_BLOCK // head_size))
+    return chunks, -(-group // chunks)
 
 
 def kernel_names() -> list[str]:
@@ -385,15 +399,17 @@ class PagedAttentionKernels:
             use_split = max_context_len > partition_size
 
         kernel = f"paged_attention_{_dtype_name(query.dtype)}_h{head_size}"
+        chunks, per_block = head_chunks(num_heads, cache_kv_heads, head_size)
         common = (
-            query, key_cache, value_cache, tables, lens, np.int32(cache_kv_heads),
-            np.int32(block_size), np.int32(tables.shape[1]), np.int32(query.stride(0)),
-            np.float32(scale),
+            query, key_cache, value_cache, tables, lens, np.int32(num_heads),
+            np.int32(cache_kv_heads), np.int32(per_block), np.int32(block_size),
+            np.int32(tables.shape[1]), np.int32(query.stride(0)), np.float32(scale),
         )  # fmt: skip
         block = (NUM_THREADS, 1, 1)
+        blocks_x = cache_kv_heads * chunks
         if not use_split:
             launch = Launch(
-                kernel, (num_heads, num_seqs, 1), block,
+                kernel, (blocks_x, num_seqs, 1), block,
                 (out, NULL, NULL, NULL, *common, np.int32(0), np.int32(1)),
             )  # fmt: skip
             self.runner.run([launch])
@@ -407,7 +423,7 @@ class PagedAttentionKernels:
         exp_sums = torch.empty_like(max_logits)
         launches = [
             Launch(
-                kernel, (num_heads, num_seqs, parts), block,
+                kernel, (blocks_x, num_seqs, parts), block,
                 (out, tmp_out, max_logits, exp_sums, *common, np.int32(partition_size),
                  np.int32(parts)),
             ),

@@ -23,15 +23,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from graphpar.capture.decoder import decoder_adapter
 from graphpar.runtime.engine import (
     CompletionOutput,
     EngineConfig,
     EngineStats,
     LLMEngine,
     RequestOutput,
+    engine_config,
+    kv_blocks_for,
     token_ids_of,
 )
 from graphpar.runtime.sampling import SamplingParams
+from graphpar.serving_compile import compile_decoder
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
            "generate", "progress_printer"]
@@ -76,8 +80,14 @@ class LLM:
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
                  progress: Callable[[str], None] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, **options) -> None:
-        self.engine = LLMEngine(model, config, progress=progress, detokenize=detokenize,
-                                **options)
+        config = engine_config(config, options)
+        info = decoder_adapter(model).info()
+        programs = compile_decoder(model, block_size=config.block_size,
+                                   num_blocks=kv_blocks_for(config, info), kernel=config.kernel,
+                                   tensor_parallel=config.tensor_parallel,
+                                   tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
+                                   progress=progress)
+        self.engine = LLMEngine(programs, config, progress=progress, detokenize=detokenize)
 
     @property
     def stats(self) -> EngineStats:

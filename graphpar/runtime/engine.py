@@ -25,6 +25,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from graphpar.runtime.paged_model import PagedDecoder, StepInputs
 from graphpar.runtime.sampling import SamplingParams, beam_candidates, beam_score, sample_tokens
 from graphpar.runtime.scheduler import Request, Scheduler, SchedulerConfig, StepPlan
 from graphpar.runtime.scheduler import Sequence as Seq
+
+if TYPE_CHECKING:  # the compiler's result type only: the runtime does not compile
+    from graphpar.serving_compile import ServingPrograms
 
 __all__ = ["CompletionOutput", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput",
            "token_ids_of"]
@@ -158,33 +162,19 @@ class EngineStats:
 class LLMEngine:
     """Continuous-batching generation over paged attention.
 
-    ``model`` is a causal LM that :func:`graphpar.capture.decoder.decoder_adapter` accepts (the
-    bundled GPT/LLaMA, Hugging Face GPT-2/LLaMA, ...), in eval mode, on the device and in the
-    dtype to serve in. Prompts are token ids. ``detokenize`` (token ids -> text, optional) gives
-    outputs their ``text`` and lets requests stop on strings (``SamplingParams.stop``).
+    ``programs`` are a causal LM compiled for serving with ``config``'s block size and block
+    count (:func:`graphpar.serving_compile.compile_decoder`; :class:`graphpar.serve.LLM` does
+    both). Prompts are token ids. ``detokenize`` (token ids -> text, optional) gives outputs
+    their ``text`` and lets requests stop on strings (``SamplingParams.stop``).
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None,
+    def __init__(self, programs: ServingPrograms, config: EngineConfig,
                  progress: Callable[[str], None] | None = None,
-                 detokenize: Callable[[list[int]], str] | None = None, **overrides) -> None:
-        config = config or EngineConfig()
-        for key, value in overrides.items():
-            if not hasattr(config, key):
-                raise GenerationError(f"unknown engine option {key!r}")
-            setattr(config, key, value)
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
         self.config = config
         self.detokenize = detokenize
-        from graphpar.capture.decoder import decoder_adapter
-
-        info = decoder_adapter(model).info()
-        num_blocks = config.num_blocks or self._blocks_for(info)
+        num_blocks = programs.num_blocks
         swap = num_blocks if config.swap_blocks is None else config.swap_blocks
-        from graphpar.serving_compile import compile_decoder
-
-        programs = compile_decoder(model, block_size=config.block_size, num_blocks=num_blocks,
-                                   kernel=config.kernel, tensor_parallel=config.tensor_parallel,
-                                   tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
-                                   progress=progress)
         self.model = PagedDecoder(programs, num_cpu_blocks=swap, progress=progress)
         self.info = self.model.info
         self.block_manager = BlockManager(
@@ -201,17 +191,6 @@ class LLMEngine:
         self._done: list[RequestOutput] = []
         self._prefixes: dict[str, list[int]] = {}  # registered prefix id -> its tokens
 
-    def _blocks_for(self, info) -> int:
-        config = self.config
-        per_block = config.block_size * info.kv_bytes_per_token
-        if config.kv_cache_bytes:
-            blocks = config.kv_cache_bytes // per_block
-            if blocks < 1:
-                raise GenerationError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of "
-                                      f"{config.block_size} tokens ({per_block} bytes)")
-            return int(blocks)
-        per_seq = -(-info.max_model_len // config.block_size)
-        return per_seq * config.max_num_seqs
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -652,3 +631,29 @@ class LLMEngine:
         s.waiting = len(sched.waiting) + len(sched.recompute)
         s.swapped = len(sched.swapped)
         s.kv_used = 1.0 - bm.num_free_blocks() / max(bm.num_device_blocks, 1)
+
+
+def engine_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:
+    """`config` (or the defaults) with keyword overrides; unknown names are errors."""
+    config = config or EngineConfig()
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise GenerationError(f"unknown engine option {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def kv_blocks_for(config: EngineConfig, info) -> int:
+    """How many KV blocks the engine gets: `num_blocks`, or what `kv_cache_bytes` holds, or
+    enough for `max_num_seqs` sequences of the model's full length."""
+    if config.num_blocks:
+        return config.num_blocks
+    per_block = config.block_size * info.kv_bytes_per_token
+    if config.kv_cache_bytes:
+        blocks = config.kv_cache_bytes // per_block
+        if blocks < 1:
+            raise GenerationError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block of "
+                                  f"{config.block_size} tokens ({per_block} bytes)")
+        return int(blocks)
+    per_seq = -(-info.max_model_len // config.block_size)
+    return per_seq * config.max_num_seqs

@@ -19,10 +19,11 @@ from graphpar.runtime.launch import SpmdJob
 from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess
 
 PROGRAM = """
+mesh @mesh = <[2]>
 graph @one_program(
     %x: f32[4,8] input,
     %w: f32[8,8] param,
-) attrs {mesh="2"} {
+) on @mesh {
   %0 = matmul(%x, %w)                                              : f32[4,8]
   %1 = gelu(%0)                                                    : f32[4,8]
   %2 = all_reduce(%1) {axes=[0], n=2, op="sum"}                    : f32[4,8]
@@ -74,7 +75,7 @@ def test_lockstep_gloo_and_prepared_gloo_runs_are_bit_identical():
 def test_one_rank_runs_the_same_way_prepared_or_not():
     """Without a communicator the interpreter, reference.run and CompiledGraph agree (groups of
     one run as the identity), and a prepared interpreter gives the same result every run."""
-    single = parse(PROGRAM.replace('mesh="2"', 'mesh="1"').replace("n=2", "n=1")
+    single = parse(PROGRAM.replace("<[2]>", "<[1]>").replace("n=2", "n=1")
                    .split("  %7")[0] + "  return %5 output\n}\n")
     inputs = rank_inputs(2)[0]
     expected = run(single, inputs)

@@ -10,6 +10,7 @@ the same function from the true token list, so any wrong block, copy or swap cha
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import torch
 
@@ -41,9 +42,9 @@ def fake_info(max_model_len: int) -> DecoderInfo:
 class FakeDecoder:
     """Stands in for PagedDecoder (same methods the engine calls)."""
 
-    def __init__(self, model, *, block_size: int, num_blocks: int, num_cpu_blocks: int,
-                 **_) -> None:
-        self.info = model.info
+    def __init__(self, programs, *, num_cpu_blocks: int, **_) -> None:
+        self.info = programs.info
+        block_size, num_blocks = programs.block_size, programs.num_blocks
         self.block_size = block_size
         self.max_blocks_per_seq = -(-self.info.max_model_len // block_size)
         self.device = [POISON] * (num_blocks * block_size)
@@ -112,10 +113,17 @@ class FakeModel(torch.nn.Module):
         self.info = fake_info(max_model_len)
 
 
-def patch_engine(monkeypatch) -> None:
-    """Make LLMEngine build FakeDecoders (and read FakeModel's info) in this test."""
-    import graphpar.capture.decoder as decoder
-    import graphpar.runtime.engine as engine
+def fake_compile(model, *, block_size: int, num_blocks: int, **_) -> SimpleNamespace:
+    """Stands in for compile_decoder: what the engine reads of the compiled programs."""
+    return SimpleNamespace(model=model, info=model.info, block_size=block_size,
+                           num_blocks=num_blocks)
 
-    monkeypatch.setattr(decoder, "decoder_adapter", FakeAdapter)
+
+def patch_engine(monkeypatch) -> None:
+    """Make LLM build FakeDecoders (and read FakeModel's info) in this test."""
+    import graphpar.runtime.engine as engine
+    import graphpar.serve as serve
+
+    monkeypatch.setattr(serve, "decoder_adapter", FakeAdapter)
+    monkeypatch.setattr(serve, "compile_decoder", fake_compile)
     monkeypatch.setattr(engine, "PagedDecoder", FakeDecoder)

@@ -71,9 +71,9 @@ def paged_kernels(tensor: torch.Tensor, kernel: str = "auto") -> PagedKernels:
         return torch_paged
     if not tensor.is_cuda:
         raise BackendError(f"kernel='cuda' needs CUDA tensors, got a tensor on {tensor.device}")
-    from graphpar.backends.cuda import paged_attention as cuda_paged
+    from graphpar.backends.cuda.paged_attention import default_kernels
 
-    return cuda_paged
+    return default_kernels()
 
 
 def _reshape_and_cache(key_cache, value_cache, key, value, slot_mapping, kernel="auto"):

@@ -17,7 +17,7 @@ cupy = pytest.importorskip("cupy")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from graphpar.backends.cuda import paged_attention as cuda_pa  # noqa: E402
+from graphpar.backends.cuda.paged_attention import default_kernels  # noqa: E402
 
 TOLERANCE = {  # kernel vs reference: both round one fp32 result, summed in different orders
     torch.float32: dict(atol=5e-5, rtol=5e-5),
@@ -58,7 +58,7 @@ def test_decode_kernel_matches_reference(head_size, heads, dtype, split):
         batch.scale,
     )
     q, kc, vc, bt, cl = _on_gpu(batch)
-    got = cuda_pa.paged_attention(q, kc, vc, bt, cl, batch.scale, use_split=split)
+    got = default_kernels().paged_attention(q, kc, vc, bt, cl, batch.scale, use_split=split)
     torch.testing.assert_close(got.cpu().float(), want.float(), **TOLERANCE[dtype])
 
 
@@ -74,7 +74,7 @@ def test_default_split_choice_long_context(block_size):
         batch.scale,
     )
     q, kc, vc, bt, cl = _on_gpu(batch)
-    got = cuda_pa.paged_attention(q, kc, vc, bt, cl, batch.scale, max_context_len=4097)
+    got = default_kernels().paged_attention(q, kc, vc, bt, cl, batch.scale, max_context_len=4097)
     torch.testing.assert_close(got.cpu().float(), want.float(), **TOLERANCE[torch.float16])
 
 
@@ -90,7 +90,7 @@ def test_reshape_and_cache_kernel(dtype):
     ref.reshape_and_cache(key, value, want_k, want_v, slots)
     got_k, got_v = ref.allocate_kv_cache(8, block_size, kv_heads, head_size, dtype, CUDA)
     g = qkv.to(CUDA)
-    cuda_pa.reshape_and_cache(
+    default_kernels().reshape_and_cache(
         g[:, kv_heads : 2 * kv_heads], g[:, 2 * kv_heads :], got_k, got_v, slots.to(CUDA)
     )
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
@@ -103,7 +103,7 @@ def test_copy_blocks_kernel():
     want = [c.clone() for c in caches]
     ref.copy_blocks(want, pairs)
     got = [c.to(CUDA) for c in caches]
-    cuda_pa.copy_blocks(got, pairs)
+    default_kernels().copy_blocks(got, pairs)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.cpu(), w)
 
@@ -114,5 +114,6 @@ def test_prefill_on_gpu_matches_cpu():
     starts = torch.tensor([0, 4, 10], dtype=torch.int32)
     args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens, starts)
     want = ref.paged_prefill_attention(query, *args, batch.scale)
-    got = cuda_pa.paged_prefill_attention(query.to(CUDA), *[a.to(CUDA) for a in args], batch.scale)
+    got = default_kernels().paged_prefill_attention(query.to(CUDA), *[a.to(CUDA) for a in args],
+                                                    batch.scale)
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)

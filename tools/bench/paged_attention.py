@@ -149,8 +149,9 @@ def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     element_size = torch.empty((), dtype=dtype).element_size()
     if device.type == "cuda":
-        from graphpar.backends.cuda import paged_attention as kernels
+        from graphpar.backends.cuda.paged_attention import default_kernels
 
+        kernels = default_kernels()
         device_name = torch.cuda.get_device_name(device)
         peak = args.peak_gbps or peak_gbps(device_name)
     else:

@@ -41,12 +41,9 @@ __all__ = [
     "KernelRunner",
     "Launch",
     "PagedAttentionKernels",
-    "copy_blocks",
+    "default_kernels",
     "head_chunks",
     "kernel_names",
-    "paged_attention",
-    "paged_prefill_attention",
-    "reshape_and_cache",
 ]
 
 SOURCE_PATH = Path(__file__).with_name("paged_attention.cu")
@@ -57,9 +54,6 @@ ACC_PER_BLOCK = NUM_THREADS * 16
 PARTITION_SIZE = 512
 COPY_THREADS = 256
 MAX_GRID_Y = 65535
-
-#: graphpar.ir.paged_ops passes ``max_context_len`` (the table-width bound) to these kernels.
-TAKES_MAX_CONTEXT_LEN = True
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 NULL = np.uint64(0)
@@ -278,6 +272,9 @@ def check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
 class PagedAttentionKernels:
     """The paged-attention operations (a :class:`graphpar.backends.paged.PagedKernels`), run by
     a :class:`KernelRunner` (CuPy by default)."""
+
+    # graphpar.ir.paged_ops passes ``max_context_len`` (the table-width bound) to these kernels.
+    TAKES_MAX_CONTEXT_LEN = True
 
     def __init__(self, runner: KernelRunner | None = None) -> None:
         self.runner: KernelRunner = runner if runner is not None else CupyRunner()
@@ -505,73 +502,10 @@ class PagedAttentionKernels:
 _default: PagedAttentionKernels | None = None
 
 
-def _kernels() -> PagedAttentionKernels:
+def default_kernels() -> PagedAttentionKernels:
+    """The kernels on the default CuPy runner, made on first use: what `kernel="cuda"` runs
+    (`graphpar.backends.paged.paged_kernels`)."""
     global _default
     if _default is None:
         _default = PagedAttentionKernels()
     return _default
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write new K/V tokens into their cache slots with the CUDA kernel."""
-    _kernels().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_kv_heads: int | None = None,
-    *,
-    max_context_len: int | None = None,
-    use_split: bool | None = None,
-    partition_size: int = PARTITION_SIZE,
-    out: torch.Tensor | None = None,
-    check: bool | None = None,
-) -> torch.Tensor:
-    """Decode attention over a paged cache with the CUDA kernel (split-K for long contexts)."""
-    return _kernels().paged_attention(
-        query, key_cache, value_cache, block_tables, context_lens, scale, num_kv_heads,
-        max_context_len=max_context_len, use_split=use_split, partition_size=partition_size,
-        out=out, check=check,
-    )  # fmt: skip
-
-
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    num_kv_heads: int | None = None,
-) -> torch.Tensor:
-    """Prefill attention over a paged cache on CUDA tensors (torch ops, no custom kernel)."""
-    return _kernels().paged_prefill_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        query_start_loc,
-        scale,
-        num_kv_heads,
-    )
-
-
-def copy_blocks(
-    caches: Sequence[torch.Tensor],
-    src_to_dst: BlockCopies,
-) -> None:
-    """Copy-on-write block copies across many caches in one kernel launch."""
-    _kernels().copy_blocks(caches, src_to_dst)

@@ -119,12 +119,14 @@ def test_generate_is_all_or_nothing(models):
 
 
 @pytest.mark.slow
-def test_two_ranks_preempted_groups_come_back(models):
-    """The swap and recompute situations above on 2 CPU ranks (one engine, one block manager)."""
+@pytest.mark.parametrize("kind", sorted(GROUPS))
+def test_two_ranks_preempted_groups_come_back(kind, models):
+    """The swap and recompute situations above on 2 CPU ranks (one engine, one block manager),
+    with samples and with beams."""
     module = models("gpt")
     for swap_blocks, batch, first in ((None, [list(range(10, 16)), [1, 2, 3, 4]], 10),
                                       (1, [[7, 8, 9], list(range(20, 28))], 18)):
-        params = [SamplingParams(max_tokens=first), GROUPS["samples"]]
+        params = [SamplingParams(max_tokens=first), GROUPS[kind]]
         with LLM(module, block_size=4, num_blocks=6, swap_blocks=swap_blocks, max_num_seqs=8,
                  tensor_parallel=2) as llm:
             outputs = llm.generate(batch, params)

@@ -28,7 +28,17 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     _check_compile_options(args)  # every option is checked before any slow work
     passes = parse_pipeline(args.passes)
-    if args.mesh:
+    if args.mesh:  # bad meshes and clusters too, named by their option
+        from graphpar.cost.cluster import mesh_for
+        from graphpar.errors import ShardingError
+
+        try:
+            mesh_size = mesh_for(args.mesh, args.cluster).size
+        except ShardingError as exc:
+            raise UsageError(f"--mesh {args.mesh}: {exc}") from None
+        if args.run_cpu is not None and args.run_cpu != mesh_size:
+            raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+                             f"({mesh_size} devices): run one CPU rank per device")
         from graphpar.passes.autoshard import AutoShard
 
         passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
@@ -41,17 +51,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
             raise UsageError(f"--{option.replace('_', '-')} {', '.join(sorted(unknown))}: not a "
                              f"pass of this pipeline ({', '.join(p.name for p in passes)}) "
                              "nor 'all'")
-    if args.mesh:  # bad meshes and clusters too
-        from graphpar.cost.cluster import mesh_for
-        from graphpar.errors import ShardingError
-
-        try:
-            mesh_size = mesh_for(args.mesh, args.cluster).size
-        except ShardingError as exc:
-            raise UsageError(f"--mesh {args.mesh}: {exc}") from None
-        if args.run_cpu is not None and args.run_cpu != mesh_size:
-            raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
-                             f"({mesh_size} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from graphpar.errors import GraphparError, ShardingError, VerificationError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
@@ -88,12 +87,11 @@ def verify(graph: Graph, check_types: bool = True,
         names.add(v.name)
         defined.add(v)
     check_structure(graph)
-    inferred: dict[Any, list] = {}  # repeated layers repeat (op, operand types, attrs)
     total = len(graph)
     for index, node in enumerate(graph):
         if on_progress is not None and index and index % _PROGRESS_NODES == 0:
             on_progress(index, total)
-        problem = _check_node(node, graph, defined, inferred if check_types else None)
+        problem = _check_node(node, graph, defined, check_types)
         if problem:
             raise VerificationError(f"graph @{graph.name}, {describe(node, graph, index)}: "
                                     f"{problem}", node)
@@ -105,8 +103,7 @@ def verify(graph: Graph, check_types: bool = True,
     _check_outputs(graph, defined)
 
 
-def _check_node(node: Node, graph: Graph, defined: set[Value],
-                inferred: dict[Any, list] | None) -> str | None:
+def _check_node(node: Node, graph: Graph, defined: set[Value], check_types: bool) -> str | None:
     """What is wrong with one node, or None."""
     if node.graph is not graph:
         return "the node does not belong to this graph"
@@ -126,23 +123,15 @@ def _check_node(node: Node, graph: Graph, defined: set[Value],
     for out in node.outputs:
         if out.producer is not node:
             return "a result names another producer"
-    return None if inferred is None else _type_problem(node, opdef, inferred)
+    return _type_problem(node, opdef) if check_types else None
 
 
-def _type_problem(node: Node, opdef, inferred: dict[Any, list]) -> str | None:
+def _type_problem(node: Node, opdef) -> str | None:
     operands = [getattr(v, "type", v) for v in node.inputs]
     try:
-        key: Any = (node.op, tuple(operands), tuple(node.attrs.items()))
-        expected = inferred.get(key)
-    except TypeError:  # an unhashable attribute: infer without the cache
-        key, expected = None, None
-    if expected is None:
-        try:
-            expected = opdef.infer(operands, node.attrs)
-        except TypeError as exc:
-            return f"its operands do not fit the op: {exc}"
-        if key is not None:
-            inferred[key] = expected
+        expected = opdef.infer(operands, node.attrs)  # cached per (op, types, attributes)
+    except TypeError as exc:
+        return f"its operands do not fit the op: {exc}"
     actual = [o.type for o in node.outputs]
     if expected != actual:
         return (f"result types {', '.join(map(str, actual))} but the op gives "

@@ -26,6 +26,7 @@ import torch
 
 from graphpar.compiler import ModelSpec
 from graphpar.errors import GraphparError, UsageError
+from graphpar.models.memory import allocating
 
 CONVENTION = ("a model file defines build() -> (module, example_inputs); for --mode train also "
               "loss(output, *targets) and targets() (see README, 'Model files')")
@@ -86,7 +87,8 @@ def load_model_file(path: str | Path, mode: str = "infer") -> ModelSpec:
         if not callable(build):
             raise UsageError(f"{path}: no build() function found; {CONVENTION}")
         try:
-            built = build()
+            with allocating(f"{path}: build()"):
+                built = build()
         except GraphparError:
             raise
         except Exception as exc:

@@ -36,8 +36,8 @@ def write(folder: Path, name: str, text: str) -> Path:
     return path
 
 
-def compile_file(capsys, path: Path, *argv) -> tuple[int, str]:
-    code = main(["compile", str(path), *map(str, argv)])
+def compile_file(capsys, *argv) -> tuple[int, str]:
+    code = main(["compile", *map(str, argv)])
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     return code, err
@@ -97,3 +97,26 @@ def test_an_import_inside_build_finds_the_neighbour_too(tmp_path, capsys):
         """)
     code, err = compile_file(capsys, model, "--out", tmp_path / "out")
     assert code == 0, err
+
+
+def test_weights_that_do_not_fit_are_the_users_error(tmp_path, capsys, monkeypatch):
+    from graphpar.models import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10**6)
+    code, err = compile_file(capsys, "--example", "gpt:125M", "--out", tmp_path / "out")
+    assert code == 1
+    assert "the weights of gpt:125M: 657.9 MB needed, 1.0 MB available" in err
+    assert "--run-cpu" in err and "--memory-limit" in err and "graphpar bug" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_build_the_allocator_refuses_is_the_users_error(tmp_path, capsys):
+    model = write(tmp_path, "model.py", """
+        import torch
+
+        def build():
+            return torch.nn.Linear(2**30, 2**30), (torch.randn(2, 2**30),)
+        """)
+    code, err = compile_file(capsys, model, "--out", tmp_path / "out")
+    assert code == 1
+    assert f"{model}: build(): did not fit in memory" in err and "graphpar bug" not in err

@@ -1,0 +1,70 @@
+"""Real weights for a model: a memory check before allocating them, the user's error after."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+from graphpar.errors import OutOfMemoryError
+from graphpar.units import format_bytes
+
+T = TypeVar("T")
+
+HOW_TO_AVOID = ("compiling needs no weights: leave out --run-cpu (and generate/run/step, which "
+                "need them), or run a smaller preset (e.g. --example gpt:tiny --run-cpu 2); a "
+                "sharding plan's per-device memory is bounded with --memory-limit")
+
+_ALLOCATOR_FAILURES = ("can't allocate memory", "DefaultCPUAllocator", "not enough memory",
+                       "out of memory")
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still allocate (MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def out_of_memory(what: str, needed: int | None, available: int | None) -> OutOfMemoryError:
+    """The user's error for `what` not fitting: how many bytes, and how to avoid it."""
+    need = f"{format_bytes(needed)} needed" if needed else "did not fit in memory"
+    have = f", {format_bytes(available)} available" if available is not None else ""
+    return OutOfMemoryError(f"{what}: {need}{have}; {HOW_TO_AVOID}")
+
+
+def check_fits(what: str, needed: int) -> None:
+    """Refuse, before allocating, `needed` bytes for `what` that the machine does not have."""
+    available = available_bytes()
+    if available is not None and needed > available:
+        raise out_of_memory(what, needed, available)
+
+
+@contextmanager
+def allocating(what: str, needed: int | None = None) -> Iterator[None]:
+    """An allocator failure inside the block (torch's RuntimeError, Python's MemoryError)
+    becomes the user's OutOfMemoryError naming `what`."""
+    try:
+        yield
+    except MemoryError:
+        raise out_of_memory(what, needed, available_bytes()) from None
+    except RuntimeError as exc:
+        if not any(s in str(exc) for s in _ALLOCATOR_FAILURES):
+            raise
+        raise out_of_memory(what, needed, available_bytes()) from None
+
+
+def materialize(what: str, needed: int, make: Callable[[], T]) -> T:
+    """`make()`, after checking that `needed` bytes fit, its allocator failures the user's."""
+    check_fits(what, needed)
+    with allocating(what, needed):
+        return make()

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+import torch
+
 from graphpar.errors import OutOfMemoryError
 from graphpar.units import format_bytes
 
@@ -68,3 +70,43 @@ def materialize(what: str, needed: int, make: Callable[[], T]) -> T:
     check_fits(what, needed)
     with allocating(what, needed):
         return make()
+
+
+def tensor_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each tied tensor once."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def initialize_on_cpu(module: torch.nn.Module) -> torch.nn.Module:
+    """A module built on the meta device, given real CPU weights in place the way it
+    initializes itself: every submodule's `reset_parameters()`, then the root's
+    `init_weights()` (torchtitan's models, HF's PreTrainedModel) when it has one. Tied
+    weights stay tied."""
+    aliases = _aliases(module)
+    module.to_empty(device="cpu")
+    for name, first in aliases:  # to_empty gives each name of a shared tensor its own copy
+        owner, _, attr = name.rpartition(".")
+        first_owner, _, first_attr = first.rpartition(".")
+        setattr(module.get_submodule(owner), attr,
+                getattr(module.get_submodule(first_owner), first_attr))
+    with torch.no_grad():
+        for sub in module.modules():
+            if callable(getattr(sub, "reset_parameters", None)):
+                sub.reset_parameters()
+        if callable(getattr(module, "init_weights", None)):
+            module.init_weights()
+    return module
+
+
+def _aliases(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, first name) for each name of a parameter or buffer that is not its first."""
+    first: dict[int, str] = {}
+    aliases = []
+    for name, tensor in (*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)):
+        if id(tensor) in first:
+            aliases.append((name, first[id(tensor)]))
+        else:
+            first[id(tensor)] = name
+    return aliases

@@ -99,13 +99,18 @@ def test_an_import_inside_build_finds_the_neighbour_too(tmp_path, capsys):
     assert code == 0, err
 
 
-def test_weights_that_do_not_fit_are_the_users_error(tmp_path, capsys, monkeypatch):
+def test_compiling_makes_no_weights_and_running_says_when_they_do_not_fit(
+        tmp_path, capsys, monkeypatch):
     from graphpar.models import memory
 
-    monkeypatch.setattr(memory, "available_bytes", lambda: 10**6)
-    code, err = compile_file(capsys, "--example", "gpt:125M", "--out", tmp_path / "out")
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    code, err = compile_file(capsys, "--example", "gpt:125M", "--mode", "train",
+                             "--out", tmp_path / "plan")
+    assert code == 0, err
+    code, err = compile_file(capsys, "--example", "gpt:tiny", "--mesh", "2", "--run-cpu", "2",
+                             "--out", tmp_path / "out")
     assert code == 1
-    assert "the weights of gpt:125M: 657.9 MB needed, 1.0 MB available" in err
+    assert "the weights of gpt_tiny: 539.6 kB needed, 1.0 kB available" in err
     assert "--run-cpu" in err and "--memory-limit" in err and "graphpar bug" not in err
     assert not (tmp_path / "out").exists()
 

@@ -31,6 +31,9 @@ from graphpar.models.memory import allocating
 CONVENTION = ("a model file defines build() -> (module, example_inputs); for --mode train also "
               "loss(output, *targets) and targets() (see README, 'Model files')")
 
+BUILD_ON_META = ("compiling needs no weights: build the module under `with "
+                 "torch.device('meta'):` and graphpar makes real ones only to run it")
+
 
 def _where(exc: BaseException, path: Path) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -87,7 +90,7 @@ def load_model_file(path: str | Path, mode: str = "infer") -> ModelSpec:
         if not callable(build):
             raise UsageError(f"{path}: no build() function found; {CONVENTION}")
         try:
-            with allocating(f"{path}: build()"):
+            with allocating(f"{path}: build()", how_to_avoid=BUILD_ON_META):
                 built = build()
         except GraphparError:
             raise

@@ -37,11 +37,12 @@ def available_bytes() -> int | None:
         return None
 
 
-def out_of_memory(what: str, needed: int | None, available: int | None) -> OutOfMemoryError:
+def out_of_memory(what: str, needed: int | None, available: int | None,
+                  how_to_avoid: str = HOW_TO_AVOID) -> OutOfMemoryError:
     """The user's error for `what` not fitting: how many bytes, and how to avoid it."""
     need = f"{format_bytes(needed)} needed" if needed else "did not fit in memory"
     have = f", {format_bytes(available)} available" if available is not None else ""
-    return OutOfMemoryError(f"{what}: {need}{have}; {HOW_TO_AVOID}")
+    return OutOfMemoryError(f"{what}: {need}{have}; {how_to_avoid}")
 
 
 def check_fits(what: str, needed: int) -> None:
@@ -52,17 +53,18 @@ def check_fits(what: str, needed: int) -> None:
 
 
 @contextmanager
-def allocating(what: str, needed: int | None = None) -> Iterator[None]:
+def allocating(what: str, needed: int | None = None, how_to_avoid: str = HOW_TO_AVOID
+               ) -> Iterator[None]:
     """An allocator failure inside the block (torch's RuntimeError, Python's MemoryError)
     becomes the user's OutOfMemoryError naming `what`."""
     try:
         yield
     except MemoryError:
-        raise out_of_memory(what, needed, available_bytes()) from None
+        raise out_of_memory(what, needed, available_bytes(), how_to_avoid) from None
     except RuntimeError as exc:
         if not any(s in str(exc) for s in _ALLOCATOR_FAILURES):
             raise
-        raise out_of_memory(what, needed, available_bytes()) from None
+        raise out_of_memory(what, needed, available_bytes(), how_to_avoid) from None
 
 
 def materialize(what: str, needed: int, make: Callable[[], T]) -> T:

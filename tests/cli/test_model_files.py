@@ -1,5 +1,6 @@
 """Model files behave like scripts: they import the modules next to them."""
 
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -125,3 +126,24 @@ def test_a_build_the_allocator_refuses_is_the_users_error(tmp_path, capsys):
     code, err = compile_file(capsys, model, "--out", tmp_path / "out")
     assert code == 1
     assert f"{model}: build(): did not fit in memory" in err and "graphpar bug" not in err
+    assert "torch.device('meta')" in err
+
+
+def test_a_model_file_that_builds_on_meta_compiles_and_runs_with_its_own_init(tmp_path, capsys):
+    write(tmp_path, "my_layers.py", LAYERS)
+    model = write(tmp_path, "model.py", """
+        import torch
+        from torch import nn
+        from my_layers import Block
+
+        def build():
+            with torch.device("meta"):
+                module = nn.Sequential(Block(8), Block(8))
+            return module, (torch.randn(2, 8),)
+        """)
+    code, err = compile_file(capsys, model, "--mesh", "2", "--run-cpu", "2",
+                             "--out", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["parameters"] == 2 * (8 * 8 + 8)
+    assert report["run_cpu"]["max_abs_error"] < 1e-5

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from graphpar.capture import Captured, capture_inference, capture_training
+from graphpar.capture.fake import has_meta_tensors, real_state
 from graphpar.capture.optim import Optimizer
 from graphpar.errors import UsageError
 from graphpar.ir.graph import Graph, Program, Role
@@ -31,6 +32,20 @@ class ModelSpec:
     loss_fn: Callable[..., torch.Tensor] | None = None
     targets: tuple[torch.Tensor, ...] = ()
     source: str = ""  # where it came from: a file path or "graphpar.models:gpt/tiny"
+    # The module with real weights, for one built on the meta device; by default it
+    # initializes itself (see graphpar.models.memory.initialize_on_cpu).
+    make_real: Callable[[], torch.nn.Module] | None = None
+
+    def real_module(self) -> torch.nn.Module:
+        """The module with real weights: made now, once, if it was built on the meta device
+        (planning needs only shapes; running needs weights)."""
+        from graphpar.models.memory import initialize_on_cpu, materialize, tensor_bytes
+
+        if has_meta_tensors(self.module):
+            make = self.make_real or (lambda: initialize_on_cpu(self.module))
+            self.module = materialize(f"the weights of {self.name}",
+                                      tensor_bytes(self.module), make)
+        return self.module
 
 
 @dataclass
@@ -103,17 +118,25 @@ def plan_report(graph: Graph, plan) -> dict[str, Any]:
 def capture(spec: ModelSpec, mode: str = "infer", optimizer: Optimizer | None = None,
             keep_grads: bool = False) -> Captured:
     """`spec`'s inference graph, or its training step; `keep_grads` keeps the gradients as
-    outputs beside the optimizer's updates (to compare them with eager)."""
+    outputs beside the optimizer's updates (to compare them with eager).
+
+    A module built on the meta device is captured without weights; its real ones are made
+    when the capture's state is first read, to run it (see `ModelSpec.real_module`)."""
     if mode == "infer":
-        return capture_inference(spec.module, spec.inputs, name=_graph_name(spec.name))
-    if mode == "train":
+        captured = capture_inference(spec.module, spec.inputs, name=_graph_name(spec.name))
+    elif mode == "train":
         if spec.loss_fn is None:
             raise UsageError(f"{spec.source or spec.name}: --mode train needs a loss: define "
                              "`loss(output, *targets)` and `targets()` next to `build()`")
-        return capture_training(spec.module, spec.inputs, spec.loss_fn, spec.targets,
-                                optimizer=optimizer, name=_graph_name(spec.name) + "_train",
-                                keep_grads=keep_grads)
-    raise UsageError(f"unknown mode {mode!r}; use 'infer' or 'train'")
+        captured = capture_training(spec.module, spec.inputs, spec.loss_fn, spec.targets,
+                                    optimizer=optimizer, name=_graph_name(spec.name) + "_train",
+                                    keep_grads=keep_grads)
+    else:
+        raise UsageError(f"unknown mode {mode!r}; use 'infer' or 'train'")
+    if captured.abstract:
+        make_state = real_state(captured.graph, captured.state)
+        captured.realize = lambda: make_state(spec.real_module())
+    return captured
 
 
 def compile_model(spec: ModelSpec, mode: str = "infer",

@@ -15,6 +15,11 @@ class UsageError(GraphparError):
     exit_code = 2
 
 
+class OutOfMemoryError(GraphparError):
+    """Real tensors that do not fit this machine's memory; says what needed how many bytes and
+    how to avoid making them."""
+
+
 class OutputError(GraphparError):
     """An output path that cannot be written: a file in the way, no permission, a full disk."""
 

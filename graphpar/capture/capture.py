@@ -10,25 +10,47 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch._decomp import core_aten_decompositions
 
 from graphpar.backends import reference
 from graphpar.capture.aten_table import PRESERVED
+from graphpar.capture.fake import abstract_state, fake_tensors, has_meta_tensors
 from graphpar.capture.fx_import import _tied_aliases, import_exported, short_location
 from graphpar.capture.optim import Optimizer, append_optimizer
 from graphpar.errors import CaptureError, GraphparError
 from graphpar.ir.graph import Graph, OutputRole, Role
 
 
-@dataclass
 class Captured:
-    """A captured graph with the tensors its non-user inputs start from."""
+    """A captured graph with the tensors its non-user inputs start from.
 
-    graph: Graph
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    A capture of a module built on the meta device holds meta tensors (shapes, no data) as
+    its state; `realize`, when given, makes the real ones the first time the state is read
+    (to run the graph), and planning never reads it."""
+
+    def __init__(self, graph: Graph, state: dict[str, torch.Tensor] | None = None,
+                 realize: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+        self.graph = graph
+        self._state = dict(state or {})
+        self.realize = realize
+
+    @property
+    def abstract(self) -> bool:
+        """Whether the state is still shapes only (meta tensors)."""
+        return any(t.is_meta for t in self._state.values())
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        if self.realize is not None and self.abstract:
+            self._state = self.realize()
+            self.realize = None
+        return self._state
+
+    @state.setter
+    def state(self, state: dict[str, torch.Tensor]) -> None:
+        self._state = state
 
     @property
     def user_inputs(self) -> list[str]:
@@ -106,6 +128,10 @@ def capture_inference(module: torch.nn.Module, args: Sequence[torch.Tensor],
     Parameters and buffers become graph inputs with their roles; the module is captured as it
     is (call `.eval()` first for inference behaviour of dropout and batch norm).
     """
+    if has_meta_tensors(module, args):
+        with fake_tensors(module, args) as fake_args:
+            captured = capture_inference(module, fake_args, name)
+        return Captured(captured.graph, abstract_state(captured.state))
     ep = _export(module, tuple(args), f"{type(module).__name__}.forward")
     try:
         with quiet():
@@ -212,7 +238,19 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     Outputs: the loss, then `update` outputs for each parameter and optimizer-state tensor
     (and buffers the forward mutates, e.g. batch-norm statistics). Without an optimizer the
     graph returns the gradients instead (`grad` outputs).
+
+    A module on the meta device is traced with fake tensors: the state is then meta tensors
+    (optimizer state included), and nothing the size of the weights is allocated.
     """
+    if has_meta_tensors(module, (*args, *targets)):
+        with fake_tensors(module, (*args, *targets)) as fake_args:
+            graph = capture_training(module, fake_args[:len(args)], loss_fn,
+                                     fake_args[len(args):], None, name, keep_grads).graph
+        state = {v.name: torch.empty(v.type.shape, dtype=v.type.dtype, device="meta")
+                 for v in graph.inputs if v.role is not Role.INPUT}
+        if optimizer is not None:
+            append_optimizer(graph, optimizer, state, keep_grads=keep_grads)
+        return Captured(graph, state)
     step = _TrainingStep(module, loss_fn, len(args))
     what = f"{type(module).__name__} training step"
     ep, tied = _drop_tied_aliases(_export(step, tuple(args) + tuple(targets), what))

@@ -104,9 +104,11 @@ def append_optimizer(graph: Graph, optimizer: Optimizer, state: dict[str, torch.
     if not grads:
         raise UsageError(f"graph @{graph.name} has no gradients to apply an optimizer to")
     step = None
+    # Moments of meta parameters (a capture without weights) are meta too: shapes, no bytes.
+    device = "meta" if any(t.is_meta for t in state.values()) else "cpu"
     if isinstance(optimizer, Adam):
         step_in = graph.add_input(STEP, TensorType((), torch.float32), Role.OPTIM_STATE)
-        state[STEP] = torch.zeros(())
+        state[STEP] = torch.zeros((), device=device)
         step = _op(graph, "add", step_in, 1.0)
         graph.add_output(step, OutputRole.UPDATE, STEP)
     if not keep_grads:
@@ -116,7 +118,7 @@ def append_optimizer(graph: Graph, optimizer: Optimizer, state: dict[str, torch.
         slots = []
         for name in optimizer.state_names(param.name):
             slots.append(graph.add_input(name, param.type, Role.OPTIM_STATE))
-            state[name] = torch.zeros(param.type.shape, dtype=param.type.dtype)
+            state[name] = torch.zeros(param.type.shape, dtype=param.type.dtype, device=device)
         start = len(graph.nodes)
         new_param, new_slots = optimizer.emit(graph, param, out.value, slots, step)
         for node in graph.nodes[start:]:  # grouped per parameter: "optimizer.blocks.0.fc"

@@ -88,15 +88,20 @@ def atomic_output(path: str | os.PathLike[str], option: str) -> Iterator[IO[str]
 
 def example_spec(text: str, train: bool = False):
     """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec (in train mode for
-    `train`: batch norm then normalizes by the batch, as a training step does)."""
+    `train`: batch norm then normalizes by the batch, as a training step does). The module is
+    built on the meta device, so a model of any size compiles; its real weights, the same as
+    a CPU build's, are made only to run it (`ModelSpec.real_module`). The example batch is
+    real: it is small."""
     from graphpar.compiler import ModelSpec
-    from graphpar.models import get_model
+    from graphpar.models import example_batch, get_model
 
     name, _, preset = text.partition(":")
-    example = get_model(name, preset or "tiny", train=train)
-    return ModelSpec(f"{name}_{example.preset}", example.module, tuple(example.inputs),
-                     example.loss_fn, tuple(example.targets), f"graphpar.models:{name}/"
-                                                              f"{example.preset}")
+    example = get_model(name, preset or "tiny", train=train, device="meta")
+    inputs, targets = example_batch(name, example.config)
+    return ModelSpec(f"{name}_{example.preset}", example.module, tuple(inputs),
+                     example.loss_fn, tuple(targets),
+                     f"graphpar.models:{name}/{example.preset}",
+                     make_real=lambda: get_model(name, example.preset, train=train).module)
 
 
 def load_target(path: str | None, example: str | None, mode: str = "infer"):

@@ -243,7 +243,7 @@ def _load_model(args: argparse.Namespace):
     from graphpar.cli.common import load_target
 
     spec = load_target(args.model, args.example)
-    module = spec.module.eval()
+    module = spec.real_module().eval()
     try:
         device = torch.device(args.device)
     except RuntimeError:

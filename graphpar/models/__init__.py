@@ -34,6 +34,7 @@ from torch import nn
 
 from graphpar.errors import UsageError
 from graphpar.models import bert, gpt, llama, mlp, moe, wide_resnet
+from graphpar.models.memory import materialize
 
 _FAMILIES: dict[str, ModuleType] = {
     "mlp": mlp,
@@ -168,7 +169,10 @@ def get_model(
         with torch.device("meta"):
             module = build(model_name, config, seed)
     else:
-        module = build(model_name, config, seed).to(device)
+        itemsize = (dtype or torch.get_default_dtype()).itemsize
+        module = materialize(f"the weights of {model_name}:{preset}",
+                             param_count(model_name, config) * max(itemsize, 4),
+                             lambda: build(model_name, config, seed).to(device))
     module.train(train)
     if dtype is not None:
         module.to(dtype)

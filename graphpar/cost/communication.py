@@ -583,10 +583,21 @@ def node_comm_cost(node: Node, mesh: Mesh) -> Step | None:
 
 
 def annotate_comm(node: Node) -> str:
-    """'12.6 MB, 0.21 ms est' for a communicating node of a graph with a mesh; '' otherwise
-    (the printer's `annotate` hook in dumps)."""
+    """The printer's `annotate` hook in dumps, for graphs declared on a mesh: '12.6 MB, 0.21 ms
+    est' for a collective of a device program (its buffer), '3.1 MB sent, 0.05 ms est' for a
+    `reshard` of a sharded global graph (what its planned collectives send per device); ''
+    otherwise."""
     mesh = node.graph.mesh if node.graph is not None else None
-    step = node_comm_cost(node, mesh) if mesh is not None else None
+    if mesh is None:
+        return ""
+    if node.op == "reshard":
+        (src,) = node.input_values
+        dst = node.outputs[0].layout
+        if src.layout is None or dst is None:
+            return ""
+        cost = resharding_cost(src.type.shape, src.type.itemsize, src.layout, dst, mesh)
+        return f"{format_bytes(cost.bytes)} sent, {format_seconds(cost.seconds)} est"
+    step = node_comm_cost(node, mesh)
     if step is None:
         return ""
     return f"{format_bytes(step.nbytes)}, {format_seconds(step.seconds)} est"

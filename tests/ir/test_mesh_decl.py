@@ -82,3 +82,20 @@ def test_collectives_print_their_estimated_bytes_and_time():
 def test_a_copy_keeps_the_mesh():
     mesh = dataclasses.replace(Mesh((2,)), axis_names=("tp",))
     assert relu_graph("g", mesh).copy().mesh == mesh
+
+
+def test_reshards_of_a_global_graph_print_what_their_collectives_send():
+    from graphpar.ir.layout import Layout
+
+    mesh = Mesh((4,), bandwidth=1e9, latency=1e-5)
+    g = Graph("g", mesh=mesh)
+    x = g.add_input("x", TensorType((256, 1024), torch.float32))  # 1,048,576 bytes in all
+    x.layout = Layout.parse("{S(0)}")
+    r = g.create("reshard", [x], output_types=[x.type])
+    r.output.layout = Layout.parse("{R}")
+    g.add_output(r.output, "output")
+    # S(0) -> R is one ring all-gather on 4: each device sends 3/4 of the gathered 1,048,576
+    # bytes (786,432 B) in 3 steps of 10 us: 3e-5 + 786432 / 1e9 s = 0.82 ms.
+    assert abs(3e-5 + 786432 / 1e9 - 816.432e-6) < 1e-12
+    line = print_graph(g, annotate=annotate_comm).splitlines()[4]
+    assert line.endswith("# 786.4 kB sent, 0.82 ms est"), line

@@ -31,8 +31,11 @@ class PagedKernels(Protocol):
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                         value_cache: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, scale: float,
-                        num_kv_heads: int | None = None) -> torch.Tensor:
-        """Decode attention, one query per sequence: ``[seqs, heads, D]``."""
+                        num_kv_heads: int | None = None, *,
+                        max_context_len: int | None = None) -> torch.Tensor:
+        """Decode attention, one query per sequence: ``[seqs, heads, D]``. ``max_context_len``
+        bounds every ``context_lens`` entry (known from shapes, so no implementation has to
+        read the tensor back from the device)."""
 
     def paged_prefill_attention(self, query: torch.Tensor, key_cache: torch.Tensor,
                                 value_cache: torch.Tensor, block_tables: torch.Tensor,

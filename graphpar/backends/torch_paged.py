@@ -94,8 +94,10 @@ def _decode_metadata(block_tables, context_lens, block_size, device):
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                    num_kv_heads: int | None = None) -> torch.Tensor:
-    """Decode attention (one query per sequence) over a paged cache: ``[seqs, heads, D]``."""
+                    num_kv_heads: int | None = None, *,
+                    max_context_len: int | None = None) -> torch.Tensor:
+    """Decode attention (one query per sequence) over a paged cache: ``[seqs, heads, D]``
+    (``max_context_len``, a bound the kernels use to size their launch, is not needed here)."""
     seqs, heads, head_size = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     longest, blocks, mask, empty = _decode_memo.get(

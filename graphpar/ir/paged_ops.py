@@ -93,13 +93,11 @@ def paged_attention_with(kernels, query, key_cache, value_cache, block_tables, c
         rows = query.shape[0]
         if rows < block_tables.shape[0]:
             block_tables, context_lens = block_tables[:rows], context_lens[:rows]
-        if getattr(kernels, "TAKES_MAX_CONTEXT_LEN", False):  # the table's width bounds every
-            # context: no device sync per layer, and a shape-only step (CUDA-graph capturable)
-            return kernels.paged_attention(
-                query, key_cache, value_cache, block_tables, context_lens, scale,
-                max_context_len=block_tables.shape[1] * key_cache.shape[1])
+        # The table's width bounds every context: no device sync per layer, and a shape-only
+        # step (CUDA-graph capturable).
         return kernels.paged_attention(query, key_cache, value_cache, block_tables,
-                                       context_lens, scale)
+                                       context_lens, scale,
+                                       max_context_len=block_tables.shape[1] * key_cache.shape[1])
     used = int(query_start_loc[-1])
     if used == query.shape[0]:
         return kernels.paged_prefill_attention(query, key_cache, value_cache, block_tables,

@@ -210,6 +210,8 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_kv_heads: int | None = None,
+    *,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache (PagedAttention Eq. 4).
 

@@ -237,8 +237,6 @@ def test_paged_ops_passes_the_table_bound_to_the_kernels(monkeypatch):
     seen = {}
 
     class Recorder:
-        TAKES_MAX_CONTEXT_LEN = True
-
         @staticmethod
         def paged_attention(query, *args, **kwargs):
             seen.update(kwargs)

@@ -273,9 +273,6 @@ class PagedAttentionKernels:
     """The paged-attention operations (a :class:`graphpar.backends.paged.PagedKernels`), run by
     a :class:`KernelRunner` (CuPy by default)."""
 
-    # graphpar.ir.paged_ops passes ``max_context_len`` (the table-width bound) to these kernels.
-    TAKES_MAX_CONTEXT_LEN = True
-
     def __init__(self, runner: KernelRunner | None = None) -> None:
         self.runner: KernelRunner = runner if runner is not None else CupyRunner()
 

@@ -11,12 +11,14 @@ deadlock-free by `validate`, and priced by `simulate` before any process starts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import networkx as nx
 
-from graphpar.errors import ScheduleError
+from graphpar.errors import OutputError, ScheduleError
 
 
 class ActionKind(enum.Enum):
@@ -291,16 +293,15 @@ def validate(schedule: Schedule) -> None:
     )
     if microbatches == 0:
         raise ScheduleError("pipeline schedule has no microbatch work on any stage")
-    positions = [_positions(schedule[s]) for s in range(stages)]
-    for s in range(stages):
-        _check_stage(schedule[s], s, stages, microbatches, positions[s])
-    _check_transfers(stages, microbatches, positions)
+    checks = [_StageCheck(schedule[s], s, stages, microbatches) for s in range(stages)]
+    for check in checks:
+        check.compute()
+    _check_transfers(stages, microbatches, [check.positions for check in checks])
+    for check in checks:
+        check.transfers()
     graph = happens_before(schedule)
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
-        return
-    raise ScheduleError(_describe_cycle(schedule, graph, cycle))
+    if not nx.is_directed_acyclic_graph(graph):  # cheaper than find_cycle on valid schedules
+        raise ScheduleError(_describe_cycle(schedule, graph, nx.find_cycle(graph)))
 
 
 def _check_lists(schedule: Schedule) -> int:
@@ -336,96 +337,90 @@ def _positions(order: list[Action]) -> dict[tuple[ActionKind, int | None], list[
     return found
 
 
-def _check_stage(order, s, stages, microbatches, positions) -> None:
-    K = ActionKind
+class _StageCheck:
+    """The per-stage rules of `validate`, with the messages that name the action at fault."""
 
-    def at(kind: ActionKind, mb: int | None) -> list[int]:
-        return positions.get((kind, mb), [])
+    def __init__(self, order: list[Action], stage: int, stages: int, microbatches: int):
+        self.order, self.s, self.stages, self.microbatches = order, stage, stages, microbatches
+        self.positions = _positions(order)
+        self.backward: dict[int, int] = {}  # microbatch -> position of its B or I
 
-    def once(kind: ActionKind, mb: int | None, why: str) -> int:
-        found = at(kind, mb)
-        name = str(Action(kind, s, mb))
+    def at(self, kind: ActionKind, mb: int | None) -> list[int]:
+        return self.positions.get((kind, mb), [])
+
+    def once(self, kind: ActionKind, mb: int | None, why: str) -> int:
+        found = self.at(kind, mb)
+        name = str(Action(kind, self.s, mb))
         if not found:
-            raise ScheduleError(f"stage {s} has no {name}: {why}")
+            raise ScheduleError(f"stage {self.s} has no {name}: {why}")
         if len(found) > 1:
             raise ScheduleError(
-                f"stage {s} runs {name} {len(found)} times (actions #"
+                f"stage {self.s} runs {name} {len(found)} times (actions #"
                 + ", #".join(map(str, found))
                 + "); every action runs exactly once"
             )
         return found[0]
 
-    def before(first: int, then: int, why: str) -> None:
+    def before(self, first: int, then: int, why: str) -> None:
         if first > then:
             raise ScheduleError(
-                f"stage {s}: {order[then]} (action #{then}) runs before {order[first]} "
-                f"(action #{first}); {why}"
+                f"stage {self.s}: {self.order[then]} (action #{then}) runs before "
+                f"{self.order[first]} (action #{first}); {why}"
             )
 
-    for mb in range(microbatches):
-        f = once(K.F, mb, f"every microbatch 0..{microbatches - 1} needs a forward on every stage")
-        if at(K.B, mb) and (at(K.I, mb) or at(K.W, mb)):
+    def compute(self) -> None:
+        """One F and one B (or I then W) per microbatch, the forward first; UPDATE last."""
+        K, s = ActionKind, self.s
+        for mb in range(self.microbatches):
+            f = self.once(
+                K.F,
+                mb,
+                f"every microbatch 0..{self.microbatches - 1} needs a forward on every stage",
+            )
+            if self.at(K.B, mb) and (self.at(K.I, mb) or self.at(K.W, mb)):
+                raise ScheduleError(
+                    f"stage {s} runs both B{mb} and a split backward (I{mb}/W{mb}) for "
+                    f"microbatch {mb}; use one or the other"
+                )
+            if self.at(K.I, mb) or self.at(K.W, mb):
+                grad = self.once(K.I, mb, f"W{mb} needs the input-gradient part I{mb} too")
+                w = self.once(K.W, mb, f"I{mb} needs the weight-gradient part W{mb} too")
+                self.before(grad, w, "the weight gradient uses what the input gradient computes")
+            else:
+                grad = self.once(K.B, mb, "every microbatch needs a backward (B, or I and W)")
+            self.before(f, grad, "a microbatch's backward needs its forward")
+            self.backward[mb] = grad
+        update = self.once(K.UPDATE, None, "every stage ends with the optimizer update")
+        if update != len(self.order) - 1:
             raise ScheduleError(
-                f"stage {s} runs both B{mb} and a split backward (I{mb}/W{mb}) for microbatch "
-                f"{mb}; use one or the other"
+                f"stage {s}: UPDATE is action #{update} of {len(self.order)}; it must come "
+                f"last, after {self.order[-1]} and every other gradient"
             )
-        if at(K.I, mb) or at(K.W, mb):
-            grad = once(K.I, mb, f"W{mb} needs the input-gradient part I{mb} too")
-            w = once(K.W, mb, f"I{mb} needs the weight-gradient part W{mb} too")
-            before(grad, w, "the weight gradient uses what the input gradient computes")
-        else:
-            grad = once(K.B, mb, "every microbatch needs a backward (B, or I and W) on every stage")
-        before(f, grad, "a microbatch's backward needs its forward")
-        if s > 0:
-            before(
-                once(K.RECV_F, mb, f"F{mb} needs the activations of stage {s - 1}"),
-                f,
-                "the forward needs the activations it receives",
-            )
-        if s + 1 < stages:
-            before(
-                f,
-                once(K.SEND_F, mb, f"stage {s + 1} needs the activations of F{mb}"),
-                "a stage sends activations after computing them",
-            )
-            before(
-                once(K.RECV_B, mb, f"the backward needs the gradient of stage {s + 1}"),
-                grad,
-                "the backward needs the gradient it receives",
-            )
-        if s > 0:
-            before(
-                grad,
-                once(K.SEND_B, mb, f"stage {s - 1} needs the input gradient of {mb}"),
-                "a stage sends gradients after computing them",
-            )
-    extra = [
-        (kind, mb)
-        for (kind, mb) in positions
-        if mb is not None
-        and (
-            mb >= microbatches
-            or (s == 0 and kind in (K.RECV_F, K.SEND_B))
-            or (s == stages - 1 and kind in (K.SEND_F, K.RECV_B))
-        )
-    ]
-    if extra:
-        kind, mb = extra[0]
-        raise ScheduleError(
-            f"stage {s} has {Action(kind, s, mb)}, but "
-            + ("no stage before it" if kind in (K.RECV_F, K.SEND_B) else "no stage after it")
-            + " to talk to"
-        )
-    update = once(K.UPDATE, None, "every stage ends with the optimizer update")
-    if update != len(order) - 1:
-        raise ScheduleError(
-            f"stage {s}: UPDATE is action #{update} of {len(order)}; it must come last, after "
-            f"{order[-1]} and every other gradient"
-        )
+
+    def transfers(self) -> None:
+        """Receive before use, send after production, each once (after `compute`)."""
+        K, s = ActionKind, self.s
+        for mb in range(self.microbatches):
+            f, grad = self.positions[(K.F, mb)][0], self.backward[mb]
+            if s > 0:
+                recv = self.once(K.RECV_F, mb, f"F{mb} needs the activations of stage {s - 1}")
+                self.before(recv, f, "the forward needs the activations it receives")
+                send = self.once(
+                    K.SEND_B, mb, f"stage {s - 1} needs the input gradient of microbatch {mb}"
+                )
+                self.before(grad, send, "a stage sends gradients after computing them")
+            if s + 1 < self.stages:
+                send = self.once(K.SEND_F, mb, f"stage {s + 1} needs the activations of F{mb}")
+                self.before(f, send, "a stage sends activations after computing them")
+                recv = self.once(
+                    K.RECV_B, mb, f"the backward of microbatch {mb} needs stage {s + 1}'s gradient"
+                )
+                self.before(recv, grad, "the backward needs the gradient it receives")
 
 
 def _check_transfers(stages, microbatches, positions) -> None:
-    """Every SEND has exactly one RECV of the same tensor on the peer, and the other way."""
+    """A SEND with no RECV of the same tensor on the peer, or the other way round (missing
+    or repeated pairs are left to `_StageCheck`, which names what the stage lacks)."""
     K = ActionKind
     pairs = [(K.SEND_F, K.RECV_F, +1), (K.SEND_B, K.RECV_B, -1)]
     for s in range(stages):
@@ -436,7 +431,7 @@ def _check_transfers(stages, microbatches, positions) -> None:
             for mb in range(microbatches):
                 sends = len(positions[s].get((send, mb), []))
                 recvs = len(positions[peer].get((recv, mb), []))
-                if sends == recvs == 1:
+                if sends == recvs or max(sends, recvs) > 1:
                     continue
                 if sends == 1:
                     raise ScheduleError(
@@ -495,3 +490,196 @@ def _describe_cycle(schedule: Schedule, graph: nx.DiGraph, cycle) -> str:
         + ". Reorder the sends and receives so that neighbouring stages meet them in the "
         "same order"
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator
+
+
+@dataclass(frozen=True)
+class Span:
+    """One action's time on one stage (simulated), or on one rank of it (measured)."""
+
+    stage: int
+    action: Action
+    start_s: float
+    end_s: float
+    rank: int | None = None  # measured timelines: the rank that ran it
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A pipeline step's timeline: simulated by `simulate`, or measured by a runtime."""
+
+    step_seconds: float
+    bubble_fraction: float  # share of stage-time not spent computing (waiting, transferring)
+    spans: tuple[Span, ...]
+    compute_seconds: tuple[float, ...]  # per stage: its F/B/I/W/UPDATE time
+
+
+def simulate(
+    schedule: Schedule,
+    forward_s: float | Sequence[float],
+    backward_s: float | Sequence[float],
+    comm_s: float | Sequence[float],
+    weight_grad_s: float | Sequence[float] | None = None,
+    update_s: float | Sequence[float] = 0.0,
+) -> Timeline:
+    """Estimated timeline of one step of a valid `schedule` (validated here).
+
+    Costs are per microbatch, one per stage (a number means the same on every stage):
+    `backward_s` is the whole backward (B, or I and W together); `weight_grad_s` the W part of
+    it, so I takes `backward_s - weight_grad_s` (default: half the backward, as for a chain of
+    matmuls, whose input- and weight-gradient matmuls have equal FLOPs); `comm_s` one per
+    boundary between stage s and s+1 (p-1 of them), for activations forward and gradients
+    backward alike. A transfer starts when both stages reach it and holds both for `comm_s`:
+    the blocking send/recv that the lists are validated for. Each action starts when the
+    previous action of its stage and what it waits for have finished: the longest path through
+    the happens-before graph.
+
+    The bubble fraction is 1 - (compute time of all stages) / (stages x step time): with
+    uniform stages and no transfer time it is (p-1)/(m+p-1) for GPipe and 1F1B."""
+    validate(schedule)
+    stages = len(schedule)
+    forward = _per_stage("forward_s", forward_s, stages)
+    backward = _per_stage("backward_s", backward_s, stages)
+    weight = (
+        [b / 2 for b in backward]
+        if weight_grad_s is None
+        else _per_stage("weight_grad_s", weight_grad_s, stages)
+    )
+    update = _per_stage("update_s", update_s, stages)
+    comm = _per_stage("comm_s", comm_s, stages - 1, what="boundaries between stages")
+    for s in range(stages):
+        if not 0 <= weight[s] <= backward[s]:
+            raise ScheduleError(
+                f"stage {s}: weight_grad_s={weight[s]} must be between 0 and its whole "
+                f"backward_s={backward[s]}"
+            )
+
+    compute_cost = {
+        ActionKind.F: forward,
+        ActionKind.B: backward,
+        ActionKind.I: [b - w for b, w in zip(backward, weight)],
+        ActionKind.W: weight,
+        ActionKind.UPDATE: update,
+    }
+
+    def duration(a: Action) -> float:
+        if a.peer is not None:
+            return comm[min(a.stage, a.peer)]
+        return compute_cost[a.kind][a.stage]
+
+    graph = happens_before(schedule)
+    end: dict[tuple[int, int], float] = {}
+    spans = []
+    for node in nx.topological_sort(graph):
+        a = graph.nodes[node]["action"]
+        start = max((end[p] for p in graph.predecessors(node)), default=0.0)
+        end[node] = start + duration(a)
+        spans.append(Span(a.stage, a, start, end[node]))
+    spans.sort(key=lambda sp: (sp.stage, sp.start_s, sp.end_s))
+    step = max(end.values(), default=0.0)
+    compute = tuple(
+        sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s and sp.action.peer is None)
+        for s in range(stages)
+    )
+    bubble = 1.0 - sum(compute) / (stages * step) if step > 0 else 0.0
+    return Timeline(step, bubble, tuple(spans), compute)
+
+
+def _per_stage(name: str, value, count: int, what: str = "stages") -> list[float]:
+    if isinstance(value, (int, float)):
+        values = [float(value)] * count
+    else:
+        values = [float(v) for v in value]
+        if len(values) != count:
+            raise ScheduleError(
+                f"{name}: got {len(values)} value(s) for {count} {what}; give one per "
+                f"{what[:-1] if what.endswith('s') else what} or a single number"
+            )
+    if any(v < 0 for v in values):
+        raise ScheduleError(f"{name}: times cannot be negative, got {values}")
+    return values
+
+
+def peak_in_flight(schedule: Schedule) -> dict[int, int]:
+    """Per stage, the most microbatches whose activations it holds at once: those whose F
+    has run and whose backward has not finished with them (B, or W when split)."""
+    peaks = {}
+    for s, order in schedule.items():
+        live = peak = 0
+        for a in order:
+            if a.kind == ActionKind.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind in (ActionKind.B, ActionKind.W):
+                live -= 1
+        peaks[s] = peak
+    return peaks
+
+
+def format_timeline(timeline: Timeline, slot_s: float) -> str:
+    """The compute of each stage as text, one row per stage and one 3-character cell per
+    `slot_s` seconds: the action running in the middle of the slot, '.' when none runs."""
+    stages = 1 + max((sp.stage for sp in timeline.spans), default=-1)
+    slots = round(timeline.step_seconds / slot_s)
+    rows = []
+    for s in range(stages):
+        work = [sp for sp in timeline.spans if sp.stage == s and sp.end_s > sp.start_s]
+        cells = []
+        for k in range(slots):
+            t = (k + 0.5) * slot_s
+            running = [sp for sp in work if sp.start_s <= t < sp.end_s and sp.action.peer is None]
+            cells.append(f"{running[0].action!s:<3}" if running else ".  ")
+        rows.append(f"stage {s}: " + "".join(cells).rstrip())
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chrome trace
+
+
+def chrome_trace(spans: Iterable[Span], path: str | Path) -> dict:
+    """Write `spans` (simulated or measured) as a Chrome trace JSON file (chrome://tracing,
+    Perfetto): one thread per stage, or per rank when spans say their rank; complete events
+    ("ph": "X") in microseconds. Returns the trace written."""
+    events = []
+    threads: dict[int, str] = {}
+    for sp in spans:
+        tid = sp.stage if sp.rank is None else sp.rank
+        threads.setdefault(
+            tid, f"stage {sp.stage}" if sp.rank is None else f"rank {sp.rank} (stage {sp.stage})"
+        )
+        a = sp.action
+        category = (
+            "update"
+            if a.kind == ActionKind.UPDATE
+            else "send"
+            if a.kind in SEND_KINDS
+            else "recv"
+            if a.kind in RECV_KINDS
+            else "compute"
+        )
+        events.append(
+            {
+                "name": str(a),
+                "cat": category,
+                "ph": "X",
+                "ts": sp.start_s * 1e6,
+                "dur": (sp.end_s - sp.start_s) * 1e6,
+                "pid": 0,
+                "tid": tid,
+                "args": {"stage": sp.stage, "microbatch": a.microbatch},
+            }
+        )
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
+        for tid, name in sorted(threads.items())
+    ]
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    try:
+        Path(path).write_text(json.dumps(trace, indent=1))
+    except OSError as error:
+        raise OutputError(f"cannot write the Chrome trace to {path}: {error.strerror}") from None
+    return trace

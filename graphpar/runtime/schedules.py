@@ -219,8 +219,9 @@ def _with_communication(orders: dict[int, list[Action]]) -> Schedule:
                 out.append(queue[head][0])
                 head += 1
             out.append(a)
-            # then every transfer that is ready by the time `a` finishes: the sends of what this
-            # stage has computed, and receives of data already there
+            # then every transfer whose data is ready when `a` finishes (with unit costs): the
+            # sends of what this stage has computed, and the receives of what has arrived, so
+            # that no neighbour waits for this stage to reach them
             while head < len(queue) and queue[head][1] <= finish[a]:
                 out.append(queue[head][0])
                 head += 1
@@ -444,11 +445,14 @@ def _check_transfers(stages, microbatches, positions) -> None:
                 )
 
 
-def happens_before(schedule: Schedule) -> nx.DiGraph:
+def happens_before(schedule: Schedule, blocking_sends: bool = True) -> nx.DiGraph:
     """Nodes (stage, index) for every action; an edge u -> v when v cannot finish before u.
 
-    Each stage runs its list in order. A SEND and its RECV finish together, once both stages
-    have reached them: each waits for the action before the other side."""
+    Each stage runs its list in order. With blocking sends (`torch.distributed.send` on gloo
+    moves the data only once the receiver has posted its receive) a SEND and its RECV finish
+    together, once both stages have reached them: each waits for the action before the other
+    side. With non-blocking sends (isend, waited for at the end of the step) a RECV waits for
+    its SEND to be posted, and nothing waits for the RECV."""
     graph = nx.DiGraph()
     receive_at = {}
     for s, order in schedule.items():
@@ -468,6 +472,9 @@ def happens_before(schedule: Schedule) -> nx.DiGraph:
                 continue
             graph.nodes[(s, i)]["partner"] = recv
             graph.nodes[recv]["partner"] = (s, i)
+            if not blocking_sends:
+                graph.add_edge((s, i), recv, why="data")
+                continue
             if recv[1]:
                 graph.add_edge((recv[0], recv[1] - 1), (s, i), why="meet")
             if i:
@@ -524,6 +531,7 @@ def simulate(
     comm_s: float | Sequence[float],
     weight_grad_s: float | Sequence[float] | None = None,
     update_s: float | Sequence[float] = 0.0,
+    blocking_sends: bool = True,
 ) -> Timeline:
     """Estimated timeline of one step of a valid `schedule` (validated here).
 
@@ -532,10 +540,10 @@ def simulate(
     it, so I takes `backward_s - weight_grad_s` (default: half the backward, as for a chain of
     matmuls, whose input- and weight-gradient matmuls have equal FLOPs); `comm_s` one per
     boundary between stage s and s+1 (p-1 of them), for activations forward and gradients
-    backward alike. A transfer starts when both stages reach it and holds both for `comm_s`:
-    the blocking send/recv that the lists are validated for. Each action starts when the
-    previous action of its stage and what it waits for have finished: the longest path through
-    the happens-before graph.
+    backward alike. A transfer starts when both stages have reached it and takes `comm_s`; with
+    `blocking_sends` (the default, what the lists are validated for) it holds both stages, else
+    the sender posts it and goes on. Each action starts when the previous action of its stage
+    and what it waits for have finished: the longest path through `happens_before`.
 
     The bubble fraction is 1 - (compute time of all stages) / (stages x step time): with
     uniform stages and no transfer time it is (p-1)/(m+p-1) for GPipe and 1F1B."""
@@ -566,11 +574,13 @@ def simulate(
     }
 
     def duration(a: Action) -> float:
+        if a.kind in SEND_KINDS and not blocking_sends:
+            return 0.0  # posted; the transfer shows on the receiving side
         if a.peer is not None:
             return comm[min(a.stage, a.peer)]
         return compute_cost[a.kind][a.stage]
 
-    graph = happens_before(schedule)
+    graph = happens_before(schedule, blocking_sends)
     end: dict[tuple[int, int], float] = {}
     spans = []
     for node in nx.topological_sort(graph):

@@ -234,13 +234,20 @@ def test_cost_lists_must_fit_the_stages():
         simulate(zero_bubble_h1(2, 2), 1.0, 2.0, 0.0, weight_grad_s=3.0)
 
 
-def run_blocking(schedule, cost):
+def execute(schedule, cost, blocking_sends):
     """An independent executor of the lists: each stage a process that runs its actions in
-    order; a SEND and its RECV wait for each other and then both take the transfer time."""
+    order. A blocking SEND and its RECV wait for each other, then both take the transfer
+    time; a non-blocking SEND is posted and the stage goes on, its RECV waits for it."""
     clock = dict.fromkeys(schedule, 0.0)
     pc = dict.fromkeys(schedule, 0)
-    spans = {}
+    spans, posted = {}, {}
     partner = {K.SEND_F: K.RECV_F, K.SEND_B: K.RECV_B, K.RECV_F: K.SEND_F, K.RECV_B: K.SEND_B}
+
+    def run(stage, action, start, end):
+        spans[action] = (start, end)
+        clock[stage] = end
+        pc[stage] += 1
+
     while any(pc[s] < len(schedule[s]) for s in schedule):
         moved = False
         for s, order in schedule.items():
@@ -248,21 +255,25 @@ def run_blocking(schedule, cost):
                 continue
             a = order[pc[s]]
             if a.peer is None:
-                spans[a] = (clock[s], clock[s] + cost(a))
-                clock[s] += cost(a)
-                pc[s] += 1
-                moved = True
-                continue
-            p = a.peer
-            if pc[p] < len(schedule[p]) and schedule[p][pc[p]] == Action(
-                partner[a.kind], p, a.microbatch
-            ):
+                run(s, a, clock[s], clock[s] + cost(a))
+            elif not blocking_sends and a.kind in (K.SEND_F, K.SEND_B):
+                posted[a] = clock[s]
+                run(s, a, clock[s], clock[s])
+            elif not blocking_sends:
+                send = Action(partner[a.kind], a.peer, a.microbatch)
+                if send not in posted:
+                    continue
+                start = max(clock[s], posted[send])
+                run(s, a, start, start + cost(a))
+            else:
+                p = a.peer
+                other = schedule[p][pc[p]] if pc[p] < len(schedule[p]) else None
+                if other != Action(partner[a.kind], p, a.microbatch):
+                    continue
                 start = max(clock[s], clock[p])
-                for stage, action in ((s, a), (p, schedule[p][pc[p]])):
-                    spans[action] = (start, start + cost(a))
-                    clock[stage] = start + cost(a)
-                    pc[stage] += 1
-                moved = True
+                run(s, a, start, start + cost(a))
+                run(p, other, start, start + cost(a))
+            moved = True
         assert moved, "the executor deadlocked"
     return max(clock.values()), spans
 
@@ -272,11 +283,12 @@ def run_blocking(schedule, cost):
     name=st.sampled_from(sorted(SCHEDULES)),
     stages=st.integers(1, 5),
     extra=st.integers(0, 4),
+    blocking_sends=st.booleans(),
     data=st.data(),
 )
-def test_simulation_matches_an_independent_blocking_executor(name, stages, extra, data):
+def test_simulation_matches_an_independent_executor(name, stages, extra, blocking_sends, data):
     """Random per-stage costs: the longest path through the happens-before graph gives
-    exactly the times of running the lists with blocking sends and receives."""
+    exactly the times of running the lists with blocking or non-blocking sends."""
     microbatches = stages + extra
     times = st.floats(0.01, 5.0)
     forward = data.draw(st.lists(times, min_size=stages, max_size=stages))
@@ -285,22 +297,27 @@ def test_simulation_matches_an_independent_blocking_executor(name, stages, extra
     comm = data.draw(st.lists(st.floats(0.0, 1.0), min_size=stages - 1, max_size=stages - 1))
     weight = [b * fraction for b in backward]
     schedule = SCHEDULES[name](stages, microbatches)
-    timeline = simulate(schedule, forward, backward, comm, weight)
+    timeline = simulate(schedule, forward, backward, comm, weight, blocking_sends=blocking_sends)
 
     def cost(a):
+        if a.kind in (K.SEND_F, K.SEND_B) and not blocking_sends:
+            return 0.0
         if a.peer is not None:
             return comm[min(a.stage, a.peer)]
         return {K.F: forward, K.B: backward, K.W: weight, K.UPDATE: [0.0] * stages}.get(
             a.kind, [b - w for b, w in zip(backward, weight)]
         )[a.stage]
 
-    step, spans = run_blocking(schedule, cost)
+    step, spans = execute(schedule, cost, blocking_sends)
     assert timeline.step_seconds == pytest.approx(step, rel=1e-12)
     for span in timeline.spans:
         assert (span.start_s, span.end_s) == pytest.approx(spans[span.action], rel=1e-12)
     # no step is shorter than the busiest stage or than one microbatch through every stage
     assert step >= max(timeline.compute_seconds) * (1 - 1e-12)
     assert step >= (sum(forward) + sum(backward) + 2 * sum(comm)) * (1 - 1e-12)
+    if not blocking_sends:  # the sender never waits, so no step is longer than a blocking one
+        blocking = simulate(schedule, forward, backward, comm, weight)
+        assert step <= blocking.step_seconds * (1 + 1e-12)
 
 
 # --- the Chrome trace
@@ -340,3 +357,43 @@ def test_chrome_trace_of_a_measured_timeline_has_one_thread_per_rank(tmp_path):
 def test_chrome_trace_to_an_unwritable_path_is_a_user_error(tmp_path):
     with pytest.raises(GraphparError, match="cannot write the Chrome trace"):
         chrome_trace([], tmp_path / "no" / "such" / "dir.json")
+
+
+# --- Alpa's step-time estimate (Eq. 2) against the simulator
+
+
+def alpa_step_estimate(stage_seconds, microbatches):
+    """Alpa Eq. 2: the first microbatch through every stage, then B-1 more at the slowest."""
+    return sum(stage_seconds) + (microbatches - 1) * max(stage_seconds)
+
+
+@settings(max_examples=20, deadline=None)
+@given(stages=st.integers(1, 6), extra=st.integers(0, 8), data=st.data())
+def test_alpa_estimate_is_exact_when_no_stage_is_faster_than_one_before_it(stages, extra, data):
+    """Non-decreasing stage times (backward twice the forward): GPipe and 1F1B take exactly
+    sum(t) + (B-1) max(t)."""
+    times = sorted(data.draw(st.lists(st.floats(0.1, 4.0), min_size=stages, max_size=stages)))
+    forward, backward = [t / 3 for t in times], [2 * t / 3 for t in times]
+    expected = alpa_step_estimate(times, stages + extra)
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(SCHEDULES[name](stages, stages + extra), forward, backward, 0.0)
+        assert timeline.step_seconds == pytest.approx(expected, rel=1e-12)
+
+
+def test_alpa_estimate_against_the_simulator_where_they_differ():
+    def step(name, times, microbatches=8):
+        forward, backward = [t / 3 for t in times], [2 * t / 3 for t in times]
+        return simulate(SCHEDULES[name](len(times), microbatches), forward, backward, 0.0)
+
+    # the slowest stage first: 1F1B overlaps the later stages' forwards with its warm-up, so
+    # Eq. 2 overestimates it by their forward time; GPipe matches Eq. 2
+    times = [4.0, 1.0, 1.0, 1.0]
+    assert alpa_step_estimate(times, 8) == 35.0
+    assert step("gpipe", times).step_seconds == pytest.approx(35.0, rel=1e-12)
+    assert step("1f1b", times).step_seconds == pytest.approx(35.0 - 3 * 1.0 / 3, rel=1e-12)
+    # two equally slow stages with fast ones between: each holds up the other, and both
+    # schedules take longer than Eq. 2 says
+    times = [3.0, 1.0, 1.0, 3.0]
+    assert alpa_step_estimate(times, 8) == 29.0
+    for name in ("gpipe", "1f1b"):
+        assert step(name, times).step_seconds == pytest.approx(29.0 + 4 / 3, rel=1e-12)

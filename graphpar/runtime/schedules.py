@@ -588,14 +588,30 @@ def simulate(
         start = max((end[p] for p in graph.predecessors(node)), default=0.0)
         end[node] = start + duration(a)
         spans.append(Span(a.stage, a, start, end[node]))
-    spans.sort(key=lambda sp: (sp.stage, sp.start_s, sp.end_s))
-    step = max(end.values(), default=0.0)
-    compute = tuple(
-        sum(sp.end_s - sp.start_s for sp in spans if sp.stage == s and sp.action.peer is None)
-        for s in range(stages)
-    )
-    bubble = 1.0 - sum(compute) / (stages * step) if step > 0 else 0.0
-    return Timeline(step, bubble, tuple(spans), compute)
+    return timeline_of(spans)
+
+
+def timeline_of(spans: Iterable[Span]) -> Timeline:
+    """The Timeline of spans: simulated (one track per stage) or measured by a runtime (one
+    track per rank, `Span.rank`). The step runs from the first start to the last end; the
+    bubble fraction is the share of all tracks' time not spent in F/B/I/W/UPDATE, and
+    `compute_seconds` a stage's compute time (the mean over its ranks)."""
+    spans = sorted(spans, key=lambda sp: (sp.stage, sp.rank or 0, sp.start_s, sp.end_s))
+    if not spans:
+        return Timeline(0.0, 0.0, (), ())
+    step = max(sp.end_s for sp in spans) - min(sp.start_s for sp in spans)
+    busy: dict[tuple[int, int | None], float] = {}
+    for sp in spans:
+        track = (sp.stage, sp.rank)
+        work = sp.end_s - sp.start_s if sp.action.peer is None else 0.0
+        busy[track] = busy.get(track, 0.0) + work
+    stages = 1 + max(sp.stage for sp in spans)
+    compute = []
+    for s in range(stages):
+        tracks = [t for t in busy if t[0] == s]
+        compute.append(sum(busy[t] for t in tracks) / len(tracks) if tracks else 0.0)
+    bubble = 1.0 - sum(busy.values()) / (len(busy) * step) if step > 0 else 0.0
+    return Timeline(step, bubble, tuple(spans), tuple(compute))
 
 
 def _per_stage(name: str, value, count: int, what: str = "stages") -> list[float]:

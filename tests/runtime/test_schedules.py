@@ -23,6 +23,7 @@ from graphpar.runtime.schedules import (
     one_f_one_b,
     peak_in_flight,
     simulate,
+    timeline_of,
     validate,
     zero_bubble_h1,
 )
@@ -397,3 +398,21 @@ def test_alpa_estimate_against_the_simulator_where_they_differ():
     assert alpa_step_estimate(times, 8) == 29.0
     for name in ("gpipe", "1f1b"):
         assert step(name, times).step_seconds == pytest.approx(29.0 + 4 / 3, rel=1e-12)
+
+
+def test_timeline_of_measured_spans_counts_every_rank():
+    """Two ranks of stage 0 and one of stage 1, each busy 3 s of a 4 s step."""
+    F, B = Action(K.F, 0, 0), Action(K.B, 0, 0)
+    measured = [
+        Span(0, F, 10.0, 11.0, rank=0),
+        Span(0, B, 12.0, 14.0, rank=0),
+        Span(0, F, 10.0, 11.5, rank=1),
+        Span(0, B, 12.0, 13.5, rank=1),
+        Span(1, Action(K.RECV_F, 1, 0), 10.0, 11.5, rank=2),  # waiting is not compute
+        Span(1, Action(K.F, 1, 0), 11.5, 12.0, rank=2),
+        Span(1, Action(K.B, 1, 0), 12.0, 14.0, rank=2),
+    ]
+    timeline = timeline_of(measured)
+    assert timeline.step_seconds == 4.0
+    assert timeline.compute_seconds == (3.0, 2.5)
+    assert timeline.bubble_fraction == pytest.approx(1 - (3 + 3 + 2.5) / (3 * 4.0), rel=1e-12)

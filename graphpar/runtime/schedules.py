@@ -35,7 +35,6 @@ class ActionKind(enum.Enum):
     UPDATE = "UPDATE"  # the optimizer step, after the last microbatch's gradients
 
 
-COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 # the backward actions whose result (the input gradient) the previous stage receives
@@ -179,8 +178,9 @@ def _with_communication(orders: dict[int, list[Action]]) -> Schedule:
     the same order. We time the compute orders with unit costs, give each transfer the time
     its data is ready, and put every stage's transfers in that one global order: the earliest
     pending transfer always has both sides able to reach it, so the lists never deadlock. A
-    send goes right after the action that produced its data; a receive waits until the action
-    that needs it (or until a later transfer of the global order must happen)."""
+    send goes right after the action that produced its data; a receive goes just before the
+    action that needs it, or earlier if its data is there by then (with unit costs), so that a
+    neighbour's later send in the global order does not wait for this stage."""
     stages = len(orders)
     finish = _unit_finish_times(orders)
     transfers = []  # (ready time, tie-break, sender action, receiver action)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -624,8 +625,8 @@ def _per_stage(name: str, value, count: int, what: str = "stages") -> list[float
                 f"{name}: got {len(values)} value(s) for {count} {what}; give one per "
                 f"{what[:-1] if what.endswith('s') else what} or a single number"
             )
-    if any(v < 0 for v in values):
-        raise ScheduleError(f"{name}: times cannot be negative, got {values}")
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ScheduleError(f"{name}: times must be finite and not negative, got {values}")
     return values
 
 

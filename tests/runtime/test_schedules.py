@@ -231,6 +231,8 @@ def test_format_timeline_of_two_stage_gpipe():
 def test_cost_lists_must_fit_the_stages():
     with pytest.raises(ScheduleError, match="comm_s: got 3 value.*for 2 boundaries"):
         simulate(gpipe(3, 3), 1.0, 1.0, [0.1, 0.1, 0.1])
+    with pytest.raises(ScheduleError, match="forward_s: times must be finite and not negative"):
+        simulate(gpipe(2, 2), [1.0, float("nan")], 1.0, 0.0)
     with pytest.raises(ScheduleError, match="weight_grad_s=3.0 must be between 0 and"):
         simulate(zero_bubble_h1(2, 2), 1.0, 2.0, 0.0, weight_grad_s=3.0)
 

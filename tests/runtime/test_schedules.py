@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings
@@ -277,8 +278,88 @@ def execute(schedule, cost, blocking_sends):
                 run(s, a, start, start + cost(a))
                 run(p, other, start, start + cost(a))
             moved = True
-        assert moved, "the executor deadlocked"
+        if not moved:
+            raise Deadlocked(
+                {s: order[pc[s]] for s, order in schedule.items() if pc[s] < len(order)}
+            )
     return max(clock.values()), spans
+
+
+class Deadlocked(Exception):
+    """The executor found every unfinished stage waiting."""
+
+
+def oracle_accepts(schedule) -> bool:
+    """validate's contract, checked directly: the right actions once each in a sound order
+    on every stage, and the lists run to the end on the executor with blocking sends."""
+    stages = len(schedule)
+    microbatches = 1 + max(
+        a.microbatch for order in schedule.values() for a in order if a.microbatch is not None
+    )
+    for s, order in schedule.items():
+        count = Counter((a.kind, a.microbatch) for a in order)
+        if count[(K.UPDATE, None)] != 1 or order[-1].kind != K.UPDATE:
+            return False
+        at = {(a.kind, a.microbatch): i for i, a in enumerate(order)}
+        for mb in range(microbatches):
+            split = bool(count[(K.I, mb)] or count[(K.W, mb)])
+            expected = {
+                K.F: 1,
+                K.B: int(not split),
+                K.I: int(split),
+                K.W: int(split),
+                K.RECV_F: int(s > 0),
+                K.SEND_B: int(s > 0),
+                K.SEND_F: int(s < stages - 1),
+                K.RECV_B: int(s < stages - 1),
+            }
+            if any(count[(kind, mb)] != n for kind, n in expected.items()):
+                return False
+            f, grad = at[(K.F, mb)], at[(K.I if split else K.B, mb)]
+            ordered = [f < grad, not split or grad < at[(K.W, mb)]]
+            if s > 0:
+                ordered += [at[(K.RECV_F, mb)] < f, grad < at[(K.SEND_B, mb)]]
+            if s < stages - 1:
+                ordered += [f < at[(K.SEND_F, mb)], at[(K.RECV_B, mb)] < grad]
+            if not all(ordered):
+                return False
+    try:
+        execute(schedule, lambda a: 1.0, blocking_sends=True)
+    except Deadlocked:
+        return False
+    return True
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(sorted(SCHEDULES)),
+    stages=st.integers(2, 4),
+    extra=st.integers(0, 2),
+    data=st.data(),
+)
+def test_validator_agrees_with_running_the_lists(name, stages, extra, data):
+    """Random edits of a valid schedule (move, swap, drop or repeat an action on a stage):
+    validate accepts exactly those the oracle accepts, deadlocks found by running them."""
+    schedule = {s: list(order) for s, order in SCHEDULES[name](stages, stages + extra).items()}
+    for _ in range(data.draw(st.integers(1, 2))):
+        s = data.draw(st.integers(0, stages - 1))
+        order = schedule[s]
+        i = data.draw(st.integers(0, len(order) - 1))
+        edit = data.draw(st.sampled_from(["move", "move", "swap", "drop", "repeat"]))
+        if edit == "move":
+            order.insert(data.draw(st.integers(0, len(order) - 1)), order.pop(i))
+        elif edit == "swap" and i + 1 < len(order):
+            order[i], order[i + 1] = order[i + 1], order[i]
+        elif edit == "drop" and len(order) > 1:
+            order.pop(i)
+        elif edit == "repeat":
+            order.insert(i, order[i])
+    accepted = oracle_accepts(schedule)
+    if accepted:
+        validate(schedule)
+    else:
+        with pytest.raises(ScheduleError):
+            validate(schedule)
 
 
 @settings(max_examples=40, deadline=None)

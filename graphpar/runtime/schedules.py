@@ -195,7 +195,11 @@ def _with_communication(orders: dict[int, list[Action]]) -> Schedule:
                 peer = s - 1
             else:
                 continue
-            key = (finish[a], s, a.kind.value, a.microbatch)
+            # equal ready times: a stage sends what it has just computed before it receives
+            # its next input, so the forward wave goes downstream first and the backward wave
+            # upstream first (else a slow stage would hold up the sends of those after it)
+            forward = a.kind == ActionKind.F
+            key = (finish[a], not forward, -s if forward else s, a.microbatch)
             mb = a.microbatch
             transfers.append((key, a, Action(send, s, mb), Action(recv, peer, mb)))
     transfers.sort(key=lambda t: t[0])

@@ -175,77 +175,82 @@ _ORDERING_COST = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, Actio
 def _with_communication(orders: dict[int, list[Action]]) -> Schedule:
     """Insert the SEND/RECV actions into per-stage compute orders and end each with UPDATE.
 
-    Sends and receives block until both sides meet, so two stages must meet their transfers in
-    the same order. We time the compute orders with unit costs, give each transfer the time
-    its data is ready, and put every stage's transfers in that one global order: the earliest
-    pending transfer always has both sides able to reach it, so the lists never deadlock. A
-    send goes right after the action that produced its data; a receive goes just before the
-    action that needs it, or earlier if its data is there by then (with unit costs), so that a
-    neighbour's later send in the global order does not wait for this stage."""
-    stages = len(orders)
-    finish = _unit_finish_times(orders)
-    transfers = []  # (ready time, tie-break, sender action, receiver action)
+    Sends and receives block until both sides meet, so any two stages must meet their
+    transfers in the same order. We time the compute orders with unit costs and let every
+    transfer happen when the action that consumes its data starts: the receiving stage
+    receives just before that action, and the sending stage sends at that moment of its own
+    timing, after the producing action (which finished no later). Each stage's list is its
+    actions in time order; all stages order their transfers by the same key (time, then one
+    tie rule), so the earliest pending transfer always has both sides able to reach it and the
+    lists never deadlock, whatever the real costs.
+
+    Timing transfers by their consumer rather than their producer keeps a stage from waiting
+    for a transfer it does not need yet: on random stage costs, GPipe and 1F1B lists then run
+    as fast as their compute orders allow (docs/pipeline-schedules.md)."""
+    start = _unit_start_times(orders)
+    producer_of = _producers(orders)
+    events: dict[int, list[tuple[tuple, Action]]] = {
+        s: [((start[a], 1, ()), a) for a in order] for s, order in orders.items()
+    }
     for s, order in orders.items():
-        for a in order:
-            if a.kind == ActionKind.F and s + 1 < stages:
-                send, recv = ActionKind.SEND_F, ActionKind.RECV_F
-                peer = s + 1
-            elif a.kind in INPUT_GRAD_KINDS and s > 0:
-                send, recv = ActionKind.SEND_B, ActionKind.RECV_B
-                peer = s - 1
-            else:
+        for consumer in order:
+            producer = producer_of.get(consumer)
+            if producer is None:
                 continue
-            # equal ready times: a stage sends what it has just computed before it receives
-            # its next input, so the forward wave goes downstream first and the backward wave
-            # upstream first (else a slow stage would hold up the sends of those after it)
-            forward = a.kind == ActionKind.F
-            key = (finish[a], not forward, -s if forward else s, a.microbatch)
-            mb = a.microbatch
-            transfers.append((key, a, Action(send, s, mb), Action(recv, peer, mb)))
-    transfers.sort(key=lambda t: t[0])
-
-    pending: dict[int, list[tuple[Action, float]]] = {s: [] for s in orders}
-    for (ready, *_), _producer, send, recv in transfers:
-        pending[send.stage].append((send, ready))
-        pending[recv.stage].append((recv, ready))
-
+            mb, sender = consumer.microbatch, producer.stage
+            forward = consumer.kind == ActionKind.F
+            send, recv = (
+                (ActionKind.SEND_F, ActionKind.RECV_F)
+                if forward
+                else (ActionKind.SEND_B, ActionKind.RECV_B)
+            )
+            # equal times: the forward wave goes downstream first and the backward wave
+            # upstream first, i.e. a stage sends what it has computed before it receives more
+            # (the other way round, a slow stage holds up the sends of those after it)
+            key = (start[consumer], 0, (not forward, -sender if forward else sender, mb))
+            events[sender].append((key, Action(send, sender, mb)))
+            events[s].append((key, Action(recv, s, mb)))
     schedule: Schedule = {}
-    for s, order in orders.items():
-        queue = pending[s]
-        needed = {
-            (a.kind, a.microbatch): i for i, (a, _) in enumerate(queue) if a.kind in RECV_KINDS
-        }
-        out: list[Action] = []
-        head = 0
-        for a in order:
-            recv_kind = ActionKind.RECV_F if a.kind == ActionKind.F else ActionKind.RECV_B
-            last = needed.get((recv_kind, a.microbatch), -1) if a.kind != ActionKind.W else -1
-            while head <= last:  # receive lazily: up to the transfer this action needs
-                out.append(queue[head][0])
-                head += 1
-            out.append(a)
-            # then every transfer whose data is ready when `a` finishes (with unit costs): the
-            # sends of what this stage has computed, and the receives of what has arrived, so
-            # that no neighbour waits for this stage to reach them
-            while head < len(queue) and queue[head][1] <= finish[a]:
-                out.append(queue[head][0])
-                head += 1
-        out += [t for t, _ in queue[head:]]
-        out.append(Action(ActionKind.UPDATE, s, None))
-        schedule[s] = out
+    for s in orders:
+        timed = sorted(events[s], key=lambda event: event[0])
+        schedule[s] = [a for _, a in timed] + [Action(ActionKind.UPDATE, s, None)]
     return schedule
 
 
-def _unit_finish_times(orders: dict[int, list[Action]]) -> dict[Action, float]:
-    """Finish time of every compute action with `_ORDERING_COST`, data dependencies between
-    neighbouring stages and each stage's list order."""
-    stages = len(orders)
+def _producers(orders: dict[int, list[Action]]) -> dict[Action, Action]:
+    """Consumer -> the action on a neighbouring stage whose data it needs: F(s, m) needs
+    F(s-1, m); B or I (s, m) needs the B or I (s+1, m) that computes its input gradient."""
     input_grad = {
         (a.stage, a.microbatch): a
         for order in orders.values()
         for a in order
         if a.kind in INPUT_GRAD_KINDS
     }
+    forward = {
+        (a.stage, a.microbatch): a
+        for order in orders.values()
+        for a in order
+        if a.kind == ActionKind.F
+    }
+    producers = {}
+    for order in orders.values():
+        for a in order:
+            if a.kind == ActionKind.F:
+                found = forward.get((a.stage - 1, a.microbatch))
+            elif a.kind in INPUT_GRAD_KINDS:
+                found = input_grad.get((a.stage + 1, a.microbatch))
+            else:
+                found = None
+            if found is not None:
+                producers[a] = found
+    return producers
+
+
+def _unit_start_times(orders: dict[int, list[Action]]) -> dict[Action, float]:
+    """Start time of every compute action with `_ORDERING_COST`, each stage running its order
+    and waiting for the data its actions consume."""
+    producer_of = _producers(orders)
+    start: dict[Action, float] = {}
     finish: dict[Action, float] = {}
     position = dict.fromkeys(orders, 0)
     clock = dict.fromkeys(orders, 0.0)
@@ -255,16 +260,11 @@ def _unit_finish_times(orders: dict[int, list[Action]]) -> dict[Action, float]:
         for s, order in orders.items():
             while position[s] < len(order):
                 a = order[position[s]]
-                if a.kind == ActionKind.F and s > 0:
-                    dep = Action(ActionKind.F, s - 1, a.microbatch)
-                elif a.kind in INPUT_GRAD_KINDS and s + 1 < stages:
-                    dep = input_grad.get((s + 1, a.microbatch))
-                else:
-                    dep = None
-                if dep is not None and dep not in finish:
+                producer = producer_of.get(a)
+                if producer is not None and producer not in finish:
                     break
-                start = max(clock[s], finish.get(dep, 0.0))
-                clock[s] = finish[a] = start + _ORDERING_COST[a.kind]
+                start[a] = max(clock[s], finish[producer] if producer is not None else 0.0)
+                clock[s] = finish[a] = start[a] + _ORDERING_COST[a.kind]
                 position[s] += 1
                 progress = True
     stuck = [order[position[s]] for s, order in orders.items() if position[s] < len(order)]
@@ -274,7 +274,7 @@ def _unit_finish_times(orders: dict[int, list[Action]]) -> dict[Action, float]:
             + ", ".join(a.describe() for a in stuck)
             + " each wait for data that is never produced"
         )
-    return finish
+    return start
 
 
 # ---------------------------------------------------------------------------------------------

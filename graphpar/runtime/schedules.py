@@ -307,7 +307,7 @@ def validate(schedule: Schedule) -> None:
         check.transfers()
     graph = happens_before(schedule)
     if not nx.is_directed_acyclic_graph(graph):  # cheaper than find_cycle on valid schedules
-        raise ScheduleError(_describe_cycle(schedule, graph, nx.find_cycle(graph)))
+        raise ScheduleError(_describe_cycle(graph, nx.find_cycle(graph)))
 
 
 def _check_lists(schedule: Schedule) -> int:
@@ -487,7 +487,7 @@ def happens_before(schedule: Schedule, blocking_sends: bool = True) -> nx.DiGrap
     return graph
 
 
-def _describe_cycle(schedule: Schedule, graph: nx.DiGraph, cycle) -> str:
+def _describe_cycle(graph: nx.DiGraph, cycle) -> str:
     steps = []
     for u, v in cycle:
         a, b = graph.nodes[u]["action"], graph.nodes[v]["action"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,6 +166,46 @@ def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
         )
     schedule = SCHEDULES[name](stages, microbatches)
     validate(schedule)
+    return schedule
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """The lists as text, one line per stage: 'stage 1: RECV_F0 F0 SEND_F0 ... UPDATE'.
+    `parse_schedule` reads it back."""
+    return "\n".join(f"stage {s}: " + " ".join(map(str, schedule[s])) for s in sorted(schedule))
+
+
+_TOKEN = re.compile(r"([A-Z_]+?)(\d*)")
+
+
+def parse_schedule(text: str) -> Schedule:
+    """Read `format_schedule`'s text (a hand-written schedule, a dump) back into lists; the
+    result is not validated."""
+    schedule: Schedule = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        head, sep, body = line.partition(":")
+        words = head.split()
+        if not sep or len(words) != 2 or words[0] != "stage" or not words[1].isdigit():
+            raise ScheduleError(
+                f"schedule text, line {number}: expected 'stage N: ACTION ...', got {line!r}"
+            )
+        stage = int(words[1])
+        if stage in schedule:
+            raise ScheduleError(f"schedule text, line {number}: stage {stage} listed twice")
+        schedule[stage] = []
+        for token in body.split():
+            match = _TOKEN.fullmatch(token)
+            kind = match and ActionKind.__members__.get(match.group(1))
+            if kind is None or (kind == ActionKind.UPDATE) != (match.group(2) == ""):
+                raise ScheduleError(
+                    f"schedule text, line {number}: {token!r} is not an action; actions are "
+                    f"{', '.join(k.value + 'N' for k in ActionKind if k != ActionKind.UPDATE)} "
+                    f"(N a microbatch) and UPDATE"
+                )
+            microbatch = int(match.group(2)) if match.group(2) else None
+            schedule[stage].append(Action(kind, stage, microbatch))
     return schedule
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 
 import pytest
@@ -18,10 +17,12 @@ from graphpar.runtime.schedules import (
     Schedule,
     Span,
     chrome_trace,
+    format_schedule,
     format_timeline,
     gpipe,
     make_schedule,
     one_f_one_b,
+    parse_schedule,
     peak_in_flight,
     simulate,
     timeline_of,
@@ -38,13 +39,7 @@ def names(order: list[Action]) -> str:
 
 def parse(lists: dict[int, str]) -> Schedule:
     """{stage: "F0 SEND_F0 ... UPDATE"} -> a Schedule."""
-    schedule = {}
-    for stage, text in lists.items():
-        schedule[stage] = []
-        for token in text.split():
-            kind, mb = re.fullmatch(r"([A-Z_]+?)(\d*)", token).groups()
-            schedule[stage].append(Action(K[kind], stage, int(mb) if mb else None))
-    return schedule
+    return parse_schedule("\n".join(f"stage {s}: {text}" for s, text in lists.items()))
 
 
 def test_gpipe_lists_for_two_stages():
@@ -118,6 +113,28 @@ TWO_STAGE_GPIPE = {
 def test_hand_written_schedule_round_trips():
     assert parse(TWO_STAGE_GPIPE) == gpipe(2, 2)
     validate(parse(TWO_STAGE_GPIPE))
+    assert format_schedule(gpipe(2, 2)) == (
+        "stage 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 RECV_B1 B1 UPDATE\n"
+        "stage 1: RECV_F0 F0 RECV_F1 F1 B0 SEND_B0 B1 SEND_B1 UPDATE"
+    )
+    for name, generate in SCHEDULES.items():
+        schedule = generate(3, 5)
+        assert parse_schedule(format_schedule(schedule)) == schedule, name
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stage 0: F0 X3 UPDATE", r"line 1: 'X3' is not an action; actions are F.*and UPDATE"),
+        ("stage 0: F UPDATE", "line 1: 'F' is not an action"),
+        ("stage 0: F0 UPDATE2", "line 1: 'UPDATE2' is not an action"),
+        ("stage 0: F0\n\nstage 0: B0", "line 3: stage 0 listed twice"),
+        ("F0 B0 UPDATE", "line 1: expected 'stage N: ACTION ...'"),
+    ],
+)
+def test_parse_schedule_names_the_bad_line(text, message):
+    with pytest.raises(ScheduleError, match=message):
+        parse_schedule(text)
 
 
 @pytest.mark.parametrize(

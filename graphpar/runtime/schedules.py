@@ -37,6 +37,8 @@ class ActionKind(enum.Enum):
     UPDATE = "UPDATE"  # the optimizer step, after the last microbatch's gradients
 
 
+# the work of a stage (what a timeline counts as busy, with UPDATE)
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 # the backward actions whose result (the input gradient) the previous stage receives

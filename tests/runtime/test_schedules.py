@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from graphpar.errors import GraphparError, ScheduleError
 from graphpar.runtime.schedules import (
+    COMPUTE_KINDS,
     SCHEDULES,
     Action,
     ActionKind,
@@ -211,6 +212,11 @@ def test_uniform_bubble_is_p_minus_1_over_m_plus_p_minus_1(name, stages, microba
     p, m = stages, microbatches
     assert timeline.step_seconds == pytest.approx((m + p - 1) * (forward + backward), rel=1e-12)
     assert timeline.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12, abs=1e-12)
+    # every stage computes m (F + B)
+    for s in range(stages):
+        work = [sp for sp in timeline.spans if sp.stage == s and sp.action.kind in COMPUTE_KINDS]
+        assert sum(sp.end_s - sp.start_s for sp in work) == pytest.approx(m * 4.5, rel=1e-12)
+        assert timeline.compute_seconds[s] == pytest.approx(m * 4.5, rel=1e-12)
     # the overhead over the bubble-free step m (F + B) is (p - 1) / m
     ideal = m * (forward + backward)
     assert timeline.step_seconds / ideal - 1 == pytest.approx((p - 1) / m, rel=1e-12, abs=1e-12)

@@ -502,6 +502,70 @@ def _scatter_value(e, a):
     return e.emit("scatter", [a[0], a[2], src], {"dim": pos(a[1], rank(a[0]))})
 
 
+@_on(aten.index_add.default)
+def _index_add(e, a):
+    x, dim, index, src, alpha = a
+    return e.emit("index_add", [x, index, _scaled(e, src, alpha)], {"dim": pos(dim, rank(x))})
+
+
+@_on(aten.histc.default)
+def _histc(e, a):
+    x, bins, lo, hi = a
+    return e.emit("histc", [x], {"bins": bins, "min": scalar(lo), "max": scalar(hi)})
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+def grouped_mm(e, a, b, offs):
+    """ATen's grouped matmul: `offs` holds each group's end; the IR op takes each group's start
+    as well (the previous end, 0 for the first), so a device holding some experts' weights and
+    bounds knows their rows without the others'."""
+    if offs is None:  # no groups: a batched matmul
+        return e.emit("matmul", [a, b])
+    if rank(a) != 2 or rank(b) not in (2, 3):
+        raise TypeError(f"grouped matmul of {a.type} and {b.type}: only a 2-D left operand "
+                        "(rows or contraction grouped) is supported")
+    groups = shape(offs)[0]
+    starts = _pad(e, [slice_(e, offs, 0, 0, groups - 1), (1, 0), 0]) if groups > 1 else \
+        full(e, (1,), 0, offs.type.dtype)
+    return e.emit("grouped_mm", [a, b, starts, offs])
+
+
+@_on(aten._grouped_mm.default)
+def _aten_grouped_mm(e, a):
+    x, w, offs, bias, out_dtype = a
+    if bias is not None:
+        raise TypeError("grouped matmul with a bias is not supported: add the bias after it")
+    out = grouped_mm(e, x, w, offs)
+    return out if out_dtype is None else _to_dtype(e, [out, out_dtype])
+
+
+def _grouped_mm_backward(e, a):
+    """Gradients of grouped_mm(x [S, K], w [E, K, N]): dx = per group grad @ w[e]^T and
+    dw[e] = x[group]^T @ grad[group]."""
+    x, w, offs, grad = a
+    dx = grouped_mm(e, grad, permute(e, w, (0, 2, 1)), offs)
+    dw = grouped_mm(e, permute(e, x, (1, 0)), grad, offs)
+    return dx, dw
+
+
+# Library ops that stand for a grouped matmul, by qualified name: they exist only once their
+# library is imported (Hugging Face transformers registers these for its MoE experts where
+# torch's grouped matmul does not apply, e.g. float32 under torch.export).
+BY_NAME: dict[str, Lowering] = {
+    "transformers::grouped_mm_fallback": lambda e, a: grouped_mm(e, *a),
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_backward,
+}
+
+
+def lowering_for(target: Any) -> Lowering | None:
+    """The table entry of an fx call target: by the op itself, or by its qualified name."""
+    found = TABLE.get(target)
+    if found is None and isinstance(target, torch._ops.OpOverload):
+        found = BY_NAME.get(target.name())
+    return found
+
+
 # --- creation ---------------------------------------------------------------------------------
 
 def full(e, shape_, value, dtype):

@@ -138,7 +138,11 @@ def _masked_fill(e, a):
 
 @_on(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(e, a):
-    return e.emit("clamp", [a[0]], {"min": scalar(a[1]), "max": scalar(a[2])})
+    x, lo, hi = a
+    if isinstance(lo, Value) or isinstance(hi, Value):  # tensor bounds: elementwise max, min
+        x = x if lo is None else e.emit("maximum", [x, lo])
+        return x if hi is None else e.emit("minimum", [x, hi])
+    return e.emit("clamp", [x], {"min": scalar(lo), "max": scalar(hi)})
 
 
 @_on(aten.clamp_min.default)
@@ -813,5 +817,5 @@ PRESERVED = [
     aten.nll_loss_backward.default, aten.native_batch_norm_backward.default,
     aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
     aten.threshold_backward.default, aten.conv2d.default,
-    aten.max_pool2d_with_indices_backward.default,
+    aten.max_pool2d_with_indices_backward.default, aten.index_add.default,
 ]

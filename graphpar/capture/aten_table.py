@@ -452,6 +452,16 @@ def _dropout(e, a):
     return x, full(e, shape(x), True, torch.bool)
 
 
+@_on(aten.copy.default)
+def _copy(e, a):
+    """A functionalized `x.copy_(src)`: src in x's dtype, broadcast to x's shape."""
+    x, src = a[0], a[1]
+    if not isinstance(src, Value):
+        return full(e, shape(x), src, x.type.dtype)
+    src = _to_dtype(e, [src, x.type.dtype])
+    return _expand(e, [src, shape(x)])
+
+
 # Runtime checks of dtype/shape that torch.export leaves in; static types already say so.
 TABLE[aten._assert_tensor_metadata.default] = lambda e, a: None
 

@@ -123,6 +123,12 @@ FAMILIES = {
     "gpt_oss": Family("GptOssForCausalLM", "GptOssConfig",
                       dict(GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                            sliding_window=8), moe=True),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                          dict(SMALL, num_key_value_heads=4, n_routed_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                               q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                               v_head_dim=16), moe=True),  # latent attention, MoE from layer 1
 }
 DEFAULT = {"mixtral"}  # in the default suite; the other rows are slow-marked
 TRAINED = ["mixtral", "gpt_neox", "falcon", "gemma", "qwen2_moe"]

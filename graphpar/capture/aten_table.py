@@ -528,6 +528,13 @@ def _histc(e, a):
     return e.emit("histc", [x], {"bins": bins, "min": scalar(lo), "max": scalar(hi)})
 
 
+@_on(aten.bincount.default)
+def _bincount(e, a):
+    raise TypeError("bincount's result length depends on the values counted, and graphpar's "
+                    "shapes are static: count into a fixed number of bins with "
+                    "torch.histc(x.float(), bins=n, min=0, max=n - 1) instead")
+
+
 # --- mixture of experts -----------------------------------------------------------------------
 
 def grouped_mm(e, a, b, offs):

@@ -8,6 +8,7 @@ import torch
 from graphpar.api import lower
 from graphpar.capture import Captured, capture_inference, capture_training
 from graphpar.cost.cluster import mesh_for
+from graphpar.errors import UnsupportedOpError
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.registry import get_op
 from graphpar.passes import PassContext
@@ -78,6 +79,16 @@ def test_histc_index_add_and_tensor_clamp_match_eager():
     assert {"histc", "index_add", "maximum"} <= {n.op for n in captured.graph.nodes}
     (out,) = captured.run(*args)
     torch.testing.assert_close(out, Routed()(*args), atol=1e-5, rtol=1e-5)
+
+
+class Bincount(torch.nn.Module):
+    def forward(self, idx):
+        return torch.bincount(idx, minlength=4)
+
+
+def test_bincount_says_to_count_with_histc():
+    with pytest.raises(UnsupportedOpError, match=r"bincount.*torch.histc\(x.float\(\), bins=n"):
+        capture_inference(Bincount(), (torch.tensor([0, 3, 3, 1]),))
 
 
 def every_strategy_of(captured: Captured, op: str, args, expected):

@@ -304,13 +304,13 @@ def _grouped_mm(node):
     whole. Within an expert, n and k shard as in a matmul. The grouped dim is blocked: the
     bounds are global row numbers."""
     a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
-    bounds = (0,)
+    e, s, k, n = range(4)
+    bounds = (e,)  # starts and ends: one per expert
     if len(b) == 3:  # a [S, K] rows grouped, b [E, K, N] -> [S, N]
-        e, s, k, n = range(4)
         return FactorSpec([b[0], a[0], a[1], b[2]], [(s, k), (e, k, n), bounds, bounds],
                           [(s, n)], [{k: "sum", e: "sum"}], blocked={s})
-    e, k, s, n = range(4)  # a [K, S], b [S, N] contraction grouped -> [E, K, N]
-    return FactorSpec([_shape(node.inputs[2])[0], a[0], a[1], b[1]],
+    # a [K, S], b [S, N] contraction grouped -> [E, K, N]
+    return FactorSpec([_shape(node.inputs[2])[0], a[1], a[0], b[1]],
                       [(k, s), (s, n), bounds, bounds], [(e, k, n)], [{}], blocked={s})
 
 

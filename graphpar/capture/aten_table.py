@@ -138,7 +138,11 @@ def _masked_fill(e, a):
 
 @_on(aten.clamp.default, aten.clamp.Tensor)
 def _clamp(e, a):
-    return e.emit("clamp", [a[0]], {"min": scalar(a[1]), "max": scalar(a[2])})
+    x, lo, hi = a
+    if isinstance(lo, Value) or isinstance(hi, Value):  # tensor bounds: elementwise max, min
+        x = x if lo is None else e.emit("maximum", [x, lo])
+        return x if hi is None else e.emit("minimum", [x, hi])
+    return e.emit("clamp", [x], {"min": scalar(lo), "max": scalar(hi)})
 
 
 @_on(aten.clamp_min.default)
@@ -448,6 +452,16 @@ def _dropout(e, a):
     return x, full(e, shape(x), True, torch.bool)
 
 
+@_on(aten.copy.default)
+def _copy(e, a):
+    """A functionalized `x.copy_(src)`: src in x's dtype, broadcast to x's shape."""
+    x, src = a[0], a[1]
+    if not isinstance(src, Value):
+        return full(e, shape(x), src, x.type.dtype)
+    src = _to_dtype(e, [src, x.type.dtype])
+    return _expand(e, [src, shape(x)])
+
+
 # Runtime checks of dtype/shape that torch.export leaves in; static types already say so.
 TABLE[aten._assert_tensor_metadata.default] = lambda e, a: None
 
@@ -500,6 +514,77 @@ def _scatter(e, a):
 def _scatter_value(e, a):
     src = full(e, shape(a[2]), a[3], a[0].type.dtype)
     return e.emit("scatter", [a[0], a[2], src], {"dim": pos(a[1], rank(a[0]))})
+
+
+@_on(aten.index_add.default)
+def _index_add(e, a):
+    x, dim, index, src, alpha = a
+    return e.emit("index_add", [x, index, _scaled(e, src, alpha)], {"dim": pos(dim, rank(x))})
+
+
+@_on(aten.histc.default)
+def _histc(e, a):
+    x, bins, lo, hi = a
+    return e.emit("histc", [x], {"bins": bins, "min": scalar(lo), "max": scalar(hi)})
+
+
+@_on(aten.bincount.default)
+def _bincount(e, a):
+    raise TypeError("bincount's result length depends on the values counted, and graphpar's "
+                    "shapes are static: count into a fixed number of bins with "
+                    "torch.histc(x.float(), bins=n, min=0, max=n - 1) instead")
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+def grouped_mm(e, a, b, offs):
+    """ATen's grouped matmul: `offs` holds each group's end; the IR op takes each group's start
+    as well (the previous end, 0 for the first), so a device holding some experts' weights and
+    bounds knows their rows without the others'."""
+    if offs is None:  # no groups: a batched matmul
+        return e.emit("matmul", [a, b])
+    if rank(a) != 2 or rank(b) not in (2, 3):
+        raise TypeError(f"grouped matmul of {a.type} and {b.type}: only a 2-D left operand "
+                        "(rows or contraction grouped) is supported")
+    groups = shape(offs)[0]
+    starts = _pad(e, [slice_(e, offs, 0, 0, groups - 1), (1, 0), 0]) if groups > 1 else \
+        full(e, (1,), 0, offs.type.dtype)
+    return e.emit("grouped_mm", [a, b, starts, offs])
+
+
+@_on(aten._grouped_mm.default)
+def _aten_grouped_mm(e, a):
+    x, w, offs, bias, out_dtype = a
+    if bias is not None:
+        raise TypeError("grouped matmul with a bias is not supported: add the bias after it")
+    out = grouped_mm(e, x, w, offs)
+    return out if out_dtype is None else _to_dtype(e, [out, out_dtype])
+
+
+def _grouped_mm_backward(e, a):
+    """Gradients of grouped_mm(x [S, K], w [E, K, N]): dx = per group grad @ w[e]^T and
+    dw[e] = x[group]^T @ grad[group]."""
+    x, w, offs, grad = a
+    dx = grouped_mm(e, grad, permute(e, w, (0, 2, 1)), offs)
+    dw = grouped_mm(e, permute(e, x, (1, 0)), grad, offs)
+    return dx, dw
+
+
+# Library ops that stand for a grouped matmul, by qualified name: they exist only once their
+# library is imported (Hugging Face transformers registers these for its MoE experts where
+# torch's grouped matmul does not apply, e.g. float32 under torch.export).
+BY_NAME: dict[str, Lowering] = {
+    "transformers::grouped_mm_fallback": lambda e, a: grouped_mm(e, *a),
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_backward,
+}
+
+
+def lowering_for(target: Any) -> Lowering | None:
+    """The table entry of an fx call target: by the op itself, or by its qualified name."""
+    found = TABLE.get(target)
+    if found is None and isinstance(target, torch._ops.OpOverload):
+        found = BY_NAME.get(target.name())
+    return found
 
 
 # --- creation ---------------------------------------------------------------------------------
@@ -749,5 +834,5 @@ PRESERVED = [
     aten.nll_loss_backward.default, aten.native_batch_norm_backward.default,
     aten.silu_backward.default, aten.sigmoid_backward.default, aten.tanh_backward.default,
     aten.threshold_backward.default, aten.conv2d.default,
-    aten.max_pool2d_with_indices_backward.default,
+    aten.max_pool2d_with_indices_backward.default, aten.index_add.default,
 ]

@@ -12,7 +12,7 @@ import torch.fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from graphpar.capture.aten_table import TABLE, Emitter
+from graphpar.capture.aten_table import Emitter, lowering_for
 from graphpar.errors import UnsupportedOpError
 from graphpar.ir.graph import Graph, OutputRole, Role, Value
 from graphpar.ir.ops import get_op
@@ -159,7 +159,7 @@ def _import_call(fx_node: torch.fx.Node, env: dict, emitter: _FxEmitter) -> Any:
     if target is operator.getitem:
         return args[0][args[1]]
     loc = user_location(fx_node.meta.get("stack_trace"))
-    lowering = TABLE.get(target)
+    lowering = lowering_for(target)
     if lowering is None:
         where = f" at {loc}" if loc else ""
         raise UnsupportedOpError(

@@ -199,6 +199,59 @@ _op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx), traits=REPLICAT
 _op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src),
     traits=REPLICATED)
 _op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src), traits=REPLICATED)
+_op("index_add", IX, lambda x, idx, src, dim: torch.index_add(x, dim, idx, src),
+    "index_add(x, idx, src) {dim}: x with src[i] added at x[idx[i]] along dim (repeats add up)")
+_op("histc", IX, lambda x, bins, min, max: torch.histc(x, bins, min, max),
+    "histc(x) {bins, min, max}: counts of x in `bins` equal bins over [min, max] (float "
+    "result); how MoE layers count the tokens routed to each expert",
+    traits=REPLICATED)  # the counts depend on every element's value: one whole histogram
+
+
+# --- mixture of experts -----------------------------------------------------------------------
+
+def _grouped_mm(a, b, starts, ends):
+    """Rows starts[e]:ends[e] of a times b[e] (a [S, K], b [E, K, N] -> [S, N]); or, with b
+    2-D, column group e of a times row group e of b (a [K, S], b [S, N] -> [E, K, N]). Rows
+    (or products) of no group are zero."""
+    bounds = zip(starts.tolist(), ends.tolist())
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (start, end) in enumerate(bounds):
+            if end > start:
+                out[start:end] = a[start:end] @ b[e]
+    else:
+        out = a.new_zeros(starts.shape[0], a.shape[0], b.shape[1])
+        for e, (start, end) in enumerate(bounds):
+            if end > start:
+                out[e] = a[:, start:end] @ b[start:end]
+    return out
+
+
+def _grouped_mm_type(operands, attrs):
+    a, b, starts = operands[0], operands[1], operands[2]
+    if a.rank != 2 or b.rank not in (2, 3) or starts.rank != 1 or operands[3].shape != starts.shape:
+        raise TypeError(f"grouped_mm takes a 2-D a, a 2-D or 3-D b and two 1-D bounds, got "
+                        f"{a}, {b}, {starts}, {operands[3]}")
+    if b.rank == 3:
+        if (b.shape[0], b.shape[1]) != (starts.shape[0], a.shape[1]):
+            raise TypeError(f"grouped_mm: {a} and {b} with {starts.shape[0]} groups do not fit")
+        return [TensorType((a.shape[0], b.shape[2]), a.dtype)]
+    if a.shape[1] != b.shape[0]:
+        raise TypeError(f"grouped_mm: {a} and {b} do not share their grouped dim")
+    return [TensorType((starts.shape[0], a.shape[0], b.shape[1]), a.dtype)]
+
+
+def _grouped_mm_flops(operands, results, attrs):
+    """Every row (or contraction index) is in at most one group: one dense product's work."""
+    a, b = operands[0], operands[1]
+    return 2 * a.numel * b.shape[-1]
+
+
+_op("grouped_mm", OpKind.MATMUL, _grouped_mm,
+    "grouped_mm(a, b, starts, ends): one matmul per expert over its rows starts[e]:ends[e] of "
+    "a (b [E, K, N]), or the per-expert weight gradient (b 2-D -> [E, K, N]); as ATen's "
+    "_grouped_mm with offsets, each group's start explicit so experts can be split",
+    type_rule=_grouped_mm_type, flop_rule=_grouped_mm_flops)
 
 
 # --- creation ---------------------------------------------------------------------------------

@@ -97,6 +97,8 @@ EXAMPLES = {
     "nll_loss": ex(t(4, 10), t(4, dtype=torch.int64), None, reduction=2),
     "nll_loss_backward": ex(t(), t(4, 10), t(4, dtype=torch.int64), t(), reduction=1),
     "full": ex(shape=(4, 8), value=0.0, dtype="f32"),
+    "index_add": ex(X, t(3, dtype=torch.int64), t(3, 8), dim=0),
+    "grouped_mm": ex(X, t(3, 8, 5), t(3, dtype=torch.int32), t(3, dtype=torch.int32)),
 }
 
 

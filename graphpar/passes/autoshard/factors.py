@@ -296,6 +296,39 @@ def _linear(node):
     return spec
 
 
+@rule("grouped_mm")
+def _grouped_mm(node):
+    """Experts shard: a device holding experts e0..e1 (their weights and bounds) computes
+    their rows, zeros elsewhere, so the rows-grouped product is a partial sum over experts
+    (expert parallelism); the weight-gradient form gives each device its experts' gradients
+    whole. Within an expert, n and k shard as in a matmul. The grouped dim is blocked: the
+    bounds are global row numbers."""
+    a, b = _shape(node.inputs[0]), _shape(node.inputs[1])
+    e, s, k, n = range(4)
+    bounds = (e,)  # starts and ends: one per expert
+    if len(b) == 3:  # a [S, K] rows grouped, b [E, K, N] -> [S, N]
+        return FactorSpec([b[0], a[0], a[1], b[2]], [(s, k), (e, k, n), bounds, bounds],
+                          [(s, n)], [{k: "sum", e: "sum"}], blocked={s})
+    # a [K, S], b [S, N] contraction grouped -> [E, K, N]
+    return FactorSpec([_shape(node.inputs[2])[0], a[1], a[0], b[1]],
+                      [(k, s), (s, n), bounds, bounds], [(e, k, n)], [{}], blocked={s})
+
+
+@rule("index_add")
+def _index_add(node):
+    """Dims other than `dim` shard freely; the added rows (index and src along `dim`) shard
+    as a partial sum, x added by one member of each group, as a bias is."""
+    x = _shape(node.inputs[0])
+    d = node.attrs["dim"]
+    factors = tuple(range(len(x)))
+    i = len(x)  # the index's factor
+    src = factors[:d] + (i,) + factors[d + 1:]
+    spec = FactorSpec(list(x) + [_shape(node.inputs[1])[0]], [factors, (i,), src], [factors],
+                      [{i: "sum"}], blocked={d})
+    spec.partial_operands[0] = {i}
+    return spec
+
+
 # --- composites -------------------------------------------------------------------------------
 
 def _attention_dims(node, q, k):

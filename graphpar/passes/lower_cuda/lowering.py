@@ -35,7 +35,7 @@ from graphpar.ir.cuda_listing import (
 from graphpar.ir.graph import Graph, Node, Role, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import OpKind, get_op
-from graphpar.ir.types import DTYPE_NAMES
+from graphpar.ir.types import DTYPE_NAMES, TensorType
 from graphpar.ir.verify import describe
 from graphpar.passes.lower_cuda.memory_plan import (
     Interval,
@@ -624,21 +624,36 @@ def _attention(low: Lowering, node: Node) -> None:
     q, k, v = node.inputs[:3]
     if len(node.inputs) > 3 and node.inputs[3] is not None:
         raise UnsupportedOpError("attention with a mask tensor (only causal masks lower)")
-    if node.attrs.get("gqa"):
-        raise UnsupportedOpError("attention with grouped K/V heads (gqa)")
     qt, kt = q.type, k.type
+    if node.attrs.get("gqa") and kt.shape[-3] != qt.shape[-3]:
+        k, v = (_repeat_heads(low, low.view(x), qt.shape[-3]) for x in (k, v))
+        kt = TensorType(k.shape, k.dtype)
     sq, d = qt.shape[-2], qt.shape[-1]
     sk = kt.shape[-2]
     scale = node.attrs.get("scale")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     batch = qt.shape[:-2]
-    kv = permute_view(low.view(k), tuple(range(kt.rank - 2)) + (kt.rank - 1, kt.rank - 2))
+    kv = permute_view(k if isinstance(k, View) else low.view(k),
+                      tuple(range(kt.rank - 2)) + (kt.rank - 1, kt.rank - 2))
     scores = emit_gemm(low, q, kv, batch + (sq, sk), qt.dtype, alpha=scale)
     probs = low.new_view(scores.shape, scores.dtype)
     _rowwise(low, "softmax", scores, probs, rows=math.prod(batch) * sq, cols=sk,
              extra=[("causal", bool(node.attrs.get("causal"))), ("sq", sq)])
     out = emit_gemm(low, probs, v, node.output.type.shape, qt.dtype)
     low.bind(node.output, out)
+
+
+def _repeat_heads(low: Lowering, x: View, heads: int) -> View:
+    """K or V [.., kv_heads, S, D] with each head repeated for its query group: [.., heads,
+    S, D], made dense by one copy (grouped-query attention as plain batched GEMMs)."""
+    *batch, kv_heads, s, d = x.shape
+    group = heads // kv_heads
+    shape = (*batch, kv_heads, group, s, d)
+    strides = (*x.strides[:-3], x.strides[-3], 0, *x.strides[-2:])
+    dense = low.materialize(Pending(("leaf", View(x.buf, x.offset, shape, strides, x.dtype)),
+                                    shape, x.dtype))
+    out_shape = (*batch, heads, s, d)
+    return View(dense.buf, 0, out_shape, contiguous_strides(out_shape), x.dtype)
 
 
 # ------------------------------------------------------------------------- row-wise kernels

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "generated-kernel calls): OUT/cuda/rank<R>.calls and kernels/")
     c.set_defaults(fn=cmd_compile)
 
-    d = sub.add_parser("dump", help="validate and print an IR file")
+    d = sub.add_parser("dump", help="validate and print an IR file (or a CUDA listing, *.calls)")
     d.add_argument("file")
     d.add_argument("--show-source", action="store_true")
     d.add_argument("--no-verify", action="store_true")

@@ -33,8 +33,10 @@ STORAGE = {"f32": "float", "f64": "double", "f16": "__half", "bf16": "__nv_bfloa
            "u8": "unsigned char", "bool": "bool"}
 
 PRELUDE = """\
+#ifndef GP_HOST_EMULATION  // tests build the kernels for the host with an emulation header
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#endif
 
 // Block-wide sum and max over BLOCK threads (every thread gets the result).
 __device__ __forceinline__ float gp_block_sum(float v, float* red) {

@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 
 from graphpar.errors import BackendError
+from graphpar.ir import paged_reference
 from graphpar.ir.cuda_listing import ALIGNMENT, Addr, Call, Const, Leaf, Listing, parse_expr
+from graphpar.ir.paged_ops import paged_attention_with, reshape_and_cache_with
 from graphpar.ir.registry import dtype as torch_dtype
 from graphpar.ir.registry import get_op
 
-__all__ = ["CpuListingExecutor", "ListingComm", "evaluate_expr"]
+__all__ = ["CpuListingExecutor", "ListingComm", "evaluate_expr", "run_paged_call"]
 
 POISON = 0xFF  # every float made of these bytes is a NaN
 
@@ -179,6 +181,8 @@ class CpuListingExecutor:
             self._wrote(call["dst"], call["count"])
         elif kind.startswith("nccl."):
             self._nccl(call)
+        elif kind.startswith("paged."):
+            run_paged_call(self, call, paged_reference)
         else:
             raise BackendError(f"the CPU executor has no call {kind!r}")
 
@@ -333,3 +337,35 @@ class CpuListingExecutor:
         for p in range(n):
             dst = own["dst"] if p == me else recvs[p]["recvbuff"]
             self._write(dst, dt, (count,), (1,), got[p])
+
+
+def run_paged_call(executor: Any, c: Call, kernels: Any) -> None:
+    """A `paged.*` call on `executor`'s memory (its `tensor(addr, dtype, shape, strides)`
+    views) by `kernels`: the pure-torch reference on the CPU, the CUDA kernels on a GPU."""
+
+    def dense(key: str, dtype: str, *shape: int) -> torch.Tensor:
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        return executor.tensor(c[key], dtype, shape, strides)
+
+    cache = (c["num_blocks"], c["block_size"], c["kv_heads"], c["head_size"])
+    kc, vc = dense("key_cache", c["dtype"], *cache), dense("value_cache", c["dtype"], *cache)
+    if c.kind == "paged.reshape_and_cache":
+        token = (c["tokens"], c["kv_heads"], c["head_size"])
+        reshape_and_cache_with(kernels, kc, vc, dense("key", c["dtype"], *token),
+                               dense("value", c["dtype"], *token),
+                               dense("slot_mapping", c["slot_dtype"], c["tokens"]))
+        return
+    if c.kind != "paged.attention":
+        raise BackendError(f"no paged call {c.kind!r}")
+    query = dense("query", c["dtype"], c["tokens"], c["heads"], c["head_size"])
+    starts = None if c.get("query_start_loc") is None else dense(
+        "query_start_loc", c["starts_dtype"], c["seqs"] + 1)
+    out = paged_attention_with(
+        kernels, query, kc, vc, dense("block_tables", c["index_dtype"], c["seqs"],
+                                      c["max_blocks"]),
+        dense("context_lens", c["lens_dtype"], c["seqs"]), starts, c["scale"], c["mode"])
+    dense("out", c["dtype"], c["tokens"], c["heads"], c["head_size"]).copy_(out)
+    if hasattr(executor, "_wrote"):
+        executor._wrote(c["out"], out.numel() * out.element_size())

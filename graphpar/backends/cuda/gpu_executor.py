@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from graphpar.backends.cuda.codegen import kernel_arguments, launch_shape, module_source
+from graphpar.backends.cuda.cpu_executor import run_paged_call
 from graphpar.errors import BackendError
 from graphpar.ir.cuda_listing import Addr, Call, Listing
 from graphpar.ir.mesh import Mesh
@@ -142,8 +143,17 @@ class GpuListingExecutor:
                 self.cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         elif kind.startswith("nccl."):
             self._nccl(call)
+        elif kind.startswith("paged."):  # the existing paged-attention CUDA kernels
+            from graphpar.backends.cuda.paged_attention import default_kernels
+
+            run_paged_call(self, call, default_kernels())
         else:
             raise BackendError(f"the GPU executor has no call {kind!r}")
+
+    def tensor(self, addr: Addr, dtype: str, shape: Sequence[int], strides: Sequence[int]
+               ) -> torch.Tensor:
+        """A torch view of device memory (for the paged-attention kernels' wrapper)."""
+        return torch.from_dlpack(self._view(addr, dtype, shape, strides))
 
     _DATA = {"f32": "CUDA_R_32F", "f64": "CUDA_R_64F", "f16": "CUDA_R_16F",
              "bf16": "CUDA_R_16BF"}

@@ -874,7 +874,51 @@ def _recv(low: Lowering, node: Node) -> None:
     low.bind(node.output, out)
 
 
+# ------------------------------------------------------------------------- paged attention
+
+def _reshape_and_cache(low: Lowering, node: Node) -> None:
+    """The existing reshape_and_cache kernel, writing the caches in place (their outputs are
+    the caches themselves, as the runtime donates them)."""
+    kc, vc = (low.view(x) for x in node.inputs[:2])
+    if not (kc.whole and vc.whole):
+        raise UnsupportedOpError("reshape_and_cache on caches that are views of other tensors")
+    key, value, slots = (low.contiguous(x) for x in node.inputs[2:5])
+    blocks, block_size, kv_heads, head_size = kc.shape
+    low.emit("paged.reshape_and_cache", [
+        ("key", low.addr(key)), ("value", low.addr(value)), ("key_cache", low.addr(kc)),
+        ("value_cache", low.addr(vc)), ("slot_mapping", low.addr(slots)),
+        ("tokens", key.shape[0]), ("num_blocks", blocks), ("block_size", block_size),
+        ("kv_heads", kv_heads), ("head_size", head_size), ("dtype", _dt(kc.dtype)),
+        ("slot_dtype", _dt(slots.dtype))], [key, value, slots, kc, vc], [kc, vc])
+    low.bind(node.outputs[0], kc)
+    low.bind(node.outputs[1], vc)
+
+
+def _paged_attention(low: Lowering, node: Node) -> None:
+    """The existing paged-attention kernels (decode, or prefill over query_start_loc)."""
+    query, kc, vc, tables, lens = (low.contiguous(x) for x in node.inputs[:5])
+    starts = low.contiguous(node.inputs[5]) if len(node.inputs) > 5 and isinstance(
+        node.inputs[5], Value) else None
+    t = node.output.type
+    out = low.new_view(t.shape, t.dtype)
+    blocks, block_size, kv_heads, head_size = kc.shape
+    reads = [query, kc, vc, tables, lens] + ([starts] if starts is not None else [])
+    low.emit("paged.attention", [
+        ("mode", node.attrs.get("mode", "decode")), ("scale", float(node.attrs.get("scale", 1.0))),
+        ("query", low.addr(query)), ("key_cache", low.addr(kc)), ("value_cache", low.addr(vc)),
+        ("block_tables", low.addr(tables)), ("context_lens", low.addr(lens)),
+        ("query_start_loc", None if starts is None else low.addr(starts)),
+        ("out", low.addr(out)), ("tokens", t.shape[0]), ("heads", t.shape[1]),
+        ("kv_heads", kv_heads), ("head_size", head_size), ("num_blocks", blocks),
+        ("block_size", block_size), ("seqs", tables.shape[0]), ("max_blocks", tables.shape[1]),
+        ("dtype", _dt(t.dtype)), ("index_dtype", _dt(tables.dtype)),
+        ("lens_dtype", _dt(lens.dtype)),
+        ("starts_dtype", None if starts is None else _dt(starts.dtype))], reads, [out])
+    low.bind(node.output, out)
+
+
 _HANDLERS = {
+    "reshape_and_cache": _reshape_and_cache, "paged_attention": _paged_attention,
     "full": _full,
     "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice,
     "select": _select, "clone": _clone, "cat": _cat, "slice_scatter": _slice_scatter,

@@ -21,6 +21,7 @@ SHIM = r"""
 #include "cuda_host_emulation.h"
 #include <utility>
 using std::exp; using std::log; using std::sqrt;
+template <typename T> T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }

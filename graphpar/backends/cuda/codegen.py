@@ -308,7 +308,11 @@ def _softmax(call: Call) -> str:
     neg_inf = "__int_as_float(0xff800000)"
     value = ("v - m - logf(s)" if log else "expf(v - m) / s")
     masked = neg_inf if log else "0.0f"
-    return f"""extern "C" __global__ void {call['name']}(const {t}* x, {t}* y) {{
+    has_lse = call.get("lse") is not None
+    lse_param = f", {t}* lse" if has_lse else ""
+    lse_store = (f"  if (threadIdx.x == 0) lse[blockIdx.x] = {_store(dt, 'm + logf(s)')};\n"
+                 if has_lse else "")
+    return f"""extern "C" __global__ void {call['name']}(const {t}* x, {t}* y{lse_param}) {{
   __shared__ float red[{BLOCK}];
   const {t}* xr = x + (long long)blockIdx.x * {cols}LL;
   {t}* yr = y + (long long)blockIdx.x * {cols}LL;
@@ -319,7 +323,7 @@ def _softmax(call: Call) -> str:
   float s = 0.0f;
   for (long long j = threadIdx.x; j < limit; j += blockDim.x) s += expf({_load(dt, 'xr[j]')} - m);
   s = gp_block_sum(s, red);
-  for (long long j = threadIdx.x; j < {cols}LL; j += blockDim.x) {{
+{lse_store}  for (long long j = threadIdx.x; j < {cols}LL; j += blockDim.x) {{
     const float v = {_load(dt, 'xr[j]')};
     yr[j] = {_store(dt, f'j < limit ? {value} : {masked}')};
   }}
@@ -332,8 +336,10 @@ def _norm(call: Call) -> str:
     layer = call.kind == "kernel.layer_norm"
     has_w = call.get("w") is not None
     has_b = layer and call.get("b") is not None
+    has_stats = layer and call.get("mean") is not None
     params = [f"const {t}* x"] + ([f"const {t}* w"] if has_w else []) + \
-        ([f"const {t}* b"] if has_b else []) + [f"{t}* y"]
+        ([f"const {t}* b"] if has_b else []) + [f"{t}* y"] + \
+        ([f"{t}* mean_out", f"{t}* rstd_out"] if has_stats else [])
     eps = _literal(call["eps"], "float")
     scale = f" * {_load(dt, 'w[j]')}" if has_w else ""
     shift = f" + {_load(dt, 'b[j]')}" if has_b else ""
@@ -347,6 +353,9 @@ def _norm(call: Call) -> str:
     q += d * d;
   }}
   const float rstd = rsqrtf(gp_block_sum(q, red) / {cols}.0f + {eps});"""
+        if has_stats:
+            stats += (f"\n  if (threadIdx.x == 0) {{ mean_out[blockIdx.x] = {_store(dt, 'mean')}; "
+                      f"rstd_out[blockIdx.x] = {_store(dt, 'rstd')}; }}")
         normed = "(v - mean) * rstd"
     else:
         stats = f"""  float q = 0.0f;
@@ -408,10 +417,70 @@ def _embedding(call: Call) -> str:
                         call["rows"] * cols, body)
 
 
+def _nll_loss(call: Call) -> str:
+    t, it = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]]
+    dt, classes = call["dtype"], call["classes"]
+    finish = "-s / n" if call["reduction"] == 1 else "-s"
+    return f"""extern "C" __global__ void {call['name']}(const {t}* logp, const {it}* target,
+    {t}* loss, {t}* total_weight) {{
+  __shared__ float red[{BLOCK}];
+  float s = 0.0f, c = 0.0f;
+  for (long long i = threadIdx.x; i < {call['rows']}LL; i += blockDim.x) {{
+    const long long k = (long long)target[i];
+    if (k != {call['ignore_index']}LL) {{
+      s += {_load(dt, f'logp[i * {classes}LL + k]')};
+      c += 1.0f;
+    }}
+  }}
+  s = gp_block_sum(s, red);
+  const float n = gp_block_sum(c, red);
+  if (threadIdx.x == 0) {{
+    loss[0] = {_store(dt, finish)};
+    total_weight[0] = {_store(dt, 'n')};
+  }}
+}}
+"""
+
+
+def _nll_loss_backward(call: Call) -> str:
+    t, it, dt = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]], call["dtype"]
+    classes = call["classes"]
+    scale = f"-{_load(dt, 'grad[0]')}" + (f" / {_load(dt, 'total_weight[0]')}"
+                                          if call["reduction"] == 1 else "")
+    ignore = call["ignore_index"]
+    value = _store(dt, f"(k == col && k != {ignore}LL) ? {scale} : 0.0f")
+    body = [f"const long long row = i / {classes}LL;", f"const long long col = i % {classes}LL;",
+            "const long long k = (long long)target[row];", f"y[i] = {value};"]
+    return _grid_stride(call["name"], [f"const {t}* grad", f"const {it}* target",
+                                       f"const {t}* total_weight", f"{t}* y"],
+                        call["rows"] * classes, body)
+
+
+def _arange(call: Call) -> str:
+    t = STORAGE[call["dtype"]]
+    ct = _compute_type(call["dtype"])
+    start, step = call["start"], call["step"]
+    body = [f"y[i] = {_store(call['dtype'], f'({ct})i * ({ct}){step} + ({ct}){start}')};"]
+    return _grid_stride(call["name"], [f"{t}* y"], call["n"], body)
+
+
+def _embedding_backward(call: Call) -> str:
+    t, it, cols = STORAGE[call["dtype"]], STORAGE[call["index_dtype"]], call["cols"]
+    if call["dtype"] not in ("f32", "f64"):
+        raise UnsupportedOpError("embedding_backward's atomic adds need f32 or f64")
+    body = [f"const long long row = i / {cols}LL;", f"const long long col = i % {cols}LL;",
+            "const long long k = (long long)index[row];",
+            f"if (k != {call['padding_idx']}LL) atomicAdd(&y[k * {cols}LL + col], grad[i]);"]
+    return _grid_stride(call["name"], [f"const {t}* grad", f"const {it}* index", f"{t}* y"],
+                        call["rows"] * cols, body)
+
+
 _GENERATORS = {"kernel.pointwise": _pointwise, "kernel.softmax": _softmax,
                "kernel.log_softmax": _softmax, "kernel.layer_norm": _norm,
                "kernel.rms_norm": _norm, "kernel.reduce": _reduce,
-               "kernel.embedding": _embedding}
+               "kernel.embedding": _embedding, "kernel.nll_loss": _nll_loss,
+               "kernel.nll_loss_backward": _nll_loss_backward, "kernel.arange": _arange,
+               "kernel.embedding_backward": _embedding_backward}
 
 
 def kernel_source(call: Call) -> str:
@@ -438,9 +507,18 @@ def kernel_arguments(call: Call) -> list[str]:
     if kind == "kernel.pointwise":
         return ["out", *_inputs(call)]
     if kind in ("kernel.softmax", "kernel.log_softmax"):
-        return ["x", "y"]
+        return ["x", "y"] + (["lse"] if call.get("lse") is not None else [])
     if kind in ("kernel.layer_norm", "kernel.rms_norm"):
-        return ["x"] + [k for k in ("w", "b") if call.get(k) is not None] + ["y"]
+        return (["x"] + [k for k in ("w", "b") if call.get(k) is not None] + ["y"]
+                + [k for k in ("mean", "rstd") if call.get(k) is not None])
+    if kind == "kernel.nll_loss":
+        return ["logp", "target", "loss", "total_weight"]
+    if kind == "kernel.nll_loss_backward":
+        return ["grad", "target", "total_weight", "y"]
+    if kind == "kernel.arange":
+        return ["y"]
+    if kind == "kernel.embedding_backward":
+        return ["grad", "index", "y"]
     if kind == "kernel.reduce":
         return ["x", "y"]
     if kind == "kernel.embedding":
@@ -453,8 +531,12 @@ def launch_shape(call: Call) -> tuple[int, int]:
     kind = call.kind
     if kind in ("kernel.softmax", "kernel.log_softmax", "kernel.layer_norm", "kernel.rms_norm"):
         return call["rows"], BLOCK
-    if kind == "kernel.pointwise":
+    if kind == "kernel.nll_loss":
+        return 1, BLOCK
+    if kind in ("kernel.pointwise", "kernel.arange"):
         n = call["n"]
+    elif kind == "kernel.nll_loss_backward":
+        n = call["rows"] * call["classes"]
     elif kind == "kernel.reduce":
         n = math.prod(s for d, s in enumerate(call["shape"]) if d not in call["dims"])
     else:

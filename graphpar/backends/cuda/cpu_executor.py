@@ -172,6 +172,9 @@ class CpuListingExecutor:
             self._reduce(call)
         elif kind == "kernel.embedding":
             self._embedding(call)
+        elif kind in ("kernel.nll_loss", "kernel.nll_loss_backward", "kernel.arange",
+                      "kernel.embedding_backward"):
+            getattr(self, "_" + kind.split(".")[1])(call)
         elif kind == "cuda.memsetAsync":
             self._bytes(call["dst"], call["count"]).fill_(call["value"])
             self._wrote(call["dst"], call["count"])
@@ -243,6 +246,8 @@ class CpuListingExecutor:
             x = x.masked_fill(torch.arange(c["cols"])[None, :] > i[:, None], float("-inf"))
         fn = torch.softmax if c.kind == "kernel.softmax" else torch.log_softmax
         self._write(c["y"], c["dtype"], (c["rows"], c["cols"]), (c["cols"], 1), fn(x, -1))
+        if c.get("lse") is not None:
+            self._write(c["lse"], c["dtype"], (c["rows"],), (1,), torch.logsumexp(x, -1))
 
     def _norm(self, c: Call) -> None:
         x = self._rows(c["x"], c)
@@ -250,7 +255,10 @@ class CpuListingExecutor:
         w = None if c.get("w") is None else self.tensor(c["w"], c["dtype"], (cols,), (1,))
         if c.kind == "kernel.layer_norm":
             b = None if c.get("b") is None else self.tensor(c["b"], c["dtype"], (cols,), (1,))
-            y = F.layer_norm(x, (cols,), w, b, c["eps"])
+            y, mean, rstd = torch.ops.aten.native_layer_norm(x, (cols,), w, b, c["eps"])
+            if c.get("mean") is not None:
+                self._write(c["mean"], c["dtype"], (c["rows"],), (1,), mean.reshape(-1))
+                self._write(c["rstd"], c["dtype"], (c["rows"],), (1,), rstd.reshape(-1))
         else:
             y = F.rms_norm(x, (cols,), w, c["eps"])
         self._write(c["y"], c["dtype"], (c["rows"], cols), (cols, 1), y)
@@ -266,6 +274,37 @@ class CpuListingExecutor:
         w = self.tensor(c["weight"], c["dtype"], (c["vocab"], cols), (cols, 1))
         idx = self.tensor(c["index"], c["index_dtype"], (rows,), (1,))
         self._write(c["y"], c["dtype"], (rows, cols), (cols, 1), w[idx.long()])
+
+    def _nll_loss(self, c: Call) -> None:
+        logp = self._flat(c["logp"], c["dtype"], c["rows"] * c["classes"])
+        target = self._flat(c["target"], c["target_dtype"], c["rows"])
+        loss, total = torch.ops.aten.nll_loss_forward(
+            logp.view(c["rows"], c["classes"]), target, None, c["reduction"], c["ignore_index"])
+        self._write(c["loss"], c["dtype"], (), (), loss)
+        self._write(c["total_weight"], c["dtype"], (), (), total)
+
+    def _nll_loss_backward(self, c: Call) -> None:
+        rows, classes = c["rows"], c["classes"]
+        grad = self.tensor(c["grad"], c["dtype"], (), ())
+        target = self._flat(c["target"], c["target_dtype"], rows)
+        total = self.tensor(c["total_weight"], c["dtype"], (), ())
+        shape = torch.empty(rows, classes, dtype=torch_dtype(c["dtype"]))
+        y = torch.ops.aten.nll_loss_backward(grad, shape, target, None, c["reduction"],
+                                             c["ignore_index"], total)
+        self._write(c["y"], c["dtype"], (rows, classes), (classes, 1), y)
+
+    def _arange(self, c: Call) -> None:
+        y = torch.arange(c["n"], dtype=torch_dtype(c["dtype"])) * c["step"] + c["start"]
+        self._write(c["y"], c["dtype"], (c["n"],), (1,), y)
+
+    def _embedding_backward(self, c: Call) -> None:
+        rows, cols = c["rows"], c["cols"]
+        grad = self.tensor(c["grad"], c["dtype"], (rows, cols), (cols, 1))
+        index = self._flat(c["index"], c["index_dtype"], rows).long()
+        keep = index != c["padding_idx"]
+        y = self.tensor(c["y"], c["dtype"], (c["vocab"], cols), (cols, 1))
+        self._write(c["y"], c["dtype"], (c["vocab"], cols), (cols, 1),
+                    y.index_add(0, index[keep], grad[keep]))
 
     # --- NCCL --------------------------------------------------------------------------------
 

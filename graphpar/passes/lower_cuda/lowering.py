@@ -35,7 +35,7 @@ from graphpar.ir.cuda_listing import (
 from graphpar.ir.graph import Graph, Node, Role, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import OpKind, get_op
-from graphpar.ir.types import DTYPE_NAMES, TensorType
+from graphpar.ir.types import DTYPE_NAMES
 from graphpar.ir.verify import describe
 from graphpar.passes.lower_cuda.memory_plan import (
     Interval,
@@ -165,6 +165,7 @@ class Lowering:
         self.users: dict[Value, int] = {}
         self.bufs: list[Buf] = []
         self.node_index = -1
+        self.current_inputs: list[Value] = []
         self.note = ""
 
     # --- buffers ------------------------------------------------------------------------------
@@ -214,12 +215,17 @@ class Lowering:
             return v
         return self.materialize(Pending(("leaf", v), v.shape, v.dtype))
 
-    def dead_after_now(self, buf: Buf) -> bool:
+    def dead_after_now(self, buf: Buf, own_input: bool = False) -> bool:
         """No value in `buf` is used after the current node, nor read by an expression still
-        pending (so its memory may be overwritten by the current node's result)."""
+        pending, nor (unless `own_input`: the node's result may replace its one operand, as an
+        in-place all-reduce does) read later by the current node's own steps: its memory may
+        take the current node's result."""
         if buf.state is not None or buf.output:
             return False
         if any(self.last_use.get(v, -1) > self.node_index for v in self.buf_values.get(buf, ())):
+            return False
+        if not own_input and any(isinstance(self.env.get(v), View) and self.env[v].buf is buf
+                                 for v in self.current_inputs):
             return False
         return not any(isinstance(x, Pending) and self.last_use.get(v, -1) > self.node_index
                        and any(leaf.buf is buf for leaf in leaves(x.expr))
@@ -282,6 +288,7 @@ class Lowering:
         inputs = self._place_inputs()
         for i, node in enumerate(graph.nodes):
             self.node_index = i
+            self.current_inputs = node.input_values
             self.note = f"{describe(node, graph, i)}"
             handler = _HANDLERS.get(node.op)
             if handler is None and get_op(node.op).kind is OpKind.ELEMENTWISE:
@@ -299,11 +306,13 @@ class Lowering:
             except UnsupportedOpError as exc:
                 raise UnsupportedLowering(f"lower-cuda: {describe(node, graph, i)}: {exc}") \
                     from None
+            self.current_inputs = []  # the node's own expression may overwrite its operands
             for out in node.outputs:  # a value several nodes read is computed once
                 x = self.env.get(out)
                 if isinstance(x, Pending) and self.users.get(out, 0) > 1:
                     self.view(out)
         self.node_index = end
+        self.current_inputs = []
         self.note = "outputs"
         outputs = []
         for o in graph.outputs:
@@ -620,27 +629,83 @@ def _linear(low: Lowering, node: Node) -> None:
     low.bind(node.output, Pending(expr, t.shape, t.dtype))
 
 
-def _attention(low: Lowering, node: Node) -> None:
+def _attention_parts(low: Lowering, node: Node):
     q, k, v = node.inputs[:3]
-    if len(node.inputs) > 3 and node.inputs[3] is not None:
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    if isinstance(mask, Value):
         raise UnsupportedOpError("attention with a mask tensor (only causal masks lower)")
     qt, kt = q.type, k.type
+    vq, vk, vv = low.view(q), low.view(k), low.view(v)
     if node.attrs.get("gqa") and kt.shape[-3] != qt.shape[-3]:
-        k, v = (_repeat_heads(low, low.view(x), qt.shape[-3]) for x in (k, v))
-        kt = TensorType(k.shape, k.dtype)
-    sq, d = qt.shape[-2], qt.shape[-1]
-    sk = kt.shape[-2]
+        vk, vv = (_repeat_heads(low, x, qt.shape[-3]) for x in (vk, vv))
     scale = node.attrs.get("scale")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    batch = qt.shape[:-2]
-    kv = permute_view(k if isinstance(k, View) else low.view(k),
-                      tuple(range(kt.rank - 2)) + (kt.rank - 1, kt.rank - 2))
-    scores = emit_gemm(low, q, kv, batch + (sq, sk), qt.dtype, alpha=scale)
+    scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else scale
+    return vq, vk, vv, scale
+
+
+def _transposed(v: View) -> View:
+    rank = len(v.shape)
+    return permute_view(v, tuple(range(rank - 2)) + (rank - 1, rank - 2))
+
+
+def _probabilities(low: Lowering, node: Node, q: View, k: View, scale: float,
+                   lse: View | None = None) -> View:
+    """softmax(q k^T · scale) (causal if the node says so), and its log-sum-exp per row."""
+    batch, sq, sk = q.shape[:-2], q.shape[-2], k.shape[-2]
+    scores = emit_gemm(low, q, _transposed(k), batch + (sq, sk), q.dtype, alpha=scale)
     probs = low.new_view(scores.shape, scores.dtype)
-    _rowwise(low, "softmax", scores, probs, rows=math.prod(batch) * sq, cols=sk,
-             extra=[("causal", bool(node.attrs.get("causal"))), ("sq", sq)])
-    out = emit_gemm(low, probs, v, node.output.type.shape, qt.dtype)
-    low.bind(node.output, out)
+    extra: list[tuple[str, Any]] = [("causal", bool(node.attrs.get("causal"))), ("sq", sq)]
+    if lse is not None:
+        extra.append(("lse", low.addr(lse)))
+    _rowwise(low, "softmax", scores, probs, rows=math.prod(batch) * sq, cols=sk, extra=extra,
+             more_writes=[lse] if lse is not None else [])
+    return probs
+
+
+def _attention(low: Lowering, node: Node) -> None:
+    """GEMM (scores, scaled) -> softmax kernel (causal mask; with_lse: the log-sum-exp too) ->
+    GEMM."""
+    q, k, v, scale = _attention_parts(low, node)
+    lse = None
+    if node.op == "attention_with_lse":
+        lt = node.outputs[1].type
+        lse = low.new_view(lt.shape, lt.dtype)
+    probs = _probabilities(low, node, q, k, scale, lse)
+    low.bind(node.outputs[0], emit_gemm(low, probs, v, node.outputs[0].type.shape, q.dtype))
+    if lse is not None:
+        low.bind(node.outputs[1], lse)
+
+
+def _attention_backward(low: Lowering, node: Node) -> None:
+    """dq, dk, dv from the recomputed probabilities P: dv = P^T do, dP = do v^T,
+    dS = P (dP - rowsum(do o)), dq = dS k · scale, dk = dS^T q · scale."""
+    if node.attrs.get("gqa"):
+        raise UnsupportedOpError("attention_backward with grouped K/V heads")
+    q, k, v, scale = _attention_parts(low, _Shifted(node))
+    do, o = low.view(node.inputs[0]), low.view(node.inputs[4])
+    probs = _probabilities(low, node, q, k, scale)
+    shape = probs.shape
+    dv = emit_gemm(low, _transposed(probs), do, node.outputs[2].type.shape, q.dtype)
+    dp = emit_gemm(low, do, _transposed(v), shape, q.dtype)
+    rank = len(do.shape)
+    rows = emit_reduce(low, Pending(("apply", "mul", (("leaf", do), ("leaf", o)), ()), do.shape,
+                                    do.dtype), (rank - 1,), "sum")
+    rows = broadcast_view(_keepdim(rows, (rank - 1,), rank), shape)
+    ds = low.materialize(Pending(("apply", "mul", (("leaf", probs), ("apply", "sub", (
+        ("leaf", dp), ("leaf", rows)), ())), ()), shape, probs.dtype))
+    dq = emit_gemm(low, ds, k, node.outputs[0].type.shape, q.dtype, alpha=scale)
+    dk = emit_gemm(low, _transposed(ds), q, node.outputs[1].type.shape, q.dtype, alpha=scale)
+    for value, view in zip(node.outputs, (dq, dk, dv)):
+        low.bind(value, view)
+
+
+class _Shifted:
+    """attention_backward's operands seen as attention's (q, k, v first)."""
+
+    def __init__(self, node: Node):
+        self.op = "attention_backward"
+        self.inputs = node.inputs[1:4] + node.inputs[6:7]
+        self.attrs = node.attrs
 
 
 def _repeat_heads(low: Lowering, x: View, heads: int) -> View:
@@ -659,16 +724,19 @@ def _repeat_heads(low: Lowering, x: View, heads: int) -> View:
 # ------------------------------------------------------------------------- row-wise kernels
 
 def _rowwise(low: Lowering, template: str, x: View, out: View, rows: int, cols: int,
-             extra: Sequence[tuple[str, Any]] = (), weights: Sequence[View | None] = ()
-             ) -> None:
+             extra: Sequence[tuple[str, Any]] = (), weights: Sequence[View | None] = (),
+             more_writes: Sequence[View] = ()) -> None:
     params: list[tuple[str, Any]] = [("name", None), ("rows", rows), ("cols", cols),
                                      ("dtype", _dt(x.dtype)), *extra,
                                      ("x", low.addr(x))]
     for label, w in zip(("w", "b"), weights):
         params.append((label, None if w is None else low.addr(w)))
     params.append(("y", low.addr(out)))
-    params[0] = ("name", f"{template}_" + _digest(params[1:], drop=("x", "w", "b", "y")))
-    low.emit(f"kernel.{template}", params, [x] + [w for w in weights if w is not None], [out])
+    drop = ("x", "w", "b", "y", "mean", "rstd", "lse")
+    params[0] = ("name", f"{template}_" + _digest(
+        [(k, v if k not in drop or v is None else "ptr") for k, v in params[1:]]))
+    low.emit(f"kernel.{template}", params, [x] + [w for w in weights if w is not None],
+             [out, *more_writes])
 
 
 def _softmax(low: Lowering, node: Node) -> None:
@@ -684,19 +752,99 @@ def _softmax(low: Lowering, node: Node) -> None:
 
 
 def _norm(low: Lowering, node: Node) -> None:
-    t = node.output.type
+    t = node.outputs[0].type
     cols = math.prod(node.attrs["shape"])
     x = low.contiguous(node.inputs[0])
-    n_weights = 2 if node.op == "layer_norm" else 1
+    n_weights = 1 if node.op == "rms_norm" else 2
     weights = [low.contiguous(w) if isinstance(w, Value) else None
                for w in (list(node.inputs[1:]) + [None, None])[:n_weights]]
     eps = node.attrs.get("eps")
     if eps is None:
         eps = torch.finfo(t.dtype).eps
     out = low.new_view(t.shape, t.dtype)
-    _rowwise(low, node.op, x, out, rows=t.numel // cols, cols=cols,
-             extra=[("eps", float(eps))], weights=weights)
-    low.bind(node.output, out)
+    stats = [low.new_view(o.type.shape, o.type.dtype) for o in node.outputs[1:]]
+    extra: list[tuple[str, Any]] = [("eps", float(eps))]
+    if stats:  # layer_norm_with_stats: each row's mean and 1/std too, for the backward
+        extra += [("mean", low.addr(stats[0])), ("rstd", low.addr(stats[1]))]
+    template = "rms_norm" if node.op == "rms_norm" else "layer_norm"
+    _rowwise(low, template, x, out, rows=t.numel // cols, cols=cols, extra=extra,
+             weights=weights, more_writes=stats)
+    for value, view in zip(node.outputs, [out, *stats]):
+        low.bind(value, view)
+
+
+def _layer_norm_backward(low: Lowering, node: Node) -> None:
+    """dx, dw, db from the saved mean and rstd, as GEMM-free kernels: two row reductions for
+    dx, column reductions for dw and db."""
+    g, x, mean, rstd = (low.view(v) for v in node.inputs[:4])
+    w = node.inputs[4] if len(node.inputs) > 4 and isinstance(node.inputs[4], Value) else None
+    shape = x.shape
+    k = len(node.attrs["shape"])
+    rows_dims = tuple(range(len(shape) - k))
+    norm_dims = tuple(range(len(shape) - k, len(shape)))
+    mask = node.attrs.get("mask", (True, True, True))
+
+    def leaf(v: View) -> Any:
+        return ("leaf", broadcast_view(v, shape))
+
+    def op(name: str, *args: Any) -> Any:
+        return ("apply", name, args, ())
+
+    xhat = op("mul", op("sub", leaf(x), leaf(mean)), leaf(rstd))
+    gw = op("mul", leaf(g), leaf(low.view(w))) if w is not None else leaf(g)
+    outputs = iter(node.outputs)
+    if mask[0]:
+        c1 = _keepdim(emit_reduce(low, Pending(gw, shape, x.dtype), norm_dims, "mean"),
+                      norm_dims, len(shape))
+        c2 = _keepdim(emit_reduce(low, Pending(op("mul", gw, xhat), shape, x.dtype), norm_dims,
+                                  "mean"), norm_dims, len(shape))
+        dx = op("mul", leaf(rstd), op("sub", op("sub", gw, leaf(c1)), op("mul", xhat, leaf(c2))))
+        low.bind(next(outputs), low.materialize(Pending(dx, shape, x.dtype)))
+    if len(mask) > 1 and mask[1]:
+        low.bind(next(outputs), emit_reduce(low, Pending(op("mul", leaf(g), xhat), shape,
+                                                         x.dtype), rows_dims, "sum"))
+    if len(mask) > 2 and mask[2]:
+        low.bind(next(outputs), emit_reduce(low, g, rows_dims, "sum"))
+
+
+def _log_softmax_backward(low: Lowering, node: Node) -> None:
+    """g - exp(y) * sum(g over dim): one reduction and one fused kernel."""
+    g, y = low.view(node.inputs[0]), low.view(node.inputs[1])
+    dim = node.attrs["dim"] % len(g.shape)
+    total = _keepdim(emit_reduce(low, g, (dim,), "sum"), (dim,), len(g.shape))
+    expr = ("apply", "sub", (("leaf", g), ("apply", "mul", (
+        ("apply", "exp", (("leaf", y),), ()), ("leaf", broadcast_view(total, g.shape))), ())), ())
+    low.bind(node.output, Pending(expr, g.shape, g.dtype))
+
+
+def emit_reduce(low: Lowering, x: View | Pending, dims: Sequence[int], op: str,
+                dtype: torch.dtype | None = None) -> View:
+    """`op` ("sum", "mean", "amax", "amin") of `x` over `dims` into a new dense buffer (the
+    kept dims, in order); a pending expression is computed first."""
+    if isinstance(x, Pending):
+        x = low.materialize(x)
+    dims = tuple(sorted(d % len(x.shape) for d in dims))
+    shape = tuple(size for d, size in enumerate(x.shape) if d not in dims)
+    out = low.new_view(shape, dtype or x.dtype)
+    params: list[tuple[str, Any]] = [
+        ("name", None), ("op", op), ("shape", x.shape), ("dims", dims),
+        ("x", low.addr(x)), ("x_dtype", _dt(x.dtype)), ("x_strides", x.strides),
+        ("y", low.addr(out)), ("y_dtype", _dt(out.dtype))]
+    params[0] = ("name", "reduce_" + _digest(params[1:], drop=("x", "y")))
+    low.emit("kernel.reduce", params, [x], [out])
+    return out
+
+
+def _keepdim(v: View, dims: Sequence[int], rank: int) -> View:
+    """A reduction's dense result seen with its reduced dims back as size 1 (to broadcast)."""
+    shape = tuple(1 if d in dims else size for d, size in
+                  zip(range(rank), _expand_kept(v.shape, dims, rank)))
+    return View(v.buf, v.offset, shape, contiguous_strides(shape), v.dtype)
+
+
+def _expand_kept(kept: Sequence[int], dims: Sequence[int], rank: int) -> list[int]:
+    it = iter(kept)
+    return [1 if d in dims else next(it) for d in range(rank)]
 
 
 def _reduce(low: Lowering, node: Node) -> None:
@@ -704,14 +852,8 @@ def _reduce(low: Lowering, node: Node) -> None:
     t = node.output.type
     dims = node.attrs.get("dims")
     dims = tuple(range(len(x.shape))) if dims is None else tuple(d % len(x.shape) for d in dims)
-    out = low.new_view(t.shape, t.dtype)
-    params: list[tuple[str, Any]] = [
-        ("name", None), ("op", node.op), ("shape", x.shape), ("dims", tuple(sorted(dims))),
-        ("x", low.addr(x)), ("x_dtype", _dt(x.dtype)), ("x_strides", x.strides),
-        ("y", low.addr(out)), ("y_dtype", _dt(t.dtype))]
-    params[0] = ("name", "reduce_" + _digest(params[1:], drop=("x", "y")))
-    low.emit("kernel.reduce", params, [x], [out])
-    low.bind(node.output, out)
+    out = emit_reduce(low, x, dims, node.op, t.dtype)
+    low.bind(node.output, View(out.buf, 0, t.shape, contiguous_strides(t.shape), t.dtype))
 
 
 def _embedding(low: Lowering, node: Node) -> None:
@@ -727,6 +869,75 @@ def _embedding(low: Lowering, node: Node) -> None:
         ("y", low.addr(out))]
     params[0] = ("name", "embedding_" + _digest(params[1:], drop=("weight", "index", "y")))
     low.emit("kernel.embedding", params, [vw, vi], [out])
+    low.bind(node.output, out)
+
+
+def _index_kernel(low: Lowering, kind: str, params: list[tuple[str, Any]], reads, writes,
+                  addresses: Sequence[str]) -> None:
+    params = [("name", kind.split(".")[1] + "_" + _digest(
+        [(k, "ptr" if k in addresses and v is not None else v) for k, v in params])), *params]
+    low.emit(kind, params, reads, writes)
+
+
+def _nll_loss(low: Lowering, node: Node) -> None:
+    """-logp[i, target[i]] summed (reduction 2) or averaged (1) over rows whose target is not
+    ignore_index; total_weight is the number of such rows."""
+    logp, target = low.contiguous(node.inputs[0]), low.contiguous(node.inputs[1])
+    if len(node.inputs) > 2 and isinstance(node.inputs[2], Value):
+        raise UnsupportedOpError("nll_loss with class weights")
+    if len(logp.shape) != 2:
+        raise UnsupportedOpError("nll_loss over other than [rows, classes]")
+    loss, total = (low.new_view(o.type.shape, o.type.dtype) for o in node.outputs)
+    _index_kernel(low, "kernel.nll_loss", [
+        ("rows", logp.shape[0]), ("classes", logp.shape[1]), ("dtype", _dt(logp.dtype)),
+        ("target_dtype", _dt(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
+        ("ignore_index", node.attrs.get("ignore_index", -100)), ("logp", low.addr(logp)),
+        ("target", low.addr(target)), ("loss", low.addr(loss)),
+        ("total_weight", low.addr(total))], [logp, target], [loss, total],
+        ("logp", "target", "loss", "total_weight"))
+    low.bind(node.outputs[0], loss)
+    low.bind(node.outputs[1], total)
+
+
+def _nll_loss_backward(low: Lowering, node: Node) -> None:
+    g, logp, target, total = (low.contiguous(x) for x in node.inputs[:4])
+    if len(node.inputs) > 4 and isinstance(node.inputs[4], Value):
+        raise UnsupportedOpError("nll_loss_backward with class weights")
+    t = node.output.type
+    out = low.new_view(t.shape, t.dtype)
+    _index_kernel(low, "kernel.nll_loss_backward", [
+        ("rows", t.shape[0]), ("classes", t.shape[1]), ("dtype", _dt(t.dtype)),
+        ("target_dtype", _dt(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
+        ("ignore_index", node.attrs.get("ignore_index", -100)), ("grad", low.addr(g)),
+        ("target", low.addr(target)), ("total_weight", low.addr(total)),
+        ("y", low.addr(out))], [g, target, total], [out],
+        ("grad", "target", "total_weight", "y"))
+    low.bind(node.output, out)
+
+
+def _arange(low: Lowering, node: Node) -> None:
+    t = node.output.type
+    out = low.new_view(t.shape, t.dtype)
+    a = node.attrs
+    _index_kernel(low, "kernel.arange", [("n", t.numel), ("start", a["start"]),
+                                          ("step", a["step"]), ("dtype", _dt(t.dtype)),
+                                          ("y", low.addr(out))], [], [out], ("y",))
+    low.bind(node.output, out)
+
+
+def _embedding_backward(low: Lowering, node: Node) -> None:
+    """Zero the weight gradient, then add each row of the gradient at its index (atomically on
+    a GPU)."""
+    g, idx = low.contiguous(node.inputs[0]), low.contiguous(node.inputs[1])
+    t = node.output.type
+    out = low.new_view(t.shape, t.dtype)
+    low.emit("cuda.memsetAsync", [("dst", low.addr(out)), ("value", 0),
+                                  ("count", out.buf.nbytes)], [], [out])
+    _index_kernel(low, "kernel.embedding_backward", [
+        ("rows", math.prod(idx.shape)), ("cols", t.shape[1]), ("vocab", t.shape[0]),
+        ("padding_idx", node.attrs.get("padding_idx", -1)), ("dtype", _dt(t.dtype)),
+        ("index_dtype", _dt(idx.dtype)), ("grad", low.addr(g)), ("index", low.addr(idx)),
+        ("y", low.addr(out))], [g, idx, out], [out], ("grad", "index", "y"))
     low.bind(node.output, out)
 
 
@@ -775,7 +986,8 @@ def _collective(low: Lowering, node: Node) -> None:
     count = math.prod(x.shape)
     dt = _dt(x.dtype)
     if node.op == "all_reduce":
-        out = x if low.dead_after_now(x.buf) and x.whole else low.new_view(t.shape, t.dtype)
+        out = x if low.dead_after_now(x.buf, own_input=True) and x.whole \
+            else low.new_view(t.shape, t.dtype)
         low.emit("nccl.allReduce", [("sendbuff", low.addr(x)), ("recvbuff", low.addr(out)),
                                     ("count", count), ("datatype", dt),
                                     ("op", a.get("op", "sum")), ("comm", comm)], [x], [out])
@@ -923,6 +1135,11 @@ _HANDLERS = {
     "reshape": _reshape, "permute": _permute, "expand": _expand, "slice": _slice,
     "select": _select, "clone": _clone, "cat": _cat, "slice_scatter": _slice_scatter,
     "matmul": _matmul, "linear": _linear, "attention": _attention,
+    "attention_with_lse": _attention, "attention_backward": _attention_backward,
+    "layer_norm_with_stats": _norm, "layer_norm_backward": _layer_norm_backward,
+    "log_softmax_backward": _log_softmax_backward, "nll_loss": _nll_loss,
+    "nll_loss_backward": _nll_loss_backward, "arange": _arange,
+    "embedding_backward": _embedding_backward,
     "softmax": _softmax, "log_softmax": _softmax, "layer_norm": _norm, "rms_norm": _norm,
     "sum": _reduce, "mean": _reduce, "amax": _reduce, "amin": _reduce,
     "embedding": _embedding,

@@ -50,10 +50,10 @@ def test_inference_on_2x2_ranks(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["2x2", "2x2x2"])
-def test_mlp_adam_training_step_on_many_ranks(mesh):
-    ex = get_model("mlp", "tiny", batch_size=4, train=True)
-    spec = ModelSpec("mlp", ex.module, ex.inputs, ex.loss_fn, ex.targets)
+@pytest.mark.parametrize("name, mesh", [("mlp", "2x2"), ("mlp", "2x2x2"), ("gpt", "2x2")])
+def test_adam_training_step_on_many_ranks(name, mesh):
+    ex = get_model(name, "tiny", batch_size=4, train=True)
+    spec = ModelSpec(name, ex.module, ex.inputs, ex.loss_fn, ex.targets)
     captured = capture_training(copy.deepcopy(ex.module), ex.inputs, ex.loss_fn, ex.targets,
                                 optimizer=Adam(), keep_grads=True)
     compiled = sharded(captured, mesh, seed=7, spec=spec, optimizer=Adam())

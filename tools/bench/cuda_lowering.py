@@ -28,8 +28,9 @@ from graphpar.passes.autoshard import AutoShard
 from graphpar.passes.lower_cuda import lower_to_listing
 
 QUICK = [("mlp:tiny", "infer", "2"), ("mlp:tiny", "train", "2x2"), ("gpt:tiny", "infer", "2x2"),
-         ("llama:tiny", "infer", "2x2"), ("bert:tiny", "infer", "2x2")]
-DEFAULT = QUICK + [("gpt:1.3B", "infer", "2x4")]
+         ("gpt:tiny", "train", "2x2"), ("llama:tiny", "infer", "2x2"),
+         ("bert:tiny", "infer", "2x2")]
+DEFAULT = QUICK + [("gpt:1.3B", "infer", "2x4"), ("gpt:1.3B", "train", "2x4")]
 
 
 def measure(model: str, mode: str, mesh: str, time_limit: float) -> dict:

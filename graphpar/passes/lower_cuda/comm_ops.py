@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from graphpar.ir.graph import Node
 from graphpar.ir.types import dtype_name
 from graphpar.passes.lower_cuda.lowering import HANDLERS, Lowering
-from graphpar.passes.lower_cuda.shape_ops import _into
+from graphpar.passes.lower_cuda.shape_ops import copy_into
 from graphpar.passes.lower_cuda.values import (
     Pending,
     View,
@@ -141,7 +141,7 @@ def _local_pad(low: Lowering, node: Node) -> None:
     low.emit("cuda.memsetAsync", [("dst", low.addr(out)), ("value", 0),
                                   ("count", out.buf.nbytes)], [], [out])
     source = low.operand(node.inputs[0])
-    _into(low, out, dim, _position(low, node) * source.shape[dim], source)
+    copy_into(low, out, dim, _position(low, node) * source.shape[dim], source)
     low.bind(node.output, out)
 
 

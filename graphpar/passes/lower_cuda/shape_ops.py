@@ -99,7 +99,7 @@ def _clone(low: Lowering, node: Node) -> None:
     low.bind(node.output, low.operand(node.inputs[0]))
 
 
-def _into(low: Lowering, out: View, dim: int, start: int, source: Any) -> None:
+def copy_into(low: Lowering, out: View, dim: int, start: int, source: Any) -> None:
     """Copy `source` (a view or pending expression) into `out` from `start` along `dim`."""
     shape = list(out.shape)
     shape[dim] = source.shape[dim]
@@ -116,7 +116,7 @@ def _cat(low: Lowering, node: Node) -> None:
     start = 0
     for x in node.inputs:
         source = low.operand(x)
-        _into(low, out, dim, start, source)
+        copy_into(low, out, dim, start, source)
         start += source.shape[dim]
     low.bind(node.output, out)
 
@@ -132,7 +132,7 @@ def _slice_scatter(low: Lowering, node: Node) -> None:
     out = low.new_view(t.shape, t.dtype)
     low.materialize(Pending(as_expr(low.operand(node.inputs[0]), t.shape), t.shape,
                             t.dtype), out)
-    _into(low, out, dim, start, low.operand(node.inputs[1]))
+    copy_into(low, out, dim, start, low.operand(node.inputs[1]))
     low.bind(node.output, out)
 
 

@@ -34,7 +34,9 @@ def _compiled(name: str, mode: str):
 CASES = [("mlp", "infer"), ("gpt", "infer"), ("mlp", "train"),
          pytest.param("gpt", "train", marks=pytest.mark.slow),
          pytest.param("llama", "infer", marks=pytest.mark.slow),
-         pytest.param("bert", "infer", marks=pytest.mark.slow)]
+         pytest.param("bert", "infer", marks=pytest.mark.slow),
+         pytest.param("llama", "train", marks=pytest.mark.slow),  # grouped-query backward
+         pytest.param("bert", "train", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name, mode", CASES)

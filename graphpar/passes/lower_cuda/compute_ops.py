@@ -135,7 +135,7 @@ def _attention_parts(low: Lowering, node: Node):
         raise UnsupportedOpError("attention with a mask tensor (only causal masks lower)")
     qt, kt = q.type, k.type
     vq, vk, vv = low.view(q), low.view(k), low.view(v)
-    if node.attrs.get("gqa") and kt.shape[-3] != qt.shape[-3]:
+    if kt.shape[-3] != qt.shape[-3]:  # grouped-query: each K/V head serves a query group
         vk, vv = (_repeat_heads(low, x, qt.shape[-3]) for x in (vk, vv))
     scale = node.attrs.get("scale")
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else scale
@@ -178,13 +178,11 @@ def _attention(low: Lowering, node: Node) -> None:
 def _attention_backward(low: Lowering, node: Node) -> None:
     """dq, dk, dv from the recomputed probabilities P: dv = P^T do, dP = do v^T,
     dS = P (dP - rowsum(do o)), dq = dS k · scale, dk = dS^T q · scale."""
-    if node.attrs.get("gqa"):
-        raise UnsupportedOpError("attention_backward with grouped K/V heads")
     q, k, v, scale = _attention_parts(low, _Shifted(node))
     do, o = low.view(node.inputs[0]), low.view(node.inputs[4])
     probs = _probabilities(low, node, q, k, scale)
     shape = probs.shape
-    dv = emit_gemm(low, _transposed(probs), do, node.outputs[2].type.shape, q.dtype)
+    dv = emit_gemm(low, _transposed(probs), do, v.shape, q.dtype)
     dp = emit_gemm(low, do, _transposed(v), shape, q.dtype)
     rank = len(do.shape)
     rows = emit_reduce(low, Pending(("apply", "mul", (("leaf", do), ("leaf", o)), ()), do.shape,
@@ -193,9 +191,22 @@ def _attention_backward(low: Lowering, node: Node) -> None:
     ds = low.materialize(Pending(("apply", "mul", (("leaf", probs), ("apply", "sub", (
         ("leaf", dp), ("leaf", rows)), ())), ()), shape, probs.dtype))
     dq = emit_gemm(low, ds, k, node.outputs[0].type.shape, q.dtype, alpha=scale)
-    dk = emit_gemm(low, _transposed(ds), q, node.outputs[1].type.shape, q.dtype, alpha=scale)
+    dk = emit_gemm(low, _transposed(ds), q, k.shape, q.dtype, alpha=scale)
+    kv_heads = node.outputs[1].type.shape[-3]
+    if kv_heads != k.shape[-3]:  # grouped-query: sum each K/V head's gradient over its group
+        dk, dv = (_sum_groups(low, x, kv_heads) for x in (dk, dv))
     for value, view in zip(node.outputs, (dq, dk, dv)):
         low.bind(value, view)
+
+
+def _sum_groups(low: Lowering, x: View, kv_heads: int) -> View:
+    """[.., heads, S, D] dense -> [.., kv_heads, S, D]: the sum over each head's group."""
+    *batch, heads, s, d = x.shape
+    grouped = (*batch, kv_heads, heads // kv_heads, s, d)
+    view = View(x.buf, x.offset, grouped, contiguous_strides(grouped), x.dtype)
+    out = emit_reduce(low, view, (len(batch) + 1,), "sum")
+    shape = (*batch, kv_heads, s, d)
+    return View(out.buf, 0, shape, contiguous_strides(shape), x.dtype)
 
 
 class _Shifted:

@@ -73,6 +73,8 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def broadcast_view(v: View, shape: tuple[int, ...]) -> View:
     """`v` read as `shape` (numpy broadcasting: new leading dims and size-1 dims repeat)."""
     lead = len(shape) - len(v.shape)
+    if lead < 0 or any(size not in (1, want) for size, want in zip(v.shape, shape[lead:])):
+        raise UnsupportedOpError(f"cannot broadcast {list(v.shape)} to {list(shape)}")
     strides = [0] * lead + [0 if size == 1 and want != 1 else s
                             for size, want, s in zip(v.shape, shape[lead:], v.strides)]
     return View(v.buf, v.offset, shape, tuple(strides), v.dtype)

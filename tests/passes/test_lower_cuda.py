@@ -156,3 +156,17 @@ def test_the_bound_and_the_plan_on_a_small_case_by_hand():
     assert live_bytes_bound(bufs, 4) == aligned(1000) + aligned(300)
     assert place(bufs) == aligned(1000) + aligned(300)
     assert bufs[0].offset == bufs[2].offset
+
+
+def test_an_output_is_never_overwritten_by_another_output_computed_from_it():
+    # %0 is an output; %1 = %0 * 2 is computed at the end, when %0 is "dead" to the walk
+    listing = _lower("""
+graph @main(%a: f32[8,8] input, %b: f32[8,8] input) {
+  %0 = matmul(%a, %b) : f32[8,8]
+  %1 = mul(%0, 2.0) : f32[8,8]
+  return %0 output, %1 output
+}
+""")
+    gemm, scale = listing.calls
+    assert scale["in0"] == gemm["C"] and scale["out"] != gemm["C"]
+    assert listing.outputs[0].addr != listing.outputs[1].addr

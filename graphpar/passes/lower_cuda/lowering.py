@@ -142,7 +142,8 @@ class Lowering:
             return v
         return self.materialize(Pending(("leaf", v), v.shape, v.dtype))
 
-    def dead_after_now(self, buf: Buf, own_input: bool = False) -> bool:
+    def dead_after_now(self, buf: Buf, own_input: bool = False,
+                       computing: Pending | None = None) -> bool:
         """No value in `buf` is used after the current node, nor read by an expression still
         pending, nor (unless `own_input`: the node's result may replace its one operand, as an
         in-place all-reduce does) read later by the current node's own steps: its memory may
@@ -154,7 +155,8 @@ class Lowering:
         if not own_input and any(isinstance(self.env.get(v), View) and self.env[v].buf is buf
                                  for v in self.current_inputs):
             return False
-        return not any(isinstance(x, Pending) and self.last_use.get(v, -1) > self.node_index
+        return not any(isinstance(x, Pending) and x is not computing
+                       and self.last_use.get(v, -1) > self.node_index
                        and any(leaf.buf is buf for leaf in leaves(x.expr))
                        for v, x in self.env.items())
 
@@ -197,7 +199,7 @@ class Lowering:
             if (v.whole and v.shape == p.shape and v.itemsize * math.prod(p.shape) == v.buf.nbytes
                     and torch.empty((), dtype=p.dtype).element_size() == v.itemsize
                     and all(w.buf is not v.buf or w == v for w in views)
-                    and self.dead_after_now(v.buf)):
+                    and self.dead_after_now(v.buf, computing=p)):
                 return View(v.buf, 0, p.shape, contiguous_strides(p.shape), p.dtype)
         return None
 
@@ -211,7 +213,7 @@ class Lowering:
                 self.users[v] = self.users.get(v, 0) + 1
         end = len(graph.nodes)
         for o in graph.outputs:
-            self.last_use[o.value] = end
+            self.last_use[o.value] = end + 1  # read after the last call
             self.users[o.value] = self.users.get(o.value, 0) + 1
         inputs = self._place_inputs()
         for i, node in enumerate(graph.nodes):

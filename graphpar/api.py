@@ -11,6 +11,7 @@ import torch
 from graphpar.capture import Captured
 from graphpar.capture.optim import Optimizer
 from graphpar.errors import UsageError
+from graphpar.ir.cuda_listing import Listing
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.passes import PassContext, PassManager, parse_pipeline
@@ -40,6 +41,10 @@ class Compiled:
     bytes_sent: list[float] = field(default_factory=list)  # measured, per rank, last run
     spec: ModelSpec | None = None  # the module and example it was compiled from
     optimizer: Optimizer | None = None  # a training step's, as torch.optim runs it
+    # the CUDA backend's: each rank's listing (made on first use) and, after a run on the
+    # CPU, the arena bytes each rank wrote up to (measured)
+    listings: list[Listing] | None = None
+    peak_arena_bytes: list[int] = field(default_factory=list)
 
     @property
     def graph(self) -> Graph:
@@ -57,12 +62,34 @@ class Compiled:
         return [{v.name: shard_tensor(named[v.name], v.layout, self.mesh, device)
                  for v in self.spmd.inputs} for device in range(self.mesh.size)]
 
-    def run(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+    def cuda_listings(self) -> list[Listing]:
+        """Each rank's CUDA listing of the device program (`lower-cuda`)."""
+        if self.listings is None:
+            from graphpar.passes.lower_cuda import lower_to_listing
+
+            self.listings = [lower_to_listing(self.spmd, self.mesh, rank)
+                             for rank in range(self.mesh.size)]
+        return self.listings
+
+    def run(self, *args: torch.Tensor, processes: bool = False, backend: str = "interpreter",
+            poison: bool = False) -> list[torch.Tensor]:
+        """`backend="cuda"` runs each rank's CUDA listing call for call on the CPU (one
+        process per rank over gloo when they communicate; `poison`: freed buffers become NaN
+        bytes) instead of the IR interpreter."""
         from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess, unshard
 
         per_rank = self.rank_inputs(*args)
-        runner = run_spmd_multiprocess if processes else run_spmd_in_process
-        outputs = runner(self.spmd, per_rank, self.mesh)
+        if backend == "cuda":
+            from graphpar.runtime.cuda_listing import run_listings
+
+            result = run_listings(self.cuda_listings(), per_rank, self.mesh, poison=poison)
+            outputs = result.outputs
+            self.peak_arena_bytes = result.peak_arena_bytes
+        elif backend == "interpreter":
+            runner = run_spmd_multiprocess if processes else run_spmd_in_process
+            outputs = runner(self.spmd, per_rank, self.mesh)
+        else:
+            raise UsageError(f"unknown backend {backend!r}: use 'interpreter' or 'cuda'")
         self.bytes_sent = list(outputs.bytes_sent)
         return [unshard([rank[i] for rank in outputs], out.value.layout, self.mesh)
                 for i, out in enumerate(self.spmd.outputs)]
@@ -73,7 +100,8 @@ class Compiled:
         self.captured.apply_updates(outputs)
         return outputs
 
-    def check(self, processes: bool = False) -> EagerCheck:
+    def check(self, processes: bool = False, backend: str = "interpreter",
+              poison: bool = False) -> EagerCheck:
         """Run one step on the example inputs (and targets) it was compiled from, and compare
         each output with eager PyTorch: the loss, every gradient (when the step returns them:
         compile with keep_grads=True), every updated parameter and every optimizer state
@@ -86,7 +114,7 @@ class Compiled:
                              "with graphpar.compile, or give lower() its spec")
         train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
         args = self.spec.inputs + (self.spec.targets if train else ())
-        outputs = self.run(*args, processes=processes)
+        outputs = self.run(*args, processes=processes, backend=backend, poison=poison)
         return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
 
     def loss_index(self) -> int:

@@ -70,9 +70,29 @@ def cmd_compile(args: argparse.Namespace) -> int:
         (staging / ir_name).write_text(
             print_program(result.program, show_source=True, annotate=annotate_comm))
         summary = result.summary()
+        cuda = getattr(args, "lower", None) == "cuda" or "lower-cuda" in {p.name for p in passes}
+        compiled = None
+        if args.run_cpu or (cuda and args.mesh):
+            from graphpar.api import lower
+
+            compiled = lower(result.captured, result.context, spec=result.spec,
+                             optimizer=result.optimizer)
         if args.run_cpu:
             with step(f"running the plan on {args.run_cpu} CPU ranks (gloo)"):
-                summary["run_cpu"] = run_on_cpu_ranks(result)
+                summary["run_cpu"] = run_on_cpu_ranks(result, compiled)
+        if cuda:
+            from graphpar.cli.cuda import cuda_report, device_listings, write_listings
+
+            with step("lowering to CUDA listings"):
+                listings = device_listings(result, compiled)
+            write_listings(listings, staging / "cuda")
+            summary["cuda"] = cuda_report(listings)
+            if args.run_cpu:
+                with step(f"running the CUDA listings on {args.run_cpu} CPU ranks (gloo)"):
+                    check = compiled.check(processes=True, backend="cuda", poison=True)
+                summary["cuda"]["max_abs_error"] = check.max_abs_error
+                summary["cuda"]["errors"] = check.as_dict()
+                summary["cuda"]["arena_bytes_measured"] = list(compiled.peak_arena_bytes)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
         (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -106,9 +126,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{r['bytes_predicted']:.0f} predicted")
         for line in r["error_lines"]:
             print(f"             {line}")
+    if "cuda" in s:
+        from graphpar.cli.cuda import print_cuda_report
+
+        print_cuda_report(s["cuda"])
     top = ", ".join(f"{op} {n}" for op, n in list(s["ops"].items())[:8])
     print(f"  top ops    {top}")
     print(f"  wrote      {out / ir_name}, {out / 'report.json'}"
+          + (f", {out / 'cuda'}/" if "cuda" in s else "")
           + (f", {out / 'dumps'}/" if (out / "dumps").exists() and dump_dir else ""))
     return 0
 
@@ -153,13 +178,14 @@ def _check_compile_options(args: argparse.Namespace) -> None:
             raise UsageError(f"--cluster {exc}") from None
 
 
-def run_on_cpu_ranks(result) -> dict:
+def run_on_cpu_ranks(result, compiled=None) -> dict:
     """Run the compiled plan on CPU ranks over gloo and compare each output with eager PyTorch
     (and torch.optim): the worst error of each kind, by name."""
     from graphpar.api import lower
 
-    compiled = lower(result.captured, result.context, spec=result.spec,
-                     optimizer=result.optimizer)
+    if compiled is None:
+        compiled = lower(result.captured, result.context, spec=result.spec,
+                         optimizer=result.optimizer)
     check = compiled.check(processes=True)
     return {"ranks": compiled.mesh.size,
             "max_abs_error": check.max_abs_error,

@@ -41,9 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 30)")
     c.add_argument("--run-cpu", type=int, metavar="N",
                    help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
+    c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],
+                   help="also lower each device program to a CUDA listing (cuBLAS, NCCL and "
+                        "generated-kernel calls): OUT/cuda/rank<R>.calls and kernels/")
     c.set_defaults(fn=cmd_compile)
 
-    d = sub.add_parser("dump", help="validate and print an IR file")
+    d = sub.add_parser("dump", help="validate and print an IR file (or a CUDA listing, *.calls)")
     d.add_argument("file")
     d.add_argument("--show-source", action="store_true")
     d.add_argument("--no-verify", action="store_true")

@@ -20,6 +20,14 @@ def cmd_dump(args: argparse.Namespace) -> int:
     from graphpar.ir.parser import load
     from graphpar.ir.printer import print_program
 
+    if str(args.file).endswith(".calls"):  # a CUDA listing (graphpar compile --lower cuda)
+        from graphpar.ir.cuda_listing import parse_listing, print_listing
+        from graphpar.ir.parser import read_text_file
+
+        sys.stdout.write(print_listing(parse_listing(read_text_file(Path(args.file),
+                                                                    "CUDA listing"),
+                                                     str(args.file))))
+        return 0
     program = load(args.file, verify=not args.no_verify, on_progress=progress_printer())
     sys.stdout.write(print_program(program, show_source=args.show_source, annotate=annotate_comm))
     return 0

@@ -3,6 +3,7 @@
 from graphpar.passes import (  # noqa: F401  (registers the passes)
     autoshard,
     cleanup,
+    lower_cuda,
     lower_spmd,
     paged_attention,
 )

@@ -1,0 +1,127 @@
+"""Repeating a traced layer: the expanded IR is the IR of tracing every layer."""
+
+import pytest
+import torch
+
+from graphpar.capture import capture_inference, capture_training
+from graphpar.capture.repeat import (
+    MIN_LAYERS,
+    TRACED_LAYERS,
+    LayerStack,
+    expand_layers,
+    find_layer_stack,
+)
+from graphpar.ir.graph import Graph, Node, OutputRole, Role
+from graphpar.ir.printer import print_graph
+from graphpar.ir.types import TensorType
+from graphpar.models import example_batch, get_model
+
+
+def in_data_order(graph: Graph) -> Graph:
+    """A copy whose nodes are in depth-first order from the outputs: equal for two graphs that
+    differ only in the order of independent nodes."""
+    order: list[Node] = []
+    seen: set[Node] = set()
+    for out in graph.outputs:
+        stack = [(out.value.producer, False)] if out.value.producer else []
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.append((node, True))
+            for v in reversed(node.input_values):
+                if v.producer is not None and v.producer not in seen:
+                    stack.append((v.producer, False))
+    assert len(order) == len(graph.nodes), "every node reaches an output"
+    copy = graph.copy()
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = list(copy.nodes)
+    reordered = [nodes[position[n]] for n in order]
+    for node in nodes:
+        copy.nodes.remove(node)
+    for node in reordered:
+        copy.nodes.append(node)
+    return copy
+
+
+def same_graph(expanded: Graph, traced: Graph) -> None:
+    a, b = in_data_order(expanded), in_data_order(traced)
+    assert print_graph(a, show_source=True) == print_graph(b, show_source=True)
+    assert [n.module for n in a.nodes] == [n.module for n in b.nodes]
+
+
+# --- on a hand-made stack: exact, fast ------------------------------------------------------
+
+T = TensorType((4, 8), torch.float32)
+
+
+def stack_graph(depth: int) -> Graph:
+    """x -> depth layers of (matmul by the layer's weight, scaled by a constant every layer
+    reads, plus the layer's input) -> sum."""
+    g = Graph("stack")
+    x = g.add_input("x", T)
+    weights = [g.add_input(f"blocks.{i}.w", TensorType((8, 8), torch.float32), Role.PARAM)
+               for i in range(depth)]
+    scale = g.create("full", [], {"shape": (4, 8), "value": 0.5, "dtype": "f32"}).output
+    h = x
+    for i, w in enumerate(weights):
+        y = g.create("matmul", [h, w], module=f"blocks.{i}.mlp").output
+        y = g.create("mul", [y, scale], module=f"blocks.{i}.mlp").output
+        h = g.create("add", [y, h], module=f"blocks.{i}").output
+    g.add_output(g.create("sum", [h], {"dims": (0, 1), "keepdim": False}, module="head").output,
+                 OutputRole.OUTPUT)
+    return g
+
+
+@pytest.mark.parametrize("depth", [TRACED_LAYERS, 6, 9])
+def test_a_stack_expands_to_the_graph_of_all_its_layers(depth):
+    expanded = expand_layers(stack_graph(TRACED_LAYERS), "blocks", depth)
+    assert str(expanded) == str(stack_graph(depth))
+    assert [n.module for n in expanded.nodes] == [n.module for n in stack_graph(depth).nodes]
+
+
+def test_a_layer_reading_two_layers_back_is_not_repeated():
+    g = stack_graph(TRACED_LAYERS)
+    layer2 = [n for n in g.nodes if n.module == "blocks.2"][0]
+    layer0 = [n for n in g.nodes if n.module == "blocks.0"][0]
+    layer2.replace_input(layer2.inputs[1], layer0.output)  # a skip over layer 1
+    assert expand_layers(g, "blocks", 9) is None
+
+
+def test_the_stack_is_the_deepest_list_of_identical_layers():
+    model = get_model("gpt", "tiny", device="meta", n_layers=MIN_LAYERS).module
+    assert find_layer_stack(model) == LayerStack("blocks", MIN_LAYERS)
+    shallow = get_model("gpt", "tiny", device="meta", n_layers=MIN_LAYERS - 1).module
+    assert find_layer_stack(shallow) is None
+
+
+# --- on bundled models: the expanded capture against tracing every layer ---------------------
+
+def captures(name: str, mode: str, depth: int):
+    ex = get_model(name, "tiny", device="meta", train=mode == "train", n_layers=depth)
+    inputs, targets = example_batch(name, ex.config, 2)
+    if mode == "infer":
+        return [capture_inference(ex.module, inputs, name=name, repeat_layers=r)
+                for r in (True, False)]
+    return [capture_training(ex.module, inputs, ex.loss_fn, targets, name=name,
+                             repeat_layers=r) for r in (True, False)]
+
+
+@pytest.mark.slow
+def test_gpt_inference_expands_to_the_traced_graph():
+    expanded, traced = captures("gpt", "infer", MIN_LAYERS)
+    assert str(expanded.graph) == str(traced.graph)  # the same order, too
+    assert sorted(expanded.state) == sorted(traced.state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,mode", [("gpt", "train"), ("llama", "infer"),
+                                       ("llama", "train"), ("moe", "train")])
+def test_expanded_capture_equals_the_traced_graph(name, mode):
+    expanded, traced = captures(name, mode, MIN_LAYERS + 1)
+    same_graph(expanded.graph, traced.graph)
+    assert sorted(expanded.state) == sorted(traced.state)

@@ -365,12 +365,23 @@ class Graph:
             self.nodes.remove(node)
             node.graph = None  # after unlinking: iterators step over nodes with no graph
 
-    def replace_all_uses(self, old: Value, new: Value) -> None:
+    def replace_all_uses(self, old: Value, new: Value, outputs: bool = True) -> None:
+        """Make every reader of `old` read `new`: its users, and with `outputs` the graph's
+        outputs (a scan of them: a pass replacing many values passes False and calls
+        `replace_outputs` once at the end, staying linear)."""
         for user in list(old.users):
             user.replace_input(old, new)
+        if outputs:
+            self.replace_outputs({old: new})
+
+    def replace_outputs(self, replacements: dict[Value, Value]) -> None:
+        """Outputs that return a replaced value return its replacement (followed through
+        chains: a replaced by b, b by c gives c)."""
+        if not replacements:
+            return
         for out in self.outputs:
-            if out.value is old:
-                out.value = new
+            while out.value in replacements:
+                out.value = replacements[out.value]
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from graphpar.capture import capture_inference, capture_training
+from graphpar.capture import capture_inference, capture_training, repeat
 from graphpar.capture.repeat import (
     MIN_LAYERS,
     TRACED_LAYERS,
@@ -15,6 +15,7 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Role
 from graphpar.ir.printer import print_graph
 from graphpar.ir.types import TensorType
 from graphpar.models import example_batch, get_model
+from graphpar.passes import run_pipeline
 
 
 def in_data_order(graph: Graph) -> Graph:
@@ -49,6 +50,9 @@ def in_data_order(graph: Graph) -> Graph:
 
 
 def same_graph(expanded: Graph, traced: Graph) -> None:
+    """Equal up to the order of independent nodes, once both drop their dead nodes."""
+    for graph in (expanded, traced):
+        run_pipeline(graph, "dce")
     a, b = in_data_order(expanded), in_data_order(traced)
     assert print_graph(a, show_source=True) == print_graph(b, show_source=True)
     assert [n.module for n in a.nodes] == [n.module for n in b.nodes]
@@ -101,27 +105,41 @@ def test_the_stack_is_the_deepest_list_of_identical_layers():
 
 # --- on bundled models: the expanded capture against tracing every layer ---------------------
 
-def captures(name: str, mode: str, depth: int):
-    ex = get_model(name, "tiny", device="meta", train=mode == "train", n_layers=depth)
+def captures(name: str, mode: str, depth: int, monkeypatch, **config):
+    """The capture with repeated layers (checked to have repeated them) and the one tracing
+    every layer."""
+    ex = get_model(name, "tiny", device="meta", train=mode == "train", n_layers=depth, **config)
     inputs, targets = example_batch(name, ex.config, 2)
+    expanded = []
+
+    def expand(*args):
+        expanded.append(expand_layers(*args))
+        return expanded[-1]
+
+    monkeypatch.setattr(repeat, "expand_layers", expand)
     if mode == "infer":
-        return [capture_inference(ex.module, inputs, name=name, repeat_layers=r)
-                for r in (True, False)]
-    return [capture_training(ex.module, inputs, ex.loss_fn, targets, name=name,
-                             repeat_layers=r) for r in (True, False)]
+        result = [capture_inference(ex.module, inputs, name=name, repeat_layers=r)
+                  for r in (True, False)]
+    else:
+        result = [capture_training(ex.module, inputs, ex.loss_fn, targets, name=name,
+                                   repeat_layers=r) for r in (True, False)]
+    assert len(expanded) == 1 and expanded[0] is not None, "the layers were repeated"
+    return result
 
 
 @pytest.mark.slow
-def test_gpt_inference_expands_to_the_traced_graph():
-    expanded, traced = captures("gpt", "infer", MIN_LAYERS)
+def test_gpt_inference_expands_to_the_traced_graph(monkeypatch):
+    expanded, traced = captures("gpt", "infer", MIN_LAYERS, monkeypatch)
     assert str(expanded.graph) == str(traced.graph)  # the same order, too
     assert sorted(expanded.state) == sorted(traced.state)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", [("gpt", "train"), ("llama", "infer"),
-                                       ("llama", "train"), ("moe", "train")])
-def test_expanded_capture_equals_the_traced_graph(name, mode):
-    expanded, traced = captures(name, mode, MIN_LAYERS + 1)
+@pytest.mark.parametrize("name,mode,config", [
+    ("gpt", "train", {}), ("llama", "infer", {}), ("llama", "train", {}),
+    ("moe", "train", {"moe_every": 1}),  # every layer has experts: all alike
+])
+def test_expanded_capture_equals_the_traced_graph(name, mode, config, monkeypatch):
+    expanded, traced = captures(name, mode, MIN_LAYERS + 1, monkeypatch, **config)
     same_graph(expanded.graph, traced.graph)
     assert sorted(expanded.state) == sorted(traced.state)

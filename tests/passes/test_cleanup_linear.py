@@ -1,11 +1,13 @@
-"""Cleanup, the verifier and the printer do work linear in the graph: counted in executed
-lines of graphpar code, not timed."""
+"""Cleanup, the optimizer step's construction, the verifier and the printer do work linear in
+the graph: counted in executed lines of graphpar code, not timed."""
 
 import sys
 
 import torch
 
 import graphpar
+from graphpar.capture import Adam
+from graphpar.capture.optim import append_optimizer
 from graphpar.ir.graph import Graph, OutputRole, Role
 from graphpar.ir.printer import print_graph
 from graphpar.ir.types import TensorType
@@ -78,3 +80,14 @@ def test_cleanup_is_linear_in_the_layers():
 def test_verify_and_print_are_linear_in_the_layers():
     assert work_ratio(verify) < 4.4
     assert work_ratio(lambda g: print_graph(g, show_source=True)) < 4.4
+
+
+def test_appending_the_optimizer_is_linear_in_the_parameters():
+    def adam(graph):
+        state = {v.name: torch.empty(v.type.shape, device="meta")
+                 for v in graph.inputs_with_role(Role.PARAM)}
+        append_optimizer(graph, Adam(), state)
+        assert len(graph.inputs_with_role(Role.OPTIM_STATE)) == 1 + 2 * len(
+            graph.inputs_with_role(Role.PARAM))
+
+    assert work_ratio(adam) < 4.4

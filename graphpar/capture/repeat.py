@@ -100,8 +100,11 @@ def capture_repeated(module: torch.nn.Module, capture: Callable[[], Graph]) -> G
     stack = find_layer_stack(module)
     if stack is None:
         return None
-    with truncated(module, stack, TRACED_LAYERS):
-        shallow = capture()
+    try:
+        with truncated(module, stack, TRACED_LAYERS):
+            shallow = capture()
+    except Exception:  # noqa: BLE001 (e.g. a forward that indexes its layers by the config's count)
+        return None  # the whole model is traced next, and reports its own errors
     return expand_layers(shallow, stack.path, stack.depth)
 
 

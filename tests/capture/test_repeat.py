@@ -143,3 +143,67 @@ def test_expanded_capture_equals_the_traced_graph(name, mode, config, monkeypatc
     expanded, traced = captures(name, mode, MIN_LAYERS + 1, monkeypatch, **config)
     same_graph(expanded.graph, traced.graph)
     assert sorted(expanded.state) == sorted(traced.state)
+
+
+# --- on small modules: the real capture path, fast --------------------------------------------
+
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, depth: int, by_count: bool = False):
+        super().__init__()
+        self.depth, self.by_count = depth, by_count
+        self.embed = torch.nn.Linear(4, 4)
+        self.blocks = torch.nn.ModuleList(Residual() for _ in range(depth))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        if self.by_count:  # walks its layers by its own count, not the list
+            for i in range(self.depth):
+                x = self.blocks[i](x)
+        else:
+            for block in self.blocks:
+                x = block(x)
+        return self.head(x).sum()
+
+
+def test_a_module_stack_captures_as_tracing_every_layer(monkeypatch):
+    with torch.device("meta"):
+        model = Stack(MIN_LAYERS)
+    x = torch.empty(3, 4, device="meta")
+    expanded = []
+    monkeypatch.setattr(repeat, "expand_layers",
+                        lambda *a: expanded.append(expand_layers(*a)) or expanded[-1])
+    repeated = capture_inference(model, [x])
+    assert expanded and expanded[0] is not None, "the layers were repeated"
+    traced = capture_inference(model, [x], repeat_layers=False)
+    assert str(repeated.graph) == str(traced.graph)
+    assert sorted(repeated.state) == sorted(traced.state)
+    assert all(t.is_meta for t in repeated.state.values())
+
+
+@pytest.mark.slow
+def test_a_module_stack_training_step_captures_as_tracing_every_layer():
+    with torch.device("meta"):
+        model = Stack(MIN_LAYERS)
+    x = torch.empty(3, 4, device="meta")
+    steps = [capture_training(model, [x], lambda out: out, repeat_layers=r)
+             for r in (True, False)]
+    same_graph(steps[0].graph, steps[1].graph)
+
+
+def test_a_stack_that_cannot_be_shortened_is_traced_whole():
+    with torch.device("meta"):
+        model = Stack(MIN_LAYERS, by_count=True)
+    x = torch.empty(3, 4, device="meta")
+    graph = capture_inference(model, [x]).graph
+    assert {n.module for n in graph.nodes if (n.module or "").startswith("blocks.")} == \
+        {f"blocks.{i}{sub}" for i in range(MIN_LAYERS) for sub in ("", ".fc")}

@@ -129,6 +129,8 @@ def expand_layers(graph: Graph, prefix: str, depth: int) -> Graph | None:
 
 
 class _Expansion:
+    """One expansion: the traced graph's nodes by layer, the checks, the expanded graph."""
+
     def __init__(self, graph: Graph, prefix: str, depth: int):
         self.graph, self.depth = graph, depth
         self.pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?=\.|$)")
@@ -145,6 +147,7 @@ class _Expansion:
         last = depth - 1
         # The traced layers' places in the expanded graph; the template's copies are 2..N-3.
         self.final = {0: 0, 1: 1, 3: last - 1, 4: last}
+        self.traced_layer = {place: k for k, place in self.final.items()}
         self.copies = range(TEMPLATE, last - 1)
 
     # Which layer each node and input belongs to.
@@ -244,8 +247,7 @@ class _Expansion:
         """The traced node and instance that is node `index` of expanded layer `layer`."""
         if layer in self.copies:
             return self.layers[TEMPLATE][index], layer
-        traced = {v: k for k, v in self.final.items()}[layer]
-        return self.layers[traced][index], layer
+        return self.layers[self.traced_layer[layer]][index], layer
 
     def build(self) -> Graph:
         g = self.graph

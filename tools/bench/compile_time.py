@@ -135,6 +135,20 @@ def print_row(row: dict, first: bool) -> None:
           f"{row['peak_rss_gib']:>8.2f}", flush=True)
 
 
+def write_result(path: Path, rows: list[dict]) -> None:
+    result = {"benchmark": "compile_time",
+              "units": "wall_s and cpu_s measured seconds per phase; peak_rss_gib measured "
+                       "(ru_maxrss of the row's own process); step_ms_estimated by the cost "
+                       "model",
+              "cluster": CLUSTER,
+              "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+                          "platform": platform.platform(),
+                          "load_average_at_end": os.getloadavg()},
+              "alpa_table5_gpt39b_64gpu_s": ALPA_TABLE5,
+              "rows": rows}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
@@ -151,26 +165,16 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     meshes = [m.strip() for m in args.meshes.split(",") if m.strip()]
-    rows = []
+    rows: list[dict] = []
     for model in models:
         for mesh in meshes:
             rows.append(run_row(model, mesh))
             print_row(rows[-1], len(rows) == 1)
+            write_result(Path(args.out), rows)  # after every row: a long run keeps what it did
     print(f"\nAlpa (OSDI'22, Table 5), GPT-39B on 64 GPUs: compilation "
           f"{ALPA_TABLE5['compilation']} s + profiling {ALPA_TABLE5['profiling']} s + stage DP "
           f"{ALPA_TABLE5['stage_construction_dp']} s + other {ALPA_TABLE5['other']} s = "
           f"{ALPA_TABLE5['total']} s.")
-    result = {"benchmark": "compile_time",
-              "units": "wall_s and cpu_s measured seconds per phase; peak_rss_gib measured "
-                       "(ru_maxrss of the row's own process); step_ms_estimated by the cost "
-                       "model",
-              "cluster": CLUSTER,
-              "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0],
-                          "platform": platform.platform(),
-                          "load_average_at_end": os.getloadavg()},
-              "alpa_table5_gpt39b_64gpu_s": ALPA_TABLE5,
-              "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 1 if any("error" in r for r in rows) else 0
 

@@ -207,3 +207,19 @@ def test_a_stack_that_cannot_be_shortened_is_traced_whole():
     graph = capture_inference(model, [x]).graph
     assert {n.module for n in graph.nodes if (n.module or "").startswith("blocks.")} == \
         {f"blocks.{i}{sub}" for i in range(MIN_LAYERS) for sub in ("", ".fc")}
+
+
+def test_a_repeated_capture_runs_equal_to_eager_once_it_has_weights():
+    from graphpar.compiler import ModelSpec, capture
+
+    def real():
+        torch.manual_seed(0)
+        return Stack(MIN_LAYERS)
+
+    with torch.device("meta"):
+        model = Stack(MIN_LAYERS)
+    x = torch.randn(3, 4)
+    spec = ModelSpec("stack", model, (x,), make_real=real)
+    captured = capture(spec)
+    [out] = captured.run(x)
+    torch.testing.assert_close(out, real()(x), rtol=1e-5, atol=1e-5)

@@ -178,7 +178,8 @@ def main(argv=None) -> int:
     for spec in models:
         name, preset, overrides = parse_model(spec)
         graph, config, capture_s, cleanup_s = capture(name, preset, overrides, batch)
-        label = f"{name}:{preset} L={config.n_layers}"
+        layers = getattr(config, "n_layers", None)
+        label = f"{name}:{preset}" + (f" L={layers}" if layers is not None else "")
         for mesh in meshes:
             row = measure(graph, mesh, cluster, args.solver, args.unsimplified)
             row.update({"model": spec, "label": label, "batch": batch,

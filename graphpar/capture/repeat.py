@@ -44,7 +44,8 @@ class LayerStack:
 
 def find_layer_stack(module: torch.nn.Module) -> LayerStack | None:
     """The deepest `nn.ModuleList` of structurally identical layers that own their tensors
-    (no weight shared with another layer or module), or None."""
+    (no weight shared with another layer or module), not itself inside a numbered layer, or
+    None."""
     owners: dict[int, int] = {}
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
@@ -55,6 +56,8 @@ def find_layer_stack(module: torch.nn.Module) -> LayerStack | None:
     for path, sub in module.named_modules():
         if not isinstance(sub, torch.nn.ModuleList) or len(sub) < MIN_LAYERS or not path:
             continue
+        if any(part.isdigit() for part in path.split(".")):
+            continue  # a list inside one layer (its experts): the layers are what repeats
         if best is not None and len(sub) <= best.depth:
             continue
         signatures = {_layer_signature(layer) for layer in sub}

@@ -223,3 +223,18 @@ def test_a_repeated_capture_runs_equal_to_eager_once_it_has_weights():
     captured = capture(spec)
     [out] = captured.run(x)
     torch.testing.assert_close(out, real()(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_list_inside_a_layer_is_not_the_stack():
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(MIN_LAYERS))
+
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(Experts() for _ in range(2))
+    assert find_layer_stack(model) is None
+    with torch.device("meta"):
+        model.layers = torch.nn.ModuleList(Experts() for _ in range(MIN_LAYERS + 1))
+    assert find_layer_stack(model) == LayerStack("layers", MIN_LAYERS + 1)

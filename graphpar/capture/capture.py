@@ -19,6 +19,7 @@ from graphpar.capture.aten_table import PRESERVED
 from graphpar.capture.fake import abstract_state, fake_tensors, has_meta_tensors
 from graphpar.capture.fx_import import _tied_aliases, import_exported, short_location
 from graphpar.capture.optim import Optimizer, append_optimizer
+from graphpar.capture.repeat import capture_repeated
 from graphpar.errors import CaptureError, GraphparError
 from graphpar.ir.graph import Graph, OutputRole, Role
 
@@ -75,6 +76,14 @@ class Captured:
                 self.state[out.target] = tensor
 
 
+def _abstract_state(graph: Graph, traced: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Meta tensors for the graph's non-user inputs: the traced ones where the trace had them,
+    new ones for the inputs of repeated layers."""
+    return {v.name: traced[v.name] if v.name in traced
+            else torch.empty(v.type.shape, dtype=v.type.dtype, device="meta")
+            for v in graph.inputs if v.role is not Role.INPUT}
+
+
 def _decompositions(table: dict) -> dict:
     for op in PRESERVED:
         table.pop(op, None)
@@ -122,16 +131,28 @@ def _capture_message(exc: Exception, what: str) -> str:
 
 
 def capture_inference(module: torch.nn.Module, args: Sequence[torch.Tensor],
-                      name: str = "main") -> Captured:
+                      name: str = "main", repeat_layers: bool = True) -> Captured:
     """The forward pass of `module` on `args` as one graph with global shapes.
 
     Parameters and buffers become graph inputs with their roles; the module is captured as it
     is (call `.eval()` first for inference behaviour of dropout and batch norm).
+
+    A module on the meta device is traced with fake tensors; with `repeat_layers`, a deep
+    stack of identical layers is traced with a few of them and its IR repeated
+    (graphpar.capture.repeat).
     """
     if has_meta_tensors(module, args):
         with fake_tensors(module, args) as fake_args:
-            captured = capture_inference(module, fake_args, name)
-        return Captured(captured.graph, abstract_state(captured.state))
+            traced: list[Captured] = []
+
+            def trace() -> Graph:
+                traced.append(capture_inference(module, fake_args, name))
+                return traced[-1].graph
+
+            graph = capture_repeated(module, trace) if repeat_layers else None
+            if graph is None:
+                graph = trace()
+        return Captured(graph, _abstract_state(graph, abstract_state(traced[-1].state)))
     ep = _export(module, tuple(args), f"{type(module).__name__}.forward")
     try:
         with quiet():
@@ -232,7 +253,7 @@ def _argument_names(module: torch.nn.Module, num_inputs: int, num_targets: int) 
 def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
                      loss_fn: Callable, targets: Sequence[torch.Tensor] = (),
                      optimizer: Optimizer | None = None, name: str = "train_step",
-                     keep_grads: bool = False) -> Captured:
+                     keep_grads: bool = False, repeat_layers: bool = True) -> Captured:
     """One whole training step as one graph: forward, loss, backward and optimizer update.
 
     Outputs: the loss, then `update` outputs for each parameter and optimizer-state tensor
@@ -240,12 +261,19 @@ def capture_training(module: torch.nn.Module, args: Sequence[torch.Tensor],
     graph returns the gradients instead (`grad` outputs).
 
     A module on the meta device is traced with fake tensors: the state is then meta tensors
-    (optimizer state included), and nothing the size of the weights is allocated.
+    (optimizer state included), and nothing the size of the weights is allocated. With
+    `repeat_layers`, a deep stack of identical layers is traced with a few of them and its IR
+    repeated (graphpar.capture.repeat).
     """
     if has_meta_tensors(module, (*args, *targets)):
         with fake_tensors(module, (*args, *targets)) as fake_args:
-            graph = capture_training(module, fake_args[:len(args)], loss_fn,
-                                     fake_args[len(args):], None, name, keep_grads).graph
+            def trace() -> Graph:
+                return capture_training(module, fake_args[:len(args)], loss_fn,
+                                        fake_args[len(args):], None, name, keep_grads).graph
+
+            graph = capture_repeated(module, trace) if repeat_layers else None
+            if graph is None:
+                graph = trace()
         state = {v.name: torch.empty(v.type.shape, dtype=v.type.dtype, device="meta")
                  for v in graph.inputs if v.role is not Role.INPUT}
         if optimizer is not None:

@@ -113,15 +113,16 @@ def append_optimizer(graph: Graph, optimizer: Optimizer, state: dict[str, torch.
         graph.add_output(step, OutputRole.UPDATE, STEP)
     if not keep_grads:
         graph.outputs = [o for o in graph.outputs if o.role is not OutputRole.GRAD]
+    inputs = graph.inputs_by_name()
     for out in grads:
-        param = graph.input(out.target)
+        param = inputs[out.target]
         slots = []
         for name in optimizer.state_names(param.name):
             slots.append(graph.add_input(name, param.type, Role.OPTIM_STATE))
             state[name] = torch.zeros(param.type.shape, dtype=param.type.dtype, device=device)
-        start = len(graph.nodes)
+        last = next(reversed(graph.nodes), None)
         new_param, new_slots = optimizer.emit(graph, param, out.value, slots, step)
-        for node in graph.nodes[start:]:  # grouped per parameter: "optimizer.blocks.0.fc"
+        for node in graph.nodes.after(last):  # grouped per parameter: "optimizer.blocks.0.fc"
             node.module = f"optimizer.{param.name.rsplit('.', 1)[0]}"
         graph.add_output(new_param, OutputRole.UPDATE, param.name)
         for slot, new in zip(slots, new_slots):

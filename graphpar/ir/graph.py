@@ -230,6 +230,15 @@ class NodeList:
         except KeyError:
             raise ValueError(f"{node!r} is not in this node list") from None
 
+    def after(self, node: Node | None) -> Iterator[Node]:
+        """The nodes that follow `node` (all of them for None), in order: O(their number)."""
+        root = self._root
+        current = root._next if node is None else node._next
+        while current is not root:
+            if current.graph is not None:
+                yield current
+            current = current._next
+
     def _array(self) -> list[Node]:
         if self._order is None:
             self._order = list(self)
@@ -261,15 +270,28 @@ class Graph:
     mesh: Mesh | None = None
     # Where `add_node`/`create` put a node given no `before`: None appends (see `inserting_before`).
     _insert: Callable[[Node], None] | None = field(default=None, init=False, repr=False)
+    # The input names, for add_input's check; rebuilt when `inputs` was changed by hand (a new
+    # list or a new length), so that adding n inputs stays O(n).
+    _input_names: tuple[int, int, set[str]] | None = field(default=None, init=False, repr=False)
 
     # --- building -----------------------------------------------------------------------------
 
     def add_input(self, name: str, type: TensorType, role: Role = Role.INPUT) -> Value:
-        if any(v.name == name for v in self.inputs):
+        names = self._names_of_inputs()
+        if name in names:
             raise ValueError(f"graph @{self.name} already has an input %{name}")
         value = Value(type, None, 0, name=name, role=Role(role))
         self.inputs.append(value)
+        names.add(name)
+        self._input_names = (id(self.inputs), len(self.inputs), names)
         return value
+
+    def _names_of_inputs(self) -> set[str]:
+        cached = self._input_names
+        if cached is None or cached[:2] != (id(self.inputs), len(self.inputs)):
+            cached = (id(self.inputs), len(self.inputs), {v.name for v in self.inputs})
+            self._input_names = cached
+        return cached[2]
 
     def add_node(self, node: Node, before: Node | None = None) -> Node:
         """Insert `node` before `before` (without it: at the insertion point, by default the
@@ -365,12 +387,23 @@ class Graph:
             self.nodes.remove(node)
             node.graph = None  # after unlinking: iterators step over nodes with no graph
 
-    def replace_all_uses(self, old: Value, new: Value) -> None:
+    def replace_all_uses(self, old: Value, new: Value, outputs: bool = True) -> None:
+        """Make every reader of `old` read `new`: its users, and with `outputs` the graph's
+        outputs (a scan of them: a pass replacing many values passes False and calls
+        `replace_outputs` once at the end, staying linear)."""
         for user in list(old.users):
             user.replace_input(old, new)
+        if outputs:
+            self.replace_outputs({old: new})
+
+    def replace_outputs(self, replacements: dict[Value, Value]) -> None:
+        """Outputs that return a replaced value return its replacement (followed through
+        chains: a replaced by b, b by c gives c)."""
+        if not replacements:
+            return
         for out in self.outputs:
-            if out.value is old:
-                out.value = new
+            while out.value in replacements:
+                out.value = replacements[out.value]
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class CommonSubexpressionElimination(GraphPass):
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         seen: dict[tuple, Node] = {}
         duplicates = []
+        replaced: dict[Value, Value] = {}
         for node in graph.nodes:
             if _writes_operand(node):
                 continue
@@ -56,8 +57,10 @@ class CommonSubexpressionElimination(GraphPass):
             first = seen.setdefault(key, node)
             if first is not node:
                 for old, new in zip(node.outputs, first.outputs):
-                    graph.replace_all_uses(old, new)
+                    graph.replace_all_uses(old, new, outputs=False)
+                    replaced[old] = new
                 duplicates.append(node)
+        graph.replace_outputs(replaced)  # once: linear however many nodes merge
         graph.erase_all(duplicates)
         return bool(duplicates)
 
@@ -78,12 +81,14 @@ class Canonicalize(GraphPass):
     """
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
-        changed = False
+        replaced: dict[Value, Value] = {}
         for node in list(graph.nodes):
             replacement = self._rewrite(graph, node)
             if replacement is not None:
-                graph.replace_all_uses(node.output, replacement)
-                changed = True
+                graph.replace_all_uses(node.output, replacement, outputs=False)
+                replaced[node.output] = replacement
+        graph.replace_outputs(replaced)
+        changed = bool(replaced)
         if changed:
             DeadCodeElimination().run_on_graph(graph, ctx)
         return changed
@@ -125,7 +130,7 @@ class FoldConstants(GraphPass):
     (or a small shape op of a `full`): the node becomes a `full`."""
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
-        changed = False
+        replaced: dict[Value, Value] = {}
         for node in list(graph.nodes):
             if len(node.outputs) != 1 or not node.input_values:
                 continue
@@ -138,8 +143,10 @@ class FoldConstants(GraphPass):
             full = graph.create("full", [], {"shape": out_type.shape, "value": value,
                                              "dtype": dtype_name(out_type.dtype)},
                                 module=node.module, loc=node.loc, before=node)
-            graph.replace_all_uses(node.output, full.output)
-            changed = True
+            graph.replace_all_uses(node.output, full.output, outputs=False)
+            replaced[node.output] = full.output
+        graph.replace_outputs(replaced)
+        changed = bool(replaced)
         if changed:
             DeadCodeElimination().run_on_graph(graph, ctx)
         return changed

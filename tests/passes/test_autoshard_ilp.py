@@ -16,7 +16,8 @@ from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, batch_factors, hand_plan, hand_plans
-from graphpar.passes.autoshard.ilp import Problem, Reduced, _layer_key
+from graphpar.passes.autoshard.ilp import Problem, Reduced
+from graphpar.passes.autoshard.layers import layer_key, repeated_layers
 from graphpar.passes.autoshard.strategies import node_signature
 
 CLUSTER = get_cluster("dgx-a100")
@@ -82,7 +83,7 @@ def test_identical_layers_share_one_set_of_variables(tiny_gpts):
     for node in graphs[4].nodes:
         sig = node_signature(node)
         counters[(node.module, sig)] += 1
-        key = _layer_key(node, counters[(node.module, sig)]) if node.module else None
+        key = layer_key(node, counters[(node.module, sig)]) if node.module else None
         if key is not None and ".mlp" in key:
             groups[(key, sig)].add(plans[4].node_strategy[node])
     assert groups and all(len(strategies) == 1 for strategies in groups.values())
@@ -192,3 +193,32 @@ def test_solvers_agree_and_plans_are_deterministic(tiny_gpts):
     for solver in ("cp-sat", "scip", "cbc"):
         other = red.solve(solver=solver)
         assert other.step_seconds == pytest.approx(first.step_seconds, rel=1e-6), solver
+
+
+def test_repeated_layers_are_the_identical_blocks(tiny_gpts):
+    graph = tiny_gpts[4]
+    blocks, updates = repeated_layers(graph)
+    # Layer 0's backward also makes the embeddings' gradient: it is not like the others.
+    assert [layer.name for layer in blocks.layers] == [f"blocks.{i}" for i in (1, 2, 3)]
+    assert [layer.name for layer in updates.layers] == [f"optimizer.blocks.{i}"
+                                                        for i in range(4)]
+    first = blocks.representative
+    assert [v.name for v in first.inputs][:2] == ["blocks.1.ln1.weight", "blocks.1.ln1.bias"]
+    for k in range(len(first.nodes)):
+        assert len({node_signature(n) for n in blocks.same_place(k)}) == 1
+    for i, layer in zip((1, 2, 3), blocks.layers):  # every node of the layer, in graph order
+        assert list(layer.nodes) == [n for n in graph.nodes
+                                     if (n.module or "").startswith(f"blocks.{i}.")]
+
+
+@pytest.mark.parametrize("mesh", ["4", pytest.param("2x2", marks=pytest.mark.slow)])
+def test_one_solve_for_identical_layers_gives_the_full_ilp_plan(tiny_gpts, mesh):
+    graph = tiny_gpts[4]
+    tied = reduced(graph, mesh, tie_layers=True).solve()
+    full = reduced(graph, mesh, tie_layers=False).solve()
+    assert tied.stats["variables"] < full.stats["variables"]
+    assert tied.step_seconds == pytest.approx(full.step_seconds, rel=1e-9)
+    assert tied.memory_bytes == full.memory_bytes
+    assert {n: s.outputs for n, s in tied.node_strategy.items()} == \
+        {n: s.outputs for n, s in full.node_strategy.items()}
+    assert tied.input_layout == full.input_layout

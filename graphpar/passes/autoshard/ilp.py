@@ -12,9 +12,9 @@ graphs we measured (docs/autoshard.md):
    variables; their other edges attach to the group's variable, and edges inside a group become
    per-choice constants. Nodes where following could cost keep a choice (`_may_follow`).
 2. Groups in the same place of identical layers (module paths equal up to the layer index,
-   equal signatures) share ONE set of variables; edges between them add up, so costs inside
-   repeated layers count with their multiplicity and the edges between consecutive layers
-   become edges between the shared variables.
+   equal signatures: `layers.layer_key`) share ONE set of variables; edges between them add
+   up, so costs inside repeated layers count with their multiplicity and the edges between
+   consecutive layers become edges between the shared variables.
 3. Choices no better than another choice of the same variable in every cost and in memory are
    dropped, variables left with one choice become constants, and edge pair variables are kept
    per block of equal rows and columns.
@@ -26,7 +26,6 @@ on the full graph, so the times it reports do not depend on the reductions.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
+from graphpar.passes.autoshard.layers import input_key, layer_key
 from graphpar.passes.autoshard.strategies import (
     Strategy,
     dominant_operand,
@@ -108,24 +108,6 @@ class Deadline:
 
 
 _NO_DEADLINE = Deadline(float("inf"))
-
-_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
-
-
-def _layer_key(node: Node, index_in_module: int) -> str | None:
-    """`blocks.*.attn#3`: equal for the same node of two identical layers (`index_in_module`:
-    the node's rank among the nodes of its module with its signature)."""
-    if not node.module or not _LAYER_INDEX.search(node.module):
-        return None
-    return _LAYER_INDEX.sub(".*", node.module, count=1) + f"#{index_in_module}"
-
-
-def _input_key(value: Value) -> str | None:
-    """`blocks.*.attn.qkv.weight.exp_avg`: equal for the same input of two identical layers."""
-    if not value.name or not _LAYER_INDEX.search(value.name):
-        return None
-    return _LAYER_INDEX.sub(".*", value.name, count=1)
-
 
 # --- the unsimplified problem -------------------------------------------------------------------
 
@@ -385,10 +367,10 @@ class Reduced:
             if tie_layers and isinstance(item, Node) and item.module:
                 sig = node_signature(item)
                 counters[(item.module, sig)] += 1
-                layer = _layer_key(item, counters[(item.module, sig)])
+                layer = layer_key(item, counters[(item.module, sig)])
                 key = None if layer is None else (layer, sig)
             elif tie_layers and isinstance(item, Value):
-                name = _input_key(item)
+                name = input_key(item)
                 key = None if name is None else (name, item.type, item.role)
             if key is not None and key in by_key:
                 c = by_key[key]

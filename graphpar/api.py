@@ -124,7 +124,7 @@ class Compiled:
 def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str = "1x4",
             mode: str = "infer", loss_fn: Callable | None = None,
             targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
-            cluster: str = "dgx-a100", memory_limit: str = "", time_limit: float = 30.0,
+            cluster: str = "dgx-a100", memory_limit: str = "device", time_limit: float = 30.0,
             pipeline: str = "cleanup", keep_grads: bool = False) -> Compiled:
     """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
     `keep_grads`: a training step also returns its gradients (for `Compiled.check`)."""

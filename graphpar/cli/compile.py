@@ -42,7 +42,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         from graphpar.passes.autoshard import AutoShard
 
         passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
-                                memory_limit=args.memory_limit or "",
+                                memory_limit=args.memory_limit or "device",
                                 time_limit=args.time_limit if args.time_limit is not None
                                 else 30.0))
     for option in ("dump_after", "dump_before"):
@@ -152,7 +152,7 @@ def _check_compile_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
     if args.run_cpu is not None and args.run_cpu < 1:
         raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
-    if args.memory_limit is not None:
+    if args.memory_limit is not None and args.memory_limit not in ("device", "none"):
         from graphpar.units import parse_bytes
 
         try:

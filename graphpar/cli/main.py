@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mesh", help="auto-shard on a device mesh, e.g. 2x4 (2-D) or 8 (1-D)")
     c.add_argument("--cluster", default="dgx-a100",
                    help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
-    c.add_argument("--memory-limit", help="per-device memory limit, e.g. 40GB")
+    c.add_argument("--memory-limit",
+                   help="per-device memory the plan must fit: a size like 40GB, 'device' (the "
+                        "cluster's device memory, the default) or 'none'")
     c.add_argument("--time-limit", type=float,
                    help="auto-shard time limit, seconds: building and solving the ILP "
                         "(default 30)")

@@ -57,6 +57,27 @@ def test_memory_limit_that_no_plan_meets_says_how_much_is_needed():
         shard(graph, "mesh=4,memory_limit=1MB,time_limit=20")
 
 
+def test_plans_fit_the_clusters_device_memory_unless_told_otherwise(tmp_path):
+    """By default a plan must fit the cluster's memory per device: on devices of 200 MB the
+    125M-wide layer's weights are sharded further than without a limit."""
+    import json
+
+    from graphpar.cost.cluster import get_cluster
+
+    spec = get_cluster("dgx-a100").to_dict()
+    spec["device_memory"] = 200_000_000  # more than the leanest plan's 87 MB, less than the 341 MB of the unlimited plan
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(spec))
+    free = shard(gpt_graph(batch=1, layers=1), f"mesh=4,cluster={small},memory_limit=none")
+    fitted = shard(gpt_graph(batch=1, layers=1), f"mesh=4,cluster={small}")
+    assert free.memory_bytes > 200_000_000 >= fitted.memory_bytes
+    spec["device_memory"] = 1_000_000
+    small.write_text(json.dumps(spec))
+    with pytest.raises(MemoryLimitError, match=r"no plan fits 1.0 MB per device .*--cluster "
+                                                r"dgx-a100-80gb"):
+        shard(gpt_graph(batch=1, layers=1), f"mesh=4,cluster={small}")
+
+
 def test_time_limit_bounds_building_the_problem_too():
     """A limit that building the problem alone exceeds is an error naming the option, raised
     before the solver starts, not a solver run after the limit has passed."""

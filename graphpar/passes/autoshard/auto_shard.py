@@ -45,7 +45,9 @@ class AutoShard(GraphPass):
 
     mesh: str = "1x4"
     cluster: str = "dgx-a100"
-    memory_limit: str = ""
+    # "device": the cluster's memory per device (a plan a user can run); "none": no limit
+    # (the solver then replicates weights freely); or a size like "40GB".
+    memory_limit: str = "device"
     time_limit: float = 30.0
     dtype: str = "fp32"
 
@@ -53,12 +55,20 @@ class AutoShard(GraphPass):
         """Bad options fail when the pass is made (a pipeline string is parsed), not after the
         model is captured."""
         mesh_for(self.mesh, get_cluster(self.cluster)).cluster.peak_flops(self.dtype)
-        if self.memory_limit:
+        if self.memory_limit not in ("", "device", "none"):
             parse_bytes(self.memory_limit)
         if not (isinstance(self.time_limit, (int, float)) and math.isfinite(self.time_limit)
                 and self.time_limit > 0):
             raise ShardingError(f"time_limit={self.time_limit}: give a positive number of "
                                 "seconds")
+
+    def memory_bytes(self, mesh) -> int | None:
+        """The per-device limit the plan must meet, in bytes (None: unconstrained)."""
+        if self.memory_limit == "none":
+            return None
+        if self.memory_limit in ("", "device"):
+            return mesh.cluster.device_memory
+        return parse_bytes(self.memory_limit)
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver
@@ -66,7 +76,7 @@ class AutoShard(GraphPass):
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         mesh = mesh_for(self.mesh, get_cluster(self.cluster))
         _check_mesh_divides(graph, mesh, self.mesh)
-        limit = parse_bytes(self.memory_limit) if self.memory_limit else None
+        limit = self.memory_bytes(mesh)
         plan = solve(graph, mesh, mesh.cluster.peak_flops(self.dtype), limit, self.time_limit,
                      deadline=deadline)
         reshards = shard_graph(graph, mesh, plan)

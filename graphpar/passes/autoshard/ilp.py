@@ -755,5 +755,5 @@ def _memory_error(reduced: Reduced, inst: _Instance, limit: float) -> MemoryLimi
     return MemoryLimitError(
         f"no plan fits {format_bytes(limit)} per device on mesh {problem.mesh}: even sharding "
         f"everything as far as it goes needs about {format_bytes(least)} per device; the "
-        f"largest tensors are {names}. Use more devices, a larger --memory-limit, or a "
-        "smaller batch.")
+        f"largest tensors are {names}. Use more devices, a cluster with more memory per device "
+        "(--cluster dgx-a100-80gb), a larger --memory-limit (or none), or a smaller batch.")

@@ -63,6 +63,7 @@ def measure_row(model: str, mesh: str) -> dict:
 
     from graphpar.capture import Adam
     from graphpar.compiler import ModelSpec, capture
+    from graphpar.cost.cluster import get_cluster
     from graphpar.models import example_batch, get_model
     from graphpar.passes import PassContext, PassManager, parse_pipeline
     from graphpar.passes.autoshard import AutoShard
@@ -87,8 +88,10 @@ def measure_row(model: str, mesh: str) -> dict:
     PassManager(parse_pipeline("cleanup")).run(captured.graph, context)
     nodes = len(captured.graph.nodes)
     done("cleanup")
-    PassManager([AutoShard(mesh=mesh, cluster=CLUSTER, time_limit=TIME_LIMIT_S)]).run(
-        captured.graph, context)
+    # No memory limit: the rows time the same search on every mesh, including meshes too
+    # small to hold the model (the row's `fits_device_memory` says which).
+    PassManager([AutoShard(mesh=mesh, cluster=CLUSTER, time_limit=TIME_LIMIT_S,
+                           memory_limit="none")]).run(captured.graph, context)
     done("auto_shard")
     plan = context.result(ShardingPlans)[captured.graph.name]
     return {
@@ -102,6 +105,8 @@ def measure_row(model: str, mesh: str) -> dict:
         "ilp_variables": plan.stats["variables"],
         "solver_status": plan.stats["status"],
         "step_ms_estimated": round(plan.step_seconds * 1e3, 3),
+        "memory_gib_estimated": round(plan.memory_bytes / 2**30, 3),
+        "fits_device_memory": plan.memory_bytes <= get_cluster(CLUSTER).device_memory,
         # Linux reports KiB.
         "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
         "torch_threads": torch.get_num_threads(),

@@ -1,0 +1,147 @@
+"""Pipelined training from Python: `graphpar.pipelined.compile_pipeline(module, inputs, ...)`.
+
+Captures the training step at the microbatch size, cuts it into stages (the given forward
+assignment, or equal FLOPs), builds each stage's programs and a schedule, and runs one step on
+CPU ranks (in this process, or one process per stage over gloo), comparing it with eager
+PyTorch and torch.optim.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphpar.capture import Captured, capture_training
+from graphpar.capture.optim import Optimizer
+from graphpar.errors import UsageError
+from graphpar.ir.graph import Node, Role
+from graphpar.passes.pipeline.partition import equal_flops_stages, follow_forward
+from graphpar.passes.pipeline.stage_programs import PipelinePrograms, split_stages
+from graphpar.runtime.pipeline import PipelineRun, run_in_process, split_microbatches
+from graphpar.runtime.schedules import SCHEDULES, Schedule, make_schedule
+
+if TYPE_CHECKING:
+    from graphpar.compiler import ModelSpec
+    from graphpar.eager_check import EagerCheck
+
+__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched"]
+
+
+@dataclass
+class PipelineCompiled:
+    """A training step cut into pipeline stages, with its schedule, ready to run."""
+
+    captured: Captured  # the training step at the microbatch size, and its starting state
+    programs: PipelinePrograms
+    schedule: Schedule
+    schedule_name: str
+    microbatches: int
+    spec: ModelSpec | None = None
+    optimizer: Optimizer | None = None
+    last_run: PipelineRun | None = field(default=None, repr=False)
+
+    @property
+    def stages(self) -> int:
+        return len(self.programs.stages)
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Bytes sent between stages in one step, from the programs' transfer lists."""
+        return self.programs.step_bytes(self.microbatches)
+
+    def run(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+        """One step on the full batch `args` (inputs then targets): the training graph's
+        outputs (mean loss, mean gradients, updates)."""
+        names = self.captured.user_inputs
+        if len(args) != len(names):
+            raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
+                             f"{len(args)}")
+        inputs = split_microbatches(dict(zip(names, args)), self.microbatches)
+        if processes:
+            from graphpar.runtime.pipeline import run_multiprocess
+
+            run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs)
+        else:
+            run = run_in_process(self.programs, self.schedule, self.captured.state, inputs)
+        self.last_run = run
+        return run.outputs
+
+    def check(self, processes: bool = False, per_microbatch: bool | None = None
+              ) -> EagerCheck:
+        """Run one step on the example it was compiled from and compare every output with
+        eager PyTorch and torch.optim: on the full batch, or (`per_microbatch`; the default
+        for models with buffers the forward updates, i.e. batch norm, whose statistics differ
+        per microbatch) microbatch by microbatch with gradient accumulation."""
+        from graphpar.eager_check import check_against_eager
+
+        if self.spec is None:
+            raise UsageError("this pipeline does not know the module it came from")
+        outputs = self.run(*self.spec.inputs, *self.spec.targets, processes=processes)
+        if per_microbatch is None:
+            per_microbatch = bool(self.captured.graph.inputs_with_role(Role.BUFFER)) and any(
+                o.target in {v.name for v in self.captured.graph.inputs_with_role(Role.BUFFER)}
+                for o in self.captured.graph.outputs)
+        expected = (eager_microbatched(self.spec, self.microbatches, self.optimizer)
+                    if per_microbatch else None)
+        return check_against_eager(self.captured.graph.outputs, outputs, self.spec,
+                                   self.optimizer, expected=expected)
+
+
+def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
+                     loss_fn: Callable, targets: Sequence[torch.Tensor] = (),
+                     optimizer: Optimizer | None = None, stages: int = 2,
+                     microbatches: int = 4, schedule: str = "1f1b",
+                     forward_stage: Callable[..., Mapping[Node, int]] | None = None,
+                     keep_grads: bool = False) -> PipelineCompiled:
+    """Capture `module`'s training step at the microbatch size (batch / `microbatches`), cut
+    it into `stages` stages and build `schedule` ("gpipe", "1f1b" or "zb").
+
+    `forward_stage(graph, stages)` assigns the forward nodes (default: equal FLOPs,
+    `equal_flops_stages`); every other node follows (`follow_forward`)."""
+    from graphpar.compiler import ModelSpec
+
+    if schedule not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {schedule!r}; choose one of "
+                         f"{', '.join(SCHEDULES)}")
+    if microbatches < 1:
+        raise UsageError(f"microbatches must be at least 1, got {microbatches}")
+    spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
+    names = [f"input {i}" for i in range(len(inputs))] + [
+        f"target {i}" for i in range(len(targets))]
+    first = split_microbatches(dict(zip(names, (*inputs, *targets))), microbatches)[0]
+    micro = [first[n] for n in names]
+    captured = capture_training(copy.deepcopy(module), micro[:len(inputs)], loss_fn,
+                                micro[len(inputs):], optimizer=optimizer,
+                                keep_grads=keep_grads)
+    graph = captured.graph
+    assign = (forward_stage or equal_flops_stages)(graph, stages)
+    programs = split_stages(graph, follow_forward(graph, assign), zero_bubble=schedule == "zb")
+    plan = make_schedule(schedule, len(programs.stages), microbatches)
+    return PipelineCompiled(captured, programs, plan, schedule, microbatches, spec, optimizer)
+
+
+def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer | None
+                       ) -> dict[tuple[str, str], torch.Tensor]:
+    """What eager PyTorch computes for one step run microbatch by microbatch with gradient
+    accumulation (each microbatch's loss divided by `microbatches`, then one torch.optim
+    step), keyed as `eager_check.eager_results` keys it. With batch norm this differs from
+    the full batch: each microbatch normalizes with its own statistics and updates the
+    running statistics once."""
+    from graphpar.eager_check import step_results
+
+    names = [f"i{i}" for i in range(len(spec.inputs))] + [
+        f"t{i}" for i in range(len(spec.targets))]
+    parts = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))), microbatches)
+    module = copy.deepcopy(spec.module)
+    module.zero_grad(set_to_none=True)
+    losses = []
+    for part in parts:
+        out = module(*(part[n] for n in names[:len(spec.inputs)]))
+        loss = spec.loss_fn(out, *(part[n] for n in names[len(spec.inputs):]))
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return {("loss", "loss"): torch.stack(losses).mean(), **step_results(module, optimizer)}

@@ -1,0 +1,294 @@
+"""The pipeline runtime: each stage runs its schedule's action list over its stage programs.
+
+A stage's programs (forward F, backward B or its parts I and W, update U; built by
+`graphpar.passes.pipeline.stage_programs`) exchange tensors by name. A :class:`StageRunner`
+holds one stage's state: its parameters and optimizer state, per microbatch the named tensors
+it received or kept from its forward for its backward, the gradients it accumulates, the
+losses. It runs one action at a time; what moves between stages is what `outgoing` returns
+and `incoming` takes, so the same runner serves
+
+- `run_in_process`: every stage in this process, actions interleaved in a valid order, the
+  transfers through mailboxes (the reference execution of a schedule), and
+- `run_multiprocess`: one process per stage over gloo, through `runtime.workers.WorkerGroup`,
+  the transfers as point-to-point sends, each rank timing its own actions.
+
+After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
+loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
+microbatch losses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from graphpar.backends.interpreter import Interpreter
+from graphpar.errors import GraphparError, ScheduleError
+from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.types import TensorType
+from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, validate
+
+__all__ = ["PipelineRun", "StageRunner", "assemble_outputs", "run_in_process",
+           "split_microbatches"]
+
+_PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
+
+
+class StageProgramLike(Protocol):
+    """What the runtime reads of `graphpar.passes.pipeline.stage_programs.StageProgram`."""
+
+    stage: int
+    send_forward: tuple[str, ...]
+    send_backward: tuple[str, ...]
+    keep_after_forward: frozenset[str]
+    grads: tuple[str, ...]
+
+    def program(self, phase: str) -> Graph | None: ...
+
+
+class PipelineProgramsLike(Protocol):
+    graph: Graph
+    stages: Sequence[StageProgramLike]
+    types: dict[str, TensorType]
+    grad_transfers: tuple[tuple[int, int, str], ...]
+
+
+def split_microbatches(tensors: Mapping[str, torch.Tensor], microbatches: int
+                       ) -> list[dict[str, torch.Tensor]]:
+    """The user inputs cut along dimension 0 (the batch) into `microbatches` equal parts."""
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+    for name, t in tensors.items():
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise GraphparError(
+                f"input {name!r} of shape {tuple(t.shape)} cannot be cut into {microbatches} "
+                f"microbatches: its batch dimension (dimension 0) must be a multiple of "
+                f"{microbatches}; choose a number of microbatches that divides the batch")
+        for m, chunk in enumerate(t.chunk(microbatches, dim=0)):
+            parts[m][name] = chunk.contiguous()
+    return parts
+
+
+class StageRunner:
+    """One stage of a pipelined training step: runs its actions, keeps its tensors."""
+
+    def __init__(self, program: StageProgramLike, microbatches: int,
+                 state: Mapping[str, torch.Tensor],
+                 inputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        self.program = program
+        self.stage = program.stage
+        self.microbatches = microbatches
+        self.inputs = inputs  # per microbatch, the user's tensors by name
+        self.interpreters = {p: Interpreter(g) for p in ("F", "B", "I", "W", "U")
+                             if (g := program.program(p)) is not None}
+        needed = {v.name for i in self.interpreters.values() for v in i.graph.inputs}
+        self.state = {k: v for k, v in state.items() if k in needed}
+        self.env: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+        self.grad_sums: dict[str, torch.Tensor] = {}
+        self.grad_outputs: dict[str, torch.Tensor] = {}  # GRAD outputs, summed
+        self.losses: dict[int, torch.Tensor] = {}
+        self.updates: dict[str, torch.Tensor] = {}  # UPDATE outputs by target
+        self.bytes_sent = 0
+        self.spans: list[tuple[Action, float, float]] = []  # measured: action, start, end
+        self.backward_done: set[int] = set()  # microbatches whose gradients are summed
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        if action.kind is ActionKind.UPDATE:
+            self._update()
+        else:
+            self._run(_PHASE[action.kind], action.microbatch)
+        self.spans.append((action, start, time.perf_counter()))
+
+    def _run(self, phase: str, m: int) -> None:
+        interpreter = self.interpreters.get(phase)
+        env = self.env[m]
+        if interpreter is not None:
+            graph = interpreter.graph
+            args = {v.name: self._lookup(v.name, env, m) for v in graph.inputs}
+            results = interpreter.run(args)
+            for out, t in zip(graph.outputs, results):
+                self._keep(out.role, out.target, t, env, m)
+        if phase == "F":  # keep what the backward (or a later send) reads
+            keep = self.program.keep_after_forward | set(self.program.send_forward)
+            for name in [n for n in env if n not in keep]:
+                del env[name]
+        elif phase in ("B", "W") or (phase == "I" and "W" not in self.interpreters):
+            self._backward_done(m)
+
+    def _backward_done(self, m: int) -> None:
+        if m in self.backward_done:
+            return
+        self.backward_done.add(m)
+        for name in self.program.grads:
+            t = self.env[m].get(name)
+            if t is not None:
+                self.grad_sums[name] = (t.clone() if name not in self.grad_sums
+                                        else self.grad_sums[name] + t)
+        env = self.env[m]  # only what is still to be sent back
+        self.env[m] = {n: env[n] for n in self.program.send_backward if n in env}
+
+    def _lookup(self, name: str, env: dict, m: int) -> torch.Tensor:
+        for where in (env, self.inputs[m], self.state):
+            if name in where:
+                return where[name]
+        raise GraphparError(f"pipeline stage {self.stage}: microbatch {m} has no tensor "
+                            f"%{name} (a transfer the schedule did not make)")
+
+    def _keep(self, role: OutputRole, target: str | None, t: torch.Tensor, env: dict,
+              m: int) -> None:
+        if role is OutputRole.OUTPUT:
+            env[target] = t
+        elif role is OutputRole.LOSS:
+            self.losses[m] = t
+        elif role is OutputRole.GRAD:
+            self.grad_outputs[target] = (t.clone() if target not in self.grad_outputs
+                                         else self.grad_outputs[target] + t)
+        elif role is OutputRole.UPDATE:
+            # a forward's update (batch-norm statistics) carries on to the next microbatch
+            if target in self.state:
+                self.state[target] = t
+            self.updates[target] = t
+
+    def _update(self, received: Mapping[str, torch.Tensor] | None = None) -> None:
+        interpreter = self.interpreters.get("U")
+        if interpreter is None:
+            return
+        grads = {name: t / self.microbatches for name, t in self.grad_sums.items()}
+        grads.update({name: t / self.microbatches for name, t in (received or {}).items()})
+        graph = interpreter.graph
+        args = {v.name: grads[v.name] if v.name in grads else self.state[v.name]
+                for v in graph.inputs}
+        for out, t in zip(graph.outputs, interpreter.run(args)):
+            if out.role is OutputRole.UPDATE:
+                self.updates[out.target] = t
+
+    # --- transfers --------------------------------------------------------------------------
+
+    def outgoing(self, action: Action) -> list[torch.Tensor]:
+        """The tensors a SEND action sends, in the order of the program's names."""
+        names = (self.program.send_forward if action.kind is ActionKind.SEND_F
+                 else self.program.send_backward)
+        env = self.env[action.microbatch]
+        tensors = [self._lookup(n, env, action.microbatch) for n in names]
+        for n in names:  # sent: what the stage itself no longer reads is dropped
+            if action.kind is ActionKind.SEND_B or n not in self.program.keep_after_forward:
+                if action.kind is ActionKind.SEND_F or action.microbatch in self.backward_done:
+                    env.pop(n, None)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
+
+    def incoming(self, action: Action, names: Sequence[str],
+                 tensors: Sequence[torch.Tensor]) -> None:
+        self.env[action.microbatch].update(zip(names, tensors))
+
+    def mean_loss(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+
+
+@dataclass
+class PipelineRun:
+    """One pipelined step: the training graph's outputs and what the run measured."""
+
+    outputs: list[torch.Tensor]  # in the order of the training graph's outputs
+    bytes_sent: list[int]  # per stage, activations and gradients, measured
+    spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
+
+
+def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
+                     ) -> list[torch.Tensor]:
+    """The training graph's outputs from its stages' results: the mean loss, the mean
+    gradient, the updated parameters, state and buffers. `runners` are StageRunners or
+    anything with the same `losses`/`grad_outputs`/`updates`/`mean_loss`."""
+    losses = [r.mean_loss() for r in runners if r.losses]
+    grads: dict[str, torch.Tensor] = {}
+    updates: dict[str, torch.Tensor] = {}
+    for r in runners:
+        for name, t in r.grad_outputs.items():
+            grads[name] = grads[name] + t if name in grads else t
+        updates.update(r.updates)
+    outputs = []
+    for out in graph.outputs:
+        if out.role is OutputRole.LOSS:
+            outputs.append(losses[0])
+        elif out.role is OutputRole.GRAD:
+            outputs.append(grads[out.target] / microbatches)
+        elif out.role is OutputRole.UPDATE:
+            outputs.append(updates[out.target])
+        else:
+            raise GraphparError("a pipelined step returns a loss, gradients and updates; the "
+                                f"graph has a {out.role.value} output")
+    return outputs
+
+
+def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
+                   state: Mapping[str, torch.Tensor],
+                   inputs: Sequence[Mapping[str, torch.Tensor]]) -> PipelineRun:
+    """One step with every stage in this process: the stages take turns, each running actions
+    until it waits for a transfer that has not been sent; a send lands in a mailbox.
+
+    `inputs`: per microbatch, the user's tensors by name (`split_microbatches`)."""
+    validate(schedule)
+    stages = programs.stages
+    if len(schedule) != len(stages):
+        raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
+                            f"{len(stages)}")
+    microbatches = len(inputs)
+    runners = [StageRunner(p, microbatches, state, inputs) for p in stages]
+    mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
+    position = [0] * len(stages)
+    start = time.perf_counter()
+    while any(position[s] < len(schedule[s]) for s in schedule):
+        moved = False
+        for s, actions in schedule.items():
+            while position[s] < len(actions):
+                action = actions[position[s]]
+                if not _step(action, runners, mailbox, programs):
+                    break
+                position[s] += 1
+                moved = True
+        if not moved:
+            stuck = [str(schedule[s][position[s]]) for s in schedule
+                     if position[s] < len(schedule[s])]
+            raise ScheduleError(f"the pipeline is stuck waiting at {', '.join(stuck)}")
+    spans = [Span(r.stage, a, t0 - start, t1 - start, rank=r.stage)
+             for r in runners for a, t0, t1 in r.spans]
+    return PipelineRun(assemble_outputs(programs.graph, runners, microbatches),
+                       [r.bytes_sent for r in runners], spans)
+
+
+def _step(action: Action, runners: list[StageRunner], mailbox: dict,
+          programs: PipelineProgramsLike) -> bool:
+    """Run `action` if it can run now; False if it waits for a transfer."""
+    s, kind, m = action.stage, action.kind, action.microbatch
+    runner = runners[s]
+    if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+        peer = s + 1 if kind is ActionKind.SEND_F else s - 1
+        mailbox[kind, m, peer] = runner.outgoing(action)
+    elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+        sent = ActionKind.SEND_F if kind is ActionKind.RECV_F else ActionKind.SEND_B
+        if (sent, m, s) not in mailbox:
+            return False
+        peer = programs.stages[s - 1 if kind is ActionKind.RECV_F else s + 1]
+        names = peer.send_forward if kind is ActionKind.RECV_F else peer.send_backward
+        runner.incoming(action, names, mailbox.pop((sent, m, s)))
+    elif kind is ActionKind.UPDATE:
+        # gradients another stage's update reads arrive once every backward has run
+        pending = [(src, name) for src, dst, name in programs.grad_transfers if dst == s]
+        if any(len(runners[src].backward_done) < runners[src].microbatches
+               for src, _ in pending):
+            return False
+        received = {name: runners[src].grad_sums[name] for src, name in pending}
+        start = time.perf_counter()
+        runner._update(received)
+        runner.spans.append((action, start, time.perf_counter()))
+    else:
+        runner.compute(action)
+    return True

@@ -292,3 +292,184 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
     else:
         runner.compute(action)
     return True
+
+
+# ------------------------------------------------------------------ one process per stage
+
+def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
+                     state: Mapping[str, torch.Tensor],
+                     inputs: Sequence[Mapping[str, torch.Tensor]],
+                     timeout: float = 120.0) -> PipelineRun:
+    """One step with each stage in its own process (one rank per stage) over gloo, started by
+    `runtime.workers.WorkerGroup`: each rank runs its stage's action list, sends and receives
+    point to point, and times every action (the measured timeline)."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from graphpar.ir.printer import print_graph
+    from graphpar.runtime.workers import WorkerGroup
+
+    validate(schedule)
+    stages = len(programs.stages)
+    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-pipeline-"))
+    group = WorkerGroup(stages, "graphpar.runtime.pipeline:PipelineWorker", jobdir,
+                        timeout=timeout, name="pipeline stage")
+    try:
+        job = {"microbatches": len(inputs), "stages": [],
+               "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+                         for n, t in programs.types.items()}}
+        for program in programs.stages:
+            s = program.stage
+            graphs = {}
+            for phase in ("F", "B", "I", "W", "U"):
+                g = program.program(phase)
+                if g is not None:
+                    (jobdir / f"stage{s}_{phase}.gpir").write_text(
+                        print_graph(g, show_cost=False))
+                    graphs[phase] = [o.target for o in g.outputs]  # targets do not print
+            needed = {v.name for g in (program.program(p) for p in "FBIWU") if g is not None
+                      for v in g.inputs}
+            torch.save({"state": {k: t.clone() for k, t in state.items() if k in needed},
+                        "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
+                       jobdir / f"tensors{s}.pt")
+            job["stages"].append({
+                "graphs": graphs,
+                "send_forward": list(program.send_forward),
+                "send_backward": list(program.send_backward),
+                "keep_after_forward": sorted(program.keep_after_forward),
+                "grads": list(program.grads),
+                "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
+                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
+                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
+            })
+        (jobdir / "job.json").write_text(json.dumps(job))
+        group.start()
+        group.wait(group.send("run"))
+        results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
+                   for s in range(stages)]
+    finally:
+        group.stop()
+        shutil.rmtree(jobdir, ignore_errors=True)
+    runners = [_Finished(**r) for r in results]
+    start = min((span[2] for r in results for span in r["spans"]), default=0.0)
+    spans = [Span(s, Action(ActionKind(kind), s, mb), t0 - start, t1 - start, rank=s)
+             for s, r in enumerate(results) for kind, mb, t0, t1 in r["spans"]]
+    return PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
+                       [r["bytes_sent"] for r in results], spans)
+
+
+@dataclass
+class _Finished:
+    """What a stage's worker returns: as much of a StageRunner as `assemble_outputs` reads."""
+
+    losses: dict
+    grad_outputs: dict
+    updates: dict
+    bytes_sent: int
+    spans: list
+
+    def mean_loss(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+
+
+@dataclass
+class _LoadedStage:
+    """A stage program read back from a job directory (StageProgramLike)."""
+
+    stage: int
+    graphs: dict[str, Graph]
+    send_forward: tuple[str, ...]
+    send_backward: tuple[str, ...]
+    keep_after_forward: frozenset[str]
+    grads: tuple[str, ...]
+
+    def program(self, phase: str) -> Graph | None:
+        return self.graphs.get(phase)
+
+
+class PipelineWorker:
+    """Rank `rank` of a pipeline job: stage `rank`'s runner, its action list, gloo transfers."""
+
+    def __init__(self, jobdir, rank: int, world: int) -> None:
+        import json
+        from pathlib import Path
+
+        from graphpar.ir.parser import parse
+
+        self.jobdir, self.rank = Path(jobdir), rank
+        job = json.loads((self.jobdir / "job.json").read_text())
+        spec = job["stages"][rank]
+        graphs = {}
+        for phase, targets in spec["graphs"].items():
+            path = self.jobdir / f"stage{rank}_{phase}.gpir"
+            g = parse(path.read_text(), path.name)
+            for out, target in zip(g.outputs, targets):
+                out.target = target
+            graphs[phase] = g
+        self.program = _LoadedStage(rank, graphs, tuple(spec["send_forward"]),
+                                    tuple(spec["send_backward"]),
+                                    frozenset(spec["keep_after_forward"]), tuple(spec["grads"]))
+        self.peers = job["stages"]
+        self.types = {n: TensorType(tuple(shape), getattr(torch, dtype))
+                      for n, (shape, dtype) in job["types"].items()}
+        self.actions = [Action(ActionKind(k), rank, mb) for k, mb in spec["actions"]]
+        self.spec = spec
+        tensors = torch.load(self.jobdir / f"tensors{rank}.pt", weights_only=True)
+        self.runner = StageRunner(self.program, job["microbatches"], tensors["state"],
+                                  tensors["inputs"])
+
+    def run(self) -> None:
+        import os
+
+        import torch.distributed as dist
+
+        runner, pending = self.runner, []
+        spans = []
+        for action in self.actions:
+            start = time.time()
+            kind, m = action.kind, action.microbatch
+            if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                peer = action.peer
+                for tag, t in enumerate(runner.outgoing(action)):
+                    buf = t.contiguous()
+                    pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
+            elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                peer = action.peer
+                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
+                names = self.peers[peer][key]
+                tensors = []
+                for tag, name in enumerate(names):
+                    ty = self._type(name, peer)
+                    out = torch.empty(ty.shape, dtype=ty.dtype)
+                    dist.recv(out, src=peer, tag=tag)
+                    tensors.append(out)
+                runner.incoming(action, names, tensors)
+            elif kind is ActionKind.UPDATE:
+                for dst, name in self.spec["grads_out"]:
+                    buf = runner.grad_sums[name].contiguous()
+                    pending.append((dist.isend(buf, dst=dst, tag=0), buf))
+                    runner.bytes_sent += buf.numel() * buf.element_size()
+                received = {}
+                for src, name in self.spec["grads_in"]:
+                    ty = self._type(name, None)
+                    out = torch.empty(ty.shape, dtype=ty.dtype)
+                    dist.recv(out, src=src, tag=0)
+                    received[name] = out
+                runner._update(received)
+            else:
+                runner.compute(action)
+            spans.append((kind.value, m, start, time.time()))
+        for work, _ in pending:
+            work.wait()
+        result = self.jobdir / f"result{self.rank}.pt"
+        torch.save({"losses": runner.losses, "grad_outputs": runner.grad_outputs,
+                    "updates": runner.updates, "bytes_sent": runner.bytes_sent,
+                    "spans": spans}, result.with_suffix(".tmp"))
+        os.replace(result.with_suffix(".tmp"), result)
+
+    def _type(self, name: str, peer: int | None) -> TensorType:
+        return self.types[name]

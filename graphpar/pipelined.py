@@ -9,6 +9,7 @@ PyTorch and torch.optim.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
     from graphpar.eager_check import EagerCheck
 
-__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched"]
+__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched", "pipeline_of"]
 
 
 @dataclass
@@ -43,6 +44,11 @@ class PipelineCompiled:
     spec: ModelSpec | None = None
     optimizer: Optimizer | None = None
     last_run: PipelineRun | None = field(default=None, repr=False)
+
+    def with_schedule(self, name: str) -> PipelineCompiled:
+        """The same stages run by schedule `name`."""
+        plan = make_schedule(name, self.stages, self.microbatches)
+        return dataclasses.replace(self, schedule=plan, schedule_name=name, last_run=None)
 
     @property
     def stages(self) -> int:
@@ -117,9 +123,19 @@ def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
     captured = capture_training(copy.deepcopy(module), micro[:len(inputs)], loss_fn,
                                 micro[len(inputs):], optimizer=optimizer,
                                 keep_grads=keep_grads)
+    return pipeline_of(captured, stages, microbatches, schedule, forward_stage, spec=spec,
+                       optimizer=optimizer)
+
+
+def pipeline_of(captured: Captured, stages: int, microbatches: int, schedule: str = "1f1b",
+                forward_stage: Callable[..., Mapping[Node, int]] | None = None, *,
+                spec: ModelSpec | None = None, optimizer: Optimizer | None = None
+                ) -> PipelineCompiled:
+    """The pipeline of a training step already captured at the microbatch size."""
     graph = captured.graph
     assign = (forward_stage or equal_flops_stages)(graph, stages)
-    programs = split_stages(graph, follow_forward(graph, assign), zero_bubble=schedule == "zb")
+    # I and W programs are built for every schedule: switching to "zb" needs no rebuild
+    programs = split_stages(graph, follow_forward(graph, assign), zero_bubble=True)
     plan = make_schedule(schedule, len(programs.stages), microbatches)
     return PipelineCompiled(captured, programs, plan, schedule, microbatches, spec, optimizer)
 

@@ -1,0 +1,123 @@
+"""Pipelined training steps: every schedule, in this process and on gloo ranks, gives the loss,
+gradients, updated parameters and optimizer state of eager PyTorch + torch.optim on the full
+batch (microbatch by microbatch for batch norm), and sends the bytes its programs predict."""
+
+import copy
+
+import pytest
+import torch
+
+from graphpar.capture import Adam, capture_training
+from graphpar.compiler import ModelSpec
+from graphpar.errors import GraphparError, ScheduleError, UsageError
+from graphpar.models import get_model
+from graphpar.pipelined import compile_pipeline, pipeline_of
+from graphpar.runtime import pipeline as runtime
+from graphpar.runtime.schedules import COMPUTE_KINDS, SCHEDULES, ActionKind
+
+MICROBATCHES = 4
+BATCH = 8
+
+
+def captured_pipeline(name: str, stages: int, schedule: str = "gpipe"):
+    ex = get_model(name, "tiny", train=True, batch_size=BATCH)
+    spec = ModelSpec(name, ex.module, tuple(ex.inputs), ex.loss_fn, tuple(ex.targets))
+    micro = [t[:BATCH // MICROBATCHES] for t in (*ex.inputs, *ex.targets)]
+    captured = capture_training(copy.deepcopy(ex.module), micro[:len(ex.inputs)], ex.loss_fn,
+                                micro[len(ex.inputs):], optimizer=Adam(), keep_grads=True)
+    return pipeline_of(captured, stages, MICROBATCHES, schedule, spec=spec, optimizer=Adam())
+
+
+@pytest.fixture(scope="module")
+def gpt_two_stages():
+    return captured_pipeline("gpt", 2)
+
+
+def assert_matches_eager(pipe, processes=False):
+    check = pipe.check(processes=processes)
+    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
+    assert check.errors["parameters"].tensors == check.errors["gradients"].tensors > 0
+    assert check.errors["loss"].max_abs_error < 1e-5
+    assert check.within_tolerance, "\n".join(check.lines())
+    run = pipe.last_run
+    assert sum(run.bytes_sent) == pipe.predicted_bytes > 0  # measured == predicted
+    return run
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_equals_eager(gpt_two_stages, schedule):
+    pipe = gpt_two_stages.with_schedule(schedule)
+    run = assert_matches_eager(pipe)
+    ran = {(s.stage, s.action.kind, s.action.microbatch) for s in run.spans}
+    # in this process the computations are timed (transfers are a mailbox)
+    assert ran == {(s, a.kind, a.microbatch) for s, actions in pipe.schedule.items()
+                   for a in actions if a.kind in COMPUTE_KINDS | {ActionKind.UPDATE}}
+    if schedule == "zb":  # the backward really is split: W runs apart from I
+        assert any(s.action.kind is ActionKind.W for s in run.spans)
+
+
+def test_a_lost_microbatch_gradient_is_caught(gpt_two_stages, monkeypatch):
+    done = runtime.StageRunner._backward_done
+
+    def forget_the_first(self, m):
+        if m == 0:
+            self.program = copy.copy(self.program)
+            grads, self.program.grads = self.program.grads, ()
+            done(self, m)
+            self.program.grads = grads
+        else:
+            done(self, m)
+
+    monkeypatch.setattr(runtime.StageRunner, "_backward_done", forget_the_first)
+    check = gpt_two_stages.check()
+    assert not check.within_tolerance
+    assert check.errors["parameters"].tolerance_used > 1  # the update saw 3 of 4 gradients
+
+
+def test_on_gloo_ranks(gpt_two_stages):
+    pipe = gpt_two_stages.with_schedule("1f1b")
+    run = assert_matches_eager(pipe, processes=True)
+    assert {s.rank for s in run.spans} == {0, 1}
+    assert len(run.spans) == sum(len(actions) for actions in pipe.schedule.values())
+    # a rank's actions are timed in order, one after the other
+    for rank in (0, 1):
+        spans = [s for s in run.spans if s.rank == rank]
+        assert all(a.end_s <= b.start_s + 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def test_bad_requests_are_named(gpt_two_stages):
+    ex = get_model("mlp", "tiny", train=True, batch_size=6)
+    with pytest.raises(GraphparError, match="multiple of 4"):
+        compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                         microbatches=4)
+    with pytest.raises(UsageError, match="unknown pipeline schedule"):
+        compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                         microbatches=2, schedule="interleaved")
+    with pytest.raises(ScheduleError, match="at least as many microbatches as stages"):
+        pipeline_of(gpt_two_stages.captured, 2, 1, "1f1b")
+
+
+def test_split_microbatches():
+    x = torch.arange(12).reshape(6, 2)
+    parts = runtime.split_microbatches({"x": x}, 3)
+    assert [p["x"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
+                                                 [[8, 9], [10, 11]]]
+
+
+# ------------------------------------------------------------------------------- slow: all
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_bundled_models_every_schedule(name, stages):
+    pipe = captured_pipeline(name, stages)
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "wide_resnet"])
+def test_four_gloo_ranks_every_schedule(name):
+    pipe = captured_pipeline(name, 4)
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule), processes=True)

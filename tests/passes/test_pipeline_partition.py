@@ -154,3 +154,40 @@ def test_bad_assignments_are_named(gpt_step):
         equal_flops_stages(g, 10_000)
     with pytest.raises(PassError, match="no loss output"):
         forward_backward_optimizer(Graph("empty"))
+
+
+def test_mpmd_program_sends_what_the_stages_exchange(gpt_step):
+    from graphpar.ir.graph import Program
+    from graphpar.passes.pipeline.lower_mpmd import lower_mpmd, stage_devices
+    from graphpar.passes.pipeline.stage_programs import split_stages
+
+    _, captured = gpt_step
+    g = captured.graph
+    programs = split_stages(g, follow_forward(g, equal_flops_stages(g, 4)))
+    devices = stage_devices(4, [1, 2, 1, 1])
+    assert devices == [(0,), (1, 2), (3,), (4,)]
+    program = lower_mpmd(programs, devices)
+    assert [gr.name for gr in program][:3] == ["stage0_forward", "stage0_backward",
+                                               "stage0_update"]
+    for graph in program:
+        verify(graph)
+    text = print_program(program)
+    assert print_program(parse_program(text)) == text
+    assert isinstance(parse_program(text), Program)
+    # every send has its receive on the peer's first device: same tag, same type
+    sends, recvs = {}, {}
+    for graph in program:
+        me = graph.mesh.device_ids[0]
+        for node in graph.find("send"):
+            sends[me, node.attrs["dst"], node.attrs["tag"], graph.name.split("_")[1]] = \
+                node.inputs[0].type
+        for node in graph.find("recv"):
+            recvs[node.attrs["src"], me, node.attrs["tag"], graph.name.split("_")[1]] = \
+                node.output.type
+    assert sends == recvs and sends
+    # the stage sub-meshes are declared in the program
+    assert {gr.mesh.device_ids for gr in program} == set(devices)
+    # per microbatch, the forward and backward graphs send what the programs predict
+    per_microbatch = sum(n.inputs[0].type.nbytes for gr in program if "update" not in gr.name
+                         for n in gr.find("send"))
+    assert per_microbatch == sum(sum(programs.bytes_sent(s)) for s in range(4))

@@ -44,6 +44,18 @@ class PipelineCompiled:
     spec: ModelSpec | None = None
     optimizer: Optimizer | None = None
     last_run: PipelineRun | None = field(default=None, repr=False)
+    # stage -> phase -> ShardedPhase, for stages that run on a sub-mesh of several devices
+    sharded: dict = field(default_factory=dict, repr=False)
+
+    def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu",
+                     memory_limit: str = "") -> PipelineCompiled:
+        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
+        the auto-shard ILP on their sub-mesh and run as SPMD programs there."""
+        from graphpar.passes.pipeline.lower_mpmd import shard_stages
+
+        sharded = shard_stages(self.programs, submeshes, cluster=cluster,
+                               memory_limit=memory_limit)
+        return dataclasses.replace(self, sharded=sharded, last_run=None)
 
     def with_schedule(self, name: str) -> PipelineCompiled:
         """The same stages run by schedule `name`."""
@@ -70,9 +82,13 @@ class PipelineCompiled:
         if processes:
             from graphpar.runtime.pipeline import run_multiprocess
 
+            if self.sharded:
+                raise UsageError("stages on several devices run in this process only for "
+                                 "now: run with processes=False")
             run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs)
         else:
-            run = run_in_process(self.programs, self.schedule, self.captured.state, inputs)
+            run = run_in_process(self.programs, self.schedule, self.captured.state, inputs,
+                                 self.sharded)
         self.last_run = run
         return run.outputs
 

@@ -77,8 +77,12 @@ class StageRunner:
 
     def __init__(self, program: StageProgramLike, microbatches: int,
                  state: Mapping[str, torch.Tensor],
-                 inputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+                 inputs: Sequence[Mapping[str, torch.Tensor]],
+                 sharded: Mapping[str, Any] | None = None) -> None:
         self.program = program
+        # phase -> ShardedPhase (device_program, mesh): run on the stage's sub-mesh
+        self.sharded = dict(sharded or {})
+        self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent, measured
         self.stage = program.stage
         self.microbatches = microbatches
         self.inputs = inputs  # per microbatch, the user's tensors by name
@@ -111,7 +115,7 @@ class StageRunner:
         if interpreter is not None:
             graph = interpreter.graph
             args = {v.name: self._lookup(v.name, env, m) for v in graph.inputs}
-            results = interpreter.run(args)
+            results = self._execute(phase, args)
             for out, t in zip(graph.outputs, results):
                 self._keep(out.role, out.target, t, env, m)
         if phase == "F":  # keep what the backward (or a later send) reads
@@ -120,6 +124,22 @@ class StageRunner:
                 del env[name]
         elif phase in ("B", "W") or (phase == "I" and "W" not in self.interpreters):
             self._backward_done(m)
+
+    def _execute(self, phase: str, args: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run a phase program on whole tensors: directly, or as the SPMD program of the
+        stage's sub-mesh, each device given its shard and the results gathered whole."""
+        sharded = self.sharded.get(phase)
+        if sharded is None:
+            return self.interpreters[phase].run(args)
+        from graphpar.runtime.spmd import run_spmd_in_process, shard_tensor, unshard
+
+        program, mesh = sharded.device_program, sharded.mesh
+        per_device = [{v.name: shard_tensor(args[v.name], v.layout, mesh, d)
+                       for v in program.inputs} for d in range(mesh.size)]
+        outputs = run_spmd_in_process(program, per_device, mesh)
+        self.intra_stage_bytes += int(sum(outputs.bytes_sent))
+        return [unshard([rank[i] for rank in outputs], out.value.layout, mesh)
+                for i, out in enumerate(program.outputs)]
 
     def _backward_done(self, m: int) -> None:
         if m in self.backward_done:
@@ -164,7 +184,7 @@ class StageRunner:
         graph = interpreter.graph
         args = {v.name: grads[v.name] if v.name in grads else self.state[v.name]
                 for v in graph.inputs}
-        for out, t in zip(graph.outputs, interpreter.run(args)):
+        for out, t in zip(graph.outputs, self._execute("U", args)):
             if out.role is OutputRole.UPDATE:
                 self.updates[out.target] = t
 
@@ -200,6 +220,7 @@ class PipelineRun:
     outputs: list[torch.Tensor]  # in the order of the training graph's outputs
     bytes_sent: list[int]  # per stage, activations and gradients, measured
     spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
+    intra_stage_bytes: list[int] = field(default_factory=list)  # per stage: its collectives
 
 
 def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
@@ -230,18 +251,22 @@ def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
 
 def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
                    state: Mapping[str, torch.Tensor],
-                   inputs: Sequence[Mapping[str, torch.Tensor]]) -> PipelineRun:
+                   inputs: Sequence[Mapping[str, torch.Tensor]],
+                   sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
     """One step with every stage in this process: the stages take turns, each running actions
     until it waits for a transfer that has not been sent; a send lands in a mailbox.
 
-    `inputs`: per microbatch, the user's tensors by name (`split_microbatches`)."""
+    `inputs`: per microbatch, the user's tensors by name (`split_microbatches`). `sharded`:
+    stage -> phase -> `lower_mpmd.ShardedPhase` for stages on more than one device, whose
+    phases run as SPMD programs on their sub-mesh (lockstep, in this process)."""
     validate(schedule)
     stages = programs.stages
     if len(schedule) != len(stages):
         raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
                             f"{len(stages)}")
     microbatches = len(inputs)
-    runners = [StageRunner(p, microbatches, state, inputs) for p in stages]
+    runners = [StageRunner(p, microbatches, state, inputs, (sharded or {}).get(p.stage))
+               for p in stages]
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
     position = [0] * len(stages)
     start = time.perf_counter()
@@ -261,7 +286,8 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
     spans = [Span(r.stage, a, t0 - start, t1 - start, rank=r.stage)
              for r in runners for a, t0, t1 in r.spans]
     return PipelineRun(assemble_outputs(programs.graph, runners, microbatches),
-                       [r.bytes_sent for r in runners], spans)
+                       [r.bytes_sent for r in runners], spans,
+                       [r.intra_stage_bytes for r in runners])
 
 
 def _step(action: Action, runners: list[StageRunner], mailbox: dict,

@@ -121,3 +121,21 @@ def test_four_gloo_ranks_every_schedule(name):
     pipe = captured_pipeline(name, 4)
     for schedule in sorted(SCHEDULES):
         assert_matches_eager(pipe.with_schedule(schedule), processes=True)
+
+
+def test_a_stage_sharded_on_two_devices(gpt_two_stages):
+    # stages of 1 and 2 devices (3 in all): stage 1's phases are planned by the auto-shard ILP
+    # on its 1x2 sub-mesh and run as SPMD programs, each device on its own shards
+    pipe = gpt_two_stages.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    phases = pipe.sharded[1]
+    assert set(phases) == {"F", "B", "I", "W", "U"}
+    assert all(p.mesh.size == 2 for p in phases.values())
+    # the update's device program holds slices of (some) parameters and optimizer state
+    update = phases["U"]
+    whole = update.global_graph.inputs_by_name()
+    sliced = [v.name for v in update.device_program.inputs
+              if v.type.numel < whole[v.name].type.numel]
+    assert sliced, "the ILP sharded nothing: the test would not exercise a sharded stage"
+    assert_matches_eager(pipe)
+    with pytest.raises(UsageError, match="in this process only"):
+        pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)

@@ -15,7 +15,8 @@ stages further on are relayed by the stages between (received and sent on unchan
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, OutputRole, Program, Value
@@ -23,7 +24,7 @@ from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import dtype_name
 from graphpar.passes.pipeline.stage_programs import PipelinePrograms
 
-__all__ = ["lower_mpmd", "stage_devices"]
+__all__ = ["ShardedPhase", "lower_mpmd", "shard_stages", "stage_devices"]
 
 
 def stage_devices(stages: int, devices_per_stage: Sequence[int] | None = None
@@ -149,3 +150,46 @@ def _update_with_transfers(programs: PipelinePrograms, s: int, body: Graph | Non
     if not graph.outputs:
         graph.add_output(graph.find("send")[-1].output, OutputRole.OUTPUT, None)
     return graph
+
+
+@dataclass(frozen=True)
+class ShardedPhase:
+    """One phase of a stage planned on the stage's sub-mesh: the sharded global graph (its
+    values carry layouts) and the SPMD program each device of the sub-mesh runs."""
+
+    global_graph: Graph
+    device_program: Graph
+    mesh: Mesh
+
+
+def shard_stages(programs: PipelinePrograms, submeshes: Mapping[int, str], *,
+                 cluster: str = "cpu", memory_limit: str = "", time_limit: float = 10.0
+                 ) -> dict[int, dict[str, ShardedPhase]]:
+    """Each phase program of the stages in `submeshes` (stage -> mesh text such as "1x2")
+    sharded by the auto-shard ILP on that mesh and lowered to its SPMD device program.
+
+    Phases are planned one by one; what crosses between them (the stash, the gradients, what
+    other stages send) is a whole tensor at the phase boundary, gathered from and scattered to
+    the phase's layouts by the runtime."""
+    from graphpar.passes.autoshard.auto_shard import AutoShard
+    from graphpar.passes.manager import PassContext, PassManager, parse_pipeline
+
+    sharded: dict[int, dict[str, ShardedPhase]] = {}
+    for s, mesh_text in submeshes.items():
+        phases = {}
+        for phase in ("F", "B", "I", "W", "U"):
+            graph = programs.stages[s].program(phase)
+            if graph is None:
+                continue
+            ctx = PassContext()
+            planned = PassManager([AutoShard(mesh=mesh_text, cluster=cluster,
+                                             memory_limit=memory_limit,
+                                             time_limit=time_limit)]).run(graph.copy(), ctx)
+            global_graph = next(iter(planned))
+            device = next(iter(PassManager(parse_pipeline("lower-spmd")).run(
+                global_graph.copy(), ctx)))
+            for out, want in zip(device.outputs, graph.outputs):
+                out.target = want.target  # a plain output's name does not survive lowering
+            phases[phase] = ShardedPhase(global_graph, device, global_graph.mesh)
+        sharded[s] = phases
+    return sharded

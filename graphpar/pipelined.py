@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
     from graphpar.eager_check import EagerCheck
 
-__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched", "pipeline_of"]
+__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched", "pipeline_of",
+           "pipeline_of_plan"]
 
 
 @dataclass
@@ -145,15 +147,32 @@ def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
 
 def pipeline_of(captured: Captured, stages: int, microbatches: int, schedule: str = "1f1b",
                 forward_stage: Callable[..., Mapping[Node, int]] | None = None, *,
-                spec: ModelSpec | None = None, optimizer: Optimizer | None = None
-                ) -> PipelineCompiled:
-    """The pipeline of a training step already captured at the microbatch size."""
+                spec: ModelSpec | None = None, optimizer: Optimizer | None = None,
+                stage_of: Mapping[Node, int] | None = None) -> PipelineCompiled:
+    """The pipeline of a training step already captured at the microbatch size: `stage_of`
+    gives every node's stage (a `StagePlan`'s), else `forward_stage(graph, stages)` the
+    forward nodes' (default: equal FLOPs) and the rest follows them."""
     graph = captured.graph
-    assign = (forward_stage or equal_flops_stages)(graph, stages)
+    if stage_of is None:
+        assign = (forward_stage or equal_flops_stages)(graph, stages)
+        stage_of = follow_forward(graph, assign)
     # I and W programs are built for every schedule: switching to "zb" needs no rebuild
-    programs = split_stages(graph, follow_forward(graph, assign), zero_bubble=True)
+    programs = split_stages(graph, stage_of, zero_bubble=True)
     plan = make_schedule(schedule, len(programs.stages), microbatches)
     return PipelineCompiled(captured, programs, plan, schedule, microbatches, spec, optimizer)
+
+
+def pipeline_of_plan(captured: Captured, plan, schedule: str = "1f1b", *,
+                     spec: ModelSpec | None = None, optimizer: Optimizer | None = None,
+                     cluster: str = "cpu") -> PipelineCompiled:
+    """The pipeline a `slice-stages` result (`StagePlan`) describes, for the graph it was
+    computed on: its stages and microbatches, and each stage whose logical mesh has more than
+    one device planned by the ILP on it (`PipelineCompiled.on_submeshes`)."""
+    pipe = pipeline_of(captured, len(plan.stages), plan.microbatches, schedule, spec=spec,
+                       optimizer=optimizer, stage_of=plan.stage_of)
+    submeshes = {i: "x".join(map(str, s.logical_mesh)) for i, s in enumerate(plan.stages)
+                 if math.prod(s.logical_mesh) > 1}
+    return pipe.on_submeshes(submeshes, cluster=cluster) if submeshes else pipe
 
 
 def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer | None

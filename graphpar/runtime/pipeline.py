@@ -312,6 +312,9 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
                for src, _ in pending):
             return False
         received = {name: runners[src].grad_sums[name] for src, name in pending}
+        for src, name in pending:  # sent by the stage that summed them
+            t = received[name]
+            runners[src].bytes_sent += t.numel() * t.element_size()
         start = time.perf_counter()
         runner._update(received)
         runner.spans.append((action, start, time.perf_counter()))

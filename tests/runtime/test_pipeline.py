@@ -139,3 +139,43 @@ def test_a_stage_sharded_on_two_devices(gpt_two_stages):
     assert_matches_eager(pipe)
     with pytest.raises(UsageError, match="in this process only"):
         pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)
+
+
+def moved_update_plan(pipe):
+    """A plan as slice-stages gives it (every node's stage, microbatches, logical meshes) in
+    which lm_head's update sits on the other stage than its gradient."""
+    from types import SimpleNamespace
+
+    from graphpar.passes.pipeline.partition import forward_backward_optimizer
+
+    graph = pipe.captured.graph
+    _, _, optimizer = forward_backward_optimizer(graph)
+    stage_of = dict(pipe.programs.stage_of)
+    moved = [n for n in graph.nodes if n in optimizer and n.module == "optimizer.lm_head"]
+    assert moved and {stage_of[n] for n in moved} == {1}
+    stage_of.update({n: 0 for n in moved})
+    return SimpleNamespace(stages=(SimpleNamespace(logical_mesh=(1,)),
+                                   SimpleNamespace(logical_mesh=(1, 1))),
+                           stage_of=stage_of, microbatches=MICROBATCHES)
+
+
+def test_a_stage_plan_with_a_gradient_updated_on_another_stage(gpt_two_stages):
+    # the summed gradient crosses stages before the update
+    from graphpar.pipelined import pipeline_of_plan
+
+    pipe = gpt_two_stages
+    planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "1f1b", spec=pipe.spec,
+                               optimizer=pipe.optimizer)
+    assert [(src, dst) for src, dst, _ in planned.programs.grad_transfers] == [(1, 0)]
+    assert not planned.sharded
+    assert_matches_eager(planned)  # the measured bytes include the gradient sent at UPDATE
+
+
+@pytest.mark.slow
+def test_a_gradient_updated_on_another_stage_on_gloo_ranks(gpt_two_stages):
+    from graphpar.pipelined import pipeline_of_plan
+
+    pipe = gpt_two_stages
+    planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "zb", spec=pipe.spec,
+                               optimizer=pipe.optimizer)
+    assert_matches_eager(planned, processes=True)

@@ -24,7 +24,14 @@ from graphpar.ir.graph import Node, Role
 from graphpar.passes.pipeline.partition import equal_flops_stages, follow_forward
 from graphpar.passes.pipeline.stage_programs import PipelinePrograms, split_stages
 from graphpar.runtime.pipeline import PipelineRun, run_in_process, split_microbatches
-from graphpar.runtime.schedules import SCHEDULES, Schedule, make_schedule
+from graphpar.runtime.schedules import (
+    SCHEDULES,
+    Schedule,
+    Timeline,
+    chrome_trace,
+    make_schedule,
+    simulate,
+)
 
 if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
@@ -58,6 +65,40 @@ class PipelineCompiled:
         sharded = shard_stages(self.programs, submeshes, cluster=cluster,
                                memory_limit=memory_limit)
         return dataclasses.replace(self, sharded=sharded, last_run=None)
+
+    def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
+        """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
+        cluster file, e.g. one `tools/bench/gloo_cluster.py` measured): each phase's FLOPs at
+        the cluster's peak, each boundary's bytes per microbatch as a point-to-point transfer
+        between neighbouring devices. Estimated, not measured."""
+        from graphpar.cost.cluster import get_cluster, mesh_for
+        from graphpar.cost.communication import send_recv_cost
+        from graphpar.ir.printer import node_flops
+
+        chosen = get_cluster(cluster)
+        peak = chosen.peak_flops(dtype)
+
+        def seconds(phase: str, s: int) -> float:
+            graph = self.programs.stages[s].program(phase)
+            return sum(node_flops(n) for n in graph.nodes) / peak if graph is not None else 0.0
+
+        stages = range(self.stages)
+        forward = [seconds("F", s) for s in stages]
+        weight = [seconds("W", s) for s in stages]
+        backward = [seconds("I", s) + weight[s] if self.schedule_name == "zb"
+                    else seconds("B", s) for s in stages]
+        update = [seconds("U", s) for s in stages]
+        line = mesh_for(f"1x{max(self.stages, 2)}", chosen)
+        comm = [send_recv_cost(max(self.programs.bytes_sent(s)), line, 1).seconds
+                for s in range(self.stages - 1)]
+        return simulate(self.schedule, forward, backward, comm,
+                        weight if self.schedule_name == "zb" else None, update)
+
+    def trace(self, path: str) -> dict:
+        """Write the last run's measured timeline as a Chrome trace (chrome://tracing)."""
+        if self.last_run is None:
+            raise UsageError("nothing has run yet: call run() or check() first")
+        return chrome_trace(self.last_run.spans, path)
 
     def with_schedule(self, name: str) -> PipelineCompiled:
         """The same stages run by schedule `name`."""

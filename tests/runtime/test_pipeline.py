@@ -179,3 +179,25 @@ def test_a_gradient_updated_on_another_stage_on_gloo_ranks(gpt_two_stages):
     planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "zb", spec=pipe.spec,
                                optimizer=pipe.optimizer)
     assert_matches_eager(planned, processes=True)
+
+
+def test_estimated_timeline_counts_every_flop_once_per_microbatch(gpt_two_stages, tmp_path):
+    from graphpar.cost.cluster import get_cluster
+    from graphpar.ir.printer import node_flops
+    from graphpar.passes.pipeline.partition import forward_backward_optimizer
+
+    pipe = gpt_two_stages.with_schedule("1f1b")
+    timeline = pipe.estimate("cpu")
+    graph = pipe.captured.graph
+    fwd, bwd, opt = forward_backward_optimizer(graph)
+    per_microbatch = sum(node_flops(n) for n in graph.nodes if n in fwd or n in bwd)
+    once = sum(node_flops(n) for n in opt)
+    peak = get_cluster("cpu").peak_flops("fp32")
+    # recomputed scalars (Adam's bias corrections on each stage) add a few FLOPs at most
+    assert sum(timeline.compute_seconds) * peak == pytest.approx(
+        MICROBATCHES * per_microbatch + once, rel=1e-3)
+    assert 0 < timeline.bubble_fraction < 1 and timeline.step_seconds > 0
+    pipe.run(*pipe.spec.inputs, *pipe.spec.targets)
+    trace = pipe.trace(tmp_path / "pipeline.json")
+    assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == len(
+        pipe.last_run.spans)

@@ -55,10 +55,13 @@ def measure(pipe, schedule: str) -> dict:
     update = [median(ActionKind.UPDATE, s) for s in range(stages)]
     estimate = simulate(pipe.schedule, forward, backward, comm, weight, update)
     m = pipe.microbatches
+    calibrated = pipe.estimate(str(Path(__file__).with_name("gloo_cluster.json")))
     return {
         "schedule": schedule, "stages": stages, "microbatches": m,
         "step_seconds_measured": step,
         "step_seconds_simulated_from_measured_actions": estimate.step_seconds,
+        "step_seconds_estimated_by_cost_model": calibrated.step_seconds,
+        "bubble_fraction_estimated_by_cost_model": calibrated.bubble_fraction,
         "bubble_fraction_measured": measured_bubble,
         "bubble_fraction_simulated": estimate.bubble_fraction,
         "bubble_fraction_uniform_formula": (stages - 1) / (m + stages - 1),
@@ -83,12 +86,14 @@ def main() -> None:
     rows = [measure(pipe, name) for name in ("gpipe", "1f1b", "zb")]
     print(f"gpt tiny (4 layers, d_model 128), {args.stages} stages x 1 gloo rank, "
           f"{args.microbatches} microbatches; times measured (wall clock, shared machine)")
-    print(f"{'schedule':8} {'step ms':>8} {'sim ms':>8} {'bubble':>7} {'sim':>6} "
-          f"{'(p-1)/(m+p-1)':>13} {'bytes':>9} {'eager':>5}")
+    print(f"{'schedule':8} {'step ms':>8} {'sim ms':>8} {'est ms':>7} {'bubble':>7} {'sim':>6} "
+          f"{'est':>5} {'(p-1)/(m+p-1)':>13} {'bytes':>9} {'eager':>5}")
     for r in rows:
         print(f"{r['schedule']:8} {1e3 * r['step_seconds_measured']:8.1f} "
               f"{1e3 * r['step_seconds_simulated_from_measured_actions']:8.1f} "
+              f"{1e3 * r['step_seconds_estimated_by_cost_model']:7.1f} "
               f"{r['bubble_fraction_measured']:7.2f} {r['bubble_fraction_simulated']:6.2f} "
+              f"{r['bubble_fraction_estimated_by_cost_model']:5.2f} "
               f"{r['bubble_fraction_uniform_formula']:13.2f} "
               f"{r['bytes_between_stages_measured']:9d} {str(r['equal_to_eager']):>5}")
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")

@@ -104,7 +104,7 @@ class StageRunner:
     def compute(self, action: Action) -> None:
         start = time.perf_counter()
         if action.kind is ActionKind.UPDATE:
-            self._update()
+            self.update()
         else:
             self._run(_PHASE[action.kind], action.microbatch)
         self.spans.append((action, start, time.perf_counter()))
@@ -175,7 +175,9 @@ class StageRunner:
                 self.state[target] = t
             self.updates[target] = t
 
-    def _update(self, received: Mapping[str, torch.Tensor] | None = None) -> None:
+    def update(self, received: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The optimizer step on the mean gradients: this stage's sums, and those `received`
+        from the stages that summed them, divided by the number of microbatches."""
         interpreter = self.interpreters.get("U")
         if interpreter is None:
             return
@@ -316,7 +318,7 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
             t = received[name]
             runners[src].bytes_sent += t.numel() * t.element_size()
         start = time.perf_counter()
-        runner._update(received)
+        runner.update(received)
         runner.spans.append((action, start, time.perf_counter()))
     else:
         runner.compute(action)
@@ -488,7 +490,7 @@ class PipelineWorker:
                     out = torch.empty(ty.shape, dtype=ty.dtype)
                     dist.recv(out, src=src, tag=0)
                     received[name] = out
-                runner._update(received)
+                runner.update(received)
             else:
                 runner.compute(action)
             spans.append((kind.value, m, start, time.time()))

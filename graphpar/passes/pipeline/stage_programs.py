@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from graphpar.errors import PassError
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import Graph, Node, Role, Value
 from graphpar.ir.types import TensorType
 from graphpar.passes.pipeline.partition import (
     forward_backward_optimizer,
@@ -238,8 +238,3 @@ def _input_grad_part(graph: Graph, nodes: set[Node], sent: set[str]) -> set[Node
         part.add(node)
         stack.extend(v.producer for v in node.input_values if v.producer in nodes)
     return part
-
-
-def graph_outputs_of(programs: PipelinePrograms) -> list[tuple[OutputRole, str | None]]:
-    """The training graph's outputs as (role, target): the order a pipelined step returns."""
-    return [(o.role, o.target) for o in programs.graph.outputs]

@@ -159,6 +159,7 @@ def moved_update_plan(pipe):
                            stage_of=stage_of, microbatches=MICROBATCHES)
 
 
+@pytest.mark.slow
 def test_a_stage_plan_with_a_gradient_updated_on_another_stage(gpt_two_stages):
     # the summed gradient crosses stages before the update
     from graphpar.pipelined import pipeline_of_plan

@@ -202,3 +202,12 @@ def test_estimated_timeline_counts_every_flop_once_per_microbatch(gpt_two_stages
     trace = pipe.trace(tmp_path / "pipeline.json")
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == len(
         pipe.last_run.spans)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_sharded_stages_every_schedule(name):
+    # 4 stages on 6 devices: stages 1 and 3 each planned by the ILP on a sub-mesh of 2
+    pipe = captured_pipeline(name, 4).on_submeshes({1: "1x2", 3: "2x1"})
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))

@@ -98,6 +98,7 @@ class StageRunner:
         self.bytes_sent = 0
         self.spans: list[tuple[Action, float, float]] = []  # measured: action, start, end
         self.backward_done: set[int] = set()  # microbatches whose gradients are summed
+        self.sent_back: set[int] = set()  # microbatches whose SEND_B has run
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -151,7 +152,8 @@ class StageRunner:
                 self.grad_sums[name] = (t.clone() if name not in self.grad_sums
                                         else self.grad_sums[name] + t)
         env = self.env[m]  # only what is still to be sent back
-        self.env[m] = {n: env[n] for n in self.program.send_backward if n in env}
+        self.env[m] = ({} if m in self.sent_back else
+                       {n: env[n] for n in self.program.send_backward if n in env})
 
     def _lookup(self, name: str, env: dict, m: int) -> torch.Tensor:
         for where in (env, self.inputs[m], self.state):
@@ -198,6 +200,8 @@ class StageRunner:
                  else self.program.send_backward)
         env = self.env[action.microbatch]
         tensors = [self._lookup(n, env, action.microbatch) for n in names]
+        if action.kind is ActionKind.SEND_B:
+            self.sent_back.add(action.microbatch)
         for n in names:  # sent: what the stage itself no longer reads is dropped
             if action.kind is ActionKind.SEND_B or n not in self.program.keep_after_forward:
                 if action.kind is ActionKind.SEND_F or action.microbatch in self.backward_done:
@@ -223,6 +227,8 @@ class PipelineRun:
     bytes_sent: list[int]  # per stage, activations and gradients, measured
     spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
     intra_stage_bytes: list[int] = field(default_factory=list)  # per stage: its collectives
+    # microbatch tensors still held when the step ended (stash, received): 0 unless leaked
+    tensors_left: int = 0
 
 
 def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
@@ -289,7 +295,8 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
              for r in runners for a, t0, t1 in r.spans]
     return PipelineRun(assemble_outputs(programs.graph, runners, microbatches),
                        [r.bytes_sent for r in runners], spans,
-                       [r.intra_stage_bytes for r in runners])
+                       [r.intra_stage_bytes for r in runners],
+                       sum(len(env) for r in runners for env in r.env))
 
 
 def _step(action: Action, runners: list[StageRunner], mailbox: dict,

@@ -48,6 +48,7 @@ def assert_matches_eager(pipe, processes=False):
 def test_every_schedule_equals_eager(gpt_two_stages, schedule):
     pipe = gpt_two_stages.with_schedule(schedule)
     run = assert_matches_eager(pipe)
+    assert run.tensors_left == 0  # every stash and received tensor was let go
     ran = {(s.stage, s.action.kind, s.action.microbatch) for s in run.spans}
     # in this process the computations are timed (transfers are a mailbox)
     assert ran == {(s, a.kind, a.microbatch) for s, actions in pipe.schedule.items()

@@ -125,10 +125,8 @@ class PipelineCompiled:
         if processes:
             from graphpar.runtime.pipeline import run_multiprocess
 
-            if self.sharded:
-                raise UsageError("stages on several devices run in this process only for "
-                                 "now: run with processes=False")
-            run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs)
+            run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs,
+                                   sharded=self.sharded)
         else:
             run = run_in_process(self.programs, self.schedule, self.captured.state, inputs,
                                  self.sharded)

@@ -337,10 +337,14 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
 def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                      state: Mapping[str, torch.Tensor],
                      inputs: Sequence[Mapping[str, torch.Tensor]],
-                     timeout: float = 120.0) -> PipelineRun:
+                     timeout: float = 120.0,
+                     sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
     """One step with each stage in its own process (one rank per stage) over gloo, started by
     `runtime.workers.WorkerGroup`: each rank runs its stage's action list, sends and receives
-    point to point, and times every action (the measured timeline)."""
+    point to point, and times every action (the measured timeline).
+
+    A stage in `sharded` runs each phase's SPMD program for all devices of its sub-mesh in
+    lockstep inside the stage's process (not yet one process per device)."""
     import json
     import shutil
     import tempfile
@@ -367,6 +371,12 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                     (jobdir / f"stage{s}_{phase}.gpir").write_text(
                         print_graph(g, show_cost=False))
                     graphs[phase] = [o.target for o in g.outputs]  # targets do not print
+            spmd = {}
+            for phase, planned in (sharded or {}).get(s, {}).items():
+                device = planned.device_program
+                (jobdir / f"stage{s}_{phase}_spmd.gpir").write_text(
+                    print_graph(device, show_cost=False))
+                spmd[phase] = [o.target for o in device.outputs]
             needed = {v.name for g in (program.program(p) for p in "FBIWU") if g is not None
                       for v in g.inputs}
             torch.save({"state": {k: t.clone() for k, t in state.items() if k in needed},
@@ -374,6 +384,7 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                        jobdir / f"tensors{s}.pt")
             job["stages"].append({
                 "graphs": graphs,
+                "spmd": spmd,
                 "send_forward": list(program.send_forward),
                 "send_backward": list(program.send_backward),
                 "keep_after_forward": sorted(program.keep_after_forward),
@@ -429,6 +440,14 @@ class _LoadedStage:
         return self.graphs.get(phase)
 
 
+@dataclass(frozen=True)
+class _DeviceProgram:
+    """A sharded phase read back from a job directory (as `lower_mpmd.ShardedPhase`)."""
+
+    device_program: Graph
+    mesh: Any
+
+
 class PipelineWorker:
     """Rank `rank` of a pipeline job: stage `rank`'s runner, its action list, gloo transfers."""
 
@@ -457,8 +476,15 @@ class PipelineWorker:
         self.actions = [Action(ActionKind(k), rank, mb) for k, mb in spec["actions"]]
         self.spec = spec
         tensors = torch.load(self.jobdir / f"tensors{rank}.pt", weights_only=True)
+        sharded = {}
+        for phase, targets in spec["spmd"].items():
+            path = self.jobdir / f"stage{rank}_{phase}_spmd.gpir"
+            device = parse(path.read_text(), path.name)
+            for out, target in zip(device.outputs, targets):
+                out.target = target
+            sharded[phase] = _DeviceProgram(device, device.mesh)
         self.runner = StageRunner(self.program, job["microbatches"], tensors["state"],
-                                  tensors["inputs"])
+                                  tensors["inputs"], sharded)
 
     def run(self) -> None:
         import os

@@ -138,8 +138,13 @@ def test_a_stage_sharded_on_two_devices(gpt_two_stages):
               if v.type.numel < whole[v.name].type.numel]
     assert sliced, "the ILP sharded nothing: the test would not exercise a sharded stage"
     assert_matches_eager(pipe)
-    with pytest.raises(UsageError, match="in this process only"):
-        pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)
+
+
+@pytest.mark.slow
+def test_a_sharded_stage_on_gloo_ranks(gpt_two_stages):
+    # the sharded stage's devices run in lockstep inside its stage's process
+    assert_matches_eager(gpt_two_stages.with_schedule("zb").on_submeshes({1: "1x2"}),
+                         processes=True)
 
 
 def moved_update_plan(pipe):

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
 
 __all__ = ["KINDS", "REDUCTION_RTOL", "EagerCheck", "WorstError", "allowed_errors",
-           "check_against_eager", "eager_results"]
+           "check_against_eager", "eager_results", "step_results"]
 
 # What a graph output can be, in report order: inference outputs, then a training step's loss,
 # gradients, updated parameters, new optimizer state and mutated buffers (batch-norm statistics).
@@ -90,13 +90,20 @@ def eager_results(spec: ModelSpec, train: bool, optimizer: Optimizer | None = No
     if spec.loss_fn is None:
         raise GraphparError(f"{spec.name}: a training step needs a loss to compare with eager")
     module.zero_grad(set_to_none=True)
-    params = dict(module.named_parameters())
-    reference = optimizer.reference(params.values()) if optimizer is not None else None
     loss = spec.loss_fn(module(*spec.inputs), *spec.targets)
     loss.backward()
-    expected = {("loss", "loss"): loss.detach()}
-    expected.update({("gradients", name): p.grad.detach().clone()
-                     for name, p in params.items() if p.grad is not None})
+    return {("loss", "loss"): loss.detach(), **step_results(module, optimizer)}
+
+
+def step_results(module: torch.nn.Module, optimizer: Optimizer | None = None
+                 ) -> dict[tuple[str, str], torch.Tensor]:
+    """The gradients `module`'s parameters hold, then, after `optimizer`'s torch.optim step
+    from zero state, its parameters, optimizer state and buffers, keyed as `eager_results`
+    keys them. Steps `module` itself."""
+    params = dict(module.named_parameters())
+    reference = optimizer.reference(params.values()) if optimizer is not None else None
+    expected = {("gradients", name): p.grad.detach().clone()
+                for name, p in params.items() if p.grad is not None}
     if reference is not None:
         reference.step()
         for name, p in params.items():
@@ -190,12 +197,17 @@ def _step_tolerance(optimizer: Optimizer | None, param: torch.Tensor, grad: torc
 
 
 def check_against_eager(outputs: Sequence[Output], tensors: Sequence[torch.Tensor],
-                        spec: ModelSpec, optimizer: Optimizer | None = None) -> EagerCheck:
+                        spec: ModelSpec, optimizer: Optimizer | None = None,
+                        expected: dict[tuple[str, str], torch.Tensor] | None = None
+                        ) -> EagerCheck:
     """Compare a run's `tensors` (one per graph output in `outputs`) with eager PyTorch plus
     the real torch.optim step of `optimizer` (one step from the module's own parameters and
-    zero optimizer state); a training step is a graph with a loss output."""
+    zero optimizer state); a training step is a graph with a loss output. `expected`: the
+    eager results to compare with, when not `eager_results(spec, ...)` (a pipeline's
+    microbatch-by-microbatch step)."""
     train = any(o.role is OutputRole.LOSS for o in outputs)
-    expected = eager_results(spec, train, optimizer)
+    if expected is None:
+        expected = eager_results(spec, train, optimizer)
     allowed = allowed_errors(expected, dict(spec.module.named_parameters()), optimizer)
     params = {name for kind, name in expected if kind == "parameters"}
     buffers = {name for kind, name in expected if kind == "buffers"}

@@ -111,7 +111,7 @@ def test_the_runtime_does_not_compile():
     capture's attention hook; it compiles nothing.)"""
     graph = import_graph()
     compiler = ("graphpar.capture", "graphpar.passes", "graphpar.compiler", "graphpar.api",
-                "graphpar.serving_compile", "graphpar.serve", "graphpar.cli")
+                "graphpar.serving_compile", "graphpar.serve", "graphpar.cli", "graphpar.pipelined")
     wrong = [(a, b) for a, b in graph.edges
              if a.startswith("graphpar.runtime") and b.startswith(compiler)
              and (a, b) != ("graphpar.runtime.naive", "graphpar.capture.decoder")]
@@ -130,7 +130,7 @@ def test_layers_import_only_below_themselves():
         "graphpar.backends": ("graphpar.runtime", "graphpar.passes", "graphpar.capture"),
     }
     drivers = ("graphpar.compiler", "graphpar.api", "graphpar.serving_compile",
-               "graphpar.serve", "graphpar.cli", "graphpar.eager_check")
+               "graphpar.serve", "graphpar.cli", "graphpar.eager_check", "graphpar.pipelined")
     wrong = [(a, b) for a, b in graph.edges
              for layer, banned in below.items()
              if a.startswith(layer) and b.startswith(banned + drivers)]

@@ -64,6 +64,7 @@ __all__ = [
     "collective_bytes",
     "collective_cost",
     "collective_time",
+    "cross_mesh_cost",
     "reduce_scatter_cost",
     "resharding_cost",
     "resharding_cost_matrix",
@@ -190,6 +191,34 @@ def broadcast_cost(nbytes: float, mesh: Mesh, axes: AxesArg) -> Step:
 def send_recv_cost(nbytes: float, mesh: Mesh, axes: AxesArg) -> Step:
     """Point-to-point send of `nbytes` between two devices along `axes`: a + nbytes/B."""
     return collective_cost(StepKind.SEND_RECV, nbytes, mesh, axes)
+
+
+@dataclass(frozen=True)
+class CrossMeshCost:
+    """Moving a whole tensor from one sub-mesh to every device of another (pipeline stages):
+    estimated seconds, bytes over the links between the meshes, bytes inside the destination."""
+
+    seconds: float
+    bytes_across: float
+    bytes_inside: float
+
+
+def cross_mesh_cost(nbytes: float, dst: Mesh, bandwidth: float, latency: float,
+                    local_all_gather: bool = True) -> CrossMeshCost:
+    """Give every device of sub-mesh `dst` a whole `nbytes` tensor that another sub-mesh holds,
+    over links of `bandwidth` bytes/s and `latency` s between the meshes.
+
+    Sent naively, each of the n destination devices receives all of it: n·M bytes cross, one
+    after another on the sender's link, a + n·M/B. With Alpa's local all-gather (§6) each
+    tile crosses once: device i of `dst` receives M/n of it (a + M/B across, the n pieces in
+    parallel from the source's devices, bounded by its link), then an all-gather over all of
+    `dst`'s axes, on its own faster links, makes it whole everywhere."""
+    n = dst.size
+    if not local_all_gather or n == 1:
+        return CrossMeshCost(latency + n * nbytes / bandwidth, float(n * nbytes), 0.0)
+    gather = all_gather_cost(nbytes, dst, tuple(range(dst.ndim)))
+    return CrossMeshCost(latency + nbytes / bandwidth + gather.seconds, float(nbytes),
+                         gather.bytes_sent * n)
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,21 @@ def test_cost_adds():
     total = a + b
     assert (total.seconds, total.bytes, len(total.steps)) == (3.0, 15.0, 2)
     assert not total.is_free and len(total.collectives) == 2
+
+
+def test_cross_mesh_transfer_with_local_all_gather():
+    from graphpar.cost.communication import cross_mesh_cost
+    from graphpar.ir.mesh import Mesh
+
+    M, B, a = 8e6, 1e9, 1e-5
+    fast = Mesh((2, 2), bandwidth=1e11, latency=1e-6)
+    naive = cross_mesh_cost(M, fast, B, a, local_all_gather=False)
+    assert naive.seconds == pytest.approx(a + 4 * M / B)
+    assert (naive.bytes_across, naive.bytes_inside) == (4 * M, 0.0)
+    local = cross_mesh_cost(M, fast, B, a)
+    # each tile crosses once, then one ring all-gather over the 4 destination devices
+    assert local.seconds == pytest.approx(a + M / B + 3 * 1e-6 + 3 / 4 * M / 1e11)
+    assert (local.bytes_across, local.bytes_inside) == (M, 4 * 3 / 4 * M)
+    assert local.seconds < naive.seconds
+    one = Mesh((1,))
+    assert cross_mesh_cost(M, one, B, a) == cross_mesh_cost(M, one, B, a, False)

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partition of training graphs and their MPMD lowering."""

@@ -1,0 +1,237 @@
+"""Pipelined training from Python: `graphpar.pipelined.compile_pipeline(module, inputs, ...)`.
+
+Captures the training step at the microbatch size, cuts it into stages (the given forward
+assignment, or equal FLOPs), builds each stage's programs and a schedule, and runs one step on
+CPU ranks (in this process, or one process per stage over gloo), comparing it with eager
+PyTorch and torch.optim.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphpar.capture import Captured, capture_training
+from graphpar.capture.optim import Optimizer
+from graphpar.errors import UsageError
+from graphpar.ir.graph import Node, Role
+from graphpar.passes.pipeline.partition import equal_flops_stages, follow_forward
+from graphpar.passes.pipeline.stage_programs import PipelinePrograms, split_stages
+from graphpar.runtime.pipeline import PipelineRun, run_in_process, split_microbatches
+from graphpar.runtime.schedules import (
+    SCHEDULES,
+    Schedule,
+    Timeline,
+    chrome_trace,
+    make_schedule,
+    simulate,
+)
+
+if TYPE_CHECKING:
+    from graphpar.compiler import ModelSpec
+    from graphpar.eager_check import EagerCheck
+
+__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched", "pipeline_of",
+           "pipeline_of_plan"]
+
+
+@dataclass
+class PipelineCompiled:
+    """A training step cut into pipeline stages, with its schedule, ready to run."""
+
+    captured: Captured  # the training step at the microbatch size, and its starting state
+    programs: PipelinePrograms
+    schedule: Schedule
+    schedule_name: str
+    microbatches: int
+    spec: ModelSpec | None = None
+    optimizer: Optimizer | None = None
+    last_run: PipelineRun | None = field(default=None, repr=False)
+    # stage -> phase -> ShardedPhase, for stages that run on a sub-mesh of several devices
+    sharded: dict = field(default_factory=dict, repr=False)
+
+    def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu",
+                     memory_limit: str = "") -> PipelineCompiled:
+        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
+        the auto-shard ILP on their sub-mesh and run as SPMD programs there."""
+        from graphpar.passes.pipeline.lower_mpmd import shard_stages
+
+        sharded = shard_stages(self.programs, submeshes, cluster=cluster,
+                               memory_limit=memory_limit)
+        return dataclasses.replace(self, sharded=sharded, last_run=None)
+
+    def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
+        """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
+        cluster file, e.g. one `tools/bench/gloo_cluster.py` measured): each phase's FLOPs at
+        the cluster's peak, each boundary's bytes per microbatch as a point-to-point transfer
+        between neighbouring devices. Estimated, not measured."""
+        from graphpar.cost.cluster import get_cluster, mesh_for
+        from graphpar.cost.communication import send_recv_cost
+        from graphpar.ir.printer import node_flops
+
+        chosen = get_cluster(cluster)
+        peak = chosen.peak_flops(dtype)
+
+        def seconds(phase: str, s: int) -> float:
+            graph = self.programs.stages[s].program(phase)
+            return sum(node_flops(n) for n in graph.nodes) / peak if graph is not None else 0.0
+
+        stages = range(self.stages)
+        forward = [seconds("F", s) for s in stages]
+        weight = [seconds("W", s) for s in stages]
+        backward = [seconds("I", s) + weight[s] if self.schedule_name == "zb"
+                    else seconds("B", s) for s in stages]
+        update = [seconds("U", s) for s in stages]
+        line = mesh_for(f"1x{max(self.stages, 2)}", chosen)
+        comm = [send_recv_cost(max(self.programs.bytes_sent(s)), line, 1).seconds
+                for s in range(self.stages - 1)]
+        return simulate(self.schedule, forward, backward, comm,
+                        weight if self.schedule_name == "zb" else None, update)
+
+    def trace(self, path: str) -> dict:
+        """Write the last run's measured timeline as a Chrome trace (chrome://tracing)."""
+        if self.last_run is None:
+            raise UsageError("nothing has run yet: call run() or check() first")
+        return chrome_trace(self.last_run.spans, path)
+
+    def with_schedule(self, name: str) -> PipelineCompiled:
+        """The same stages run by schedule `name`."""
+        plan = make_schedule(name, self.stages, self.microbatches)
+        return dataclasses.replace(self, schedule=plan, schedule_name=name, last_run=None)
+
+    @property
+    def stages(self) -> int:
+        return len(self.programs.stages)
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Bytes sent between stages in one step, from the programs' transfer lists."""
+        return self.programs.step_bytes(self.microbatches)
+
+    def run(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+        """One step on the full batch `args` (inputs then targets): the training graph's
+        outputs (mean loss, mean gradients, updates)."""
+        names = self.captured.user_inputs
+        if len(args) != len(names):
+            raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
+                             f"{len(args)}")
+        inputs = split_microbatches(dict(zip(names, args)), self.microbatches)
+        if processes:
+            from graphpar.runtime.pipeline import run_multiprocess
+
+            run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs,
+                                   sharded=self.sharded)
+        else:
+            run = run_in_process(self.programs, self.schedule, self.captured.state, inputs,
+                                 self.sharded)
+        self.last_run = run
+        return run.outputs
+
+    def check(self, processes: bool = False, per_microbatch: bool | None = None
+              ) -> EagerCheck:
+        """Run one step on the example it was compiled from and compare every output with
+        eager PyTorch and torch.optim: on the full batch, or (`per_microbatch`; the default
+        for models with buffers the forward updates, i.e. batch norm, whose statistics differ
+        per microbatch) microbatch by microbatch with gradient accumulation."""
+        from graphpar.eager_check import check_against_eager
+
+        if self.spec is None:
+            raise UsageError("this pipeline does not know the module it came from")
+        outputs = self.run(*self.spec.inputs, *self.spec.targets, processes=processes)
+        if per_microbatch is None:
+            per_microbatch = bool(self.captured.graph.inputs_with_role(Role.BUFFER)) and any(
+                o.target in {v.name for v in self.captured.graph.inputs_with_role(Role.BUFFER)}
+                for o in self.captured.graph.outputs)
+        expected = (eager_microbatched(self.spec, self.microbatches, self.optimizer)
+                    if per_microbatch else None)
+        return check_against_eager(self.captured.graph.outputs, outputs, self.spec,
+                                   self.optimizer, expected=expected)
+
+
+def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
+                     loss_fn: Callable, targets: Sequence[torch.Tensor] = (),
+                     optimizer: Optimizer | None = None, stages: int = 2,
+                     microbatches: int = 4, schedule: str = "1f1b",
+                     forward_stage: Callable[..., Mapping[Node, int]] | None = None,
+                     keep_grads: bool = False) -> PipelineCompiled:
+    """Capture `module`'s training step at the microbatch size (batch / `microbatches`), cut
+    it into `stages` stages and build `schedule` ("gpipe", "1f1b" or "zb").
+
+    `forward_stage(graph, stages)` assigns the forward nodes (default: equal FLOPs,
+    `equal_flops_stages`); every other node follows (`follow_forward`)."""
+    from graphpar.compiler import ModelSpec
+
+    if schedule not in SCHEDULES:
+        raise UsageError(f"unknown pipeline schedule {schedule!r}; choose one of "
+                         f"{', '.join(SCHEDULES)}")
+    if microbatches < 1:
+        raise UsageError(f"microbatches must be at least 1, got {microbatches}")
+    spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
+    names = [f"input {i}" for i in range(len(inputs))] + [
+        f"target {i}" for i in range(len(targets))]
+    first = split_microbatches(dict(zip(names, (*inputs, *targets))), microbatches)[0]
+    micro = [first[n] for n in names]
+    captured = capture_training(copy.deepcopy(module), micro[:len(inputs)], loss_fn,
+                                micro[len(inputs):], optimizer=optimizer,
+                                keep_grads=keep_grads)
+    return pipeline_of(captured, stages, microbatches, schedule, forward_stage, spec=spec,
+                       optimizer=optimizer)
+
+
+def pipeline_of(captured: Captured, stages: int, microbatches: int, schedule: str = "1f1b",
+                forward_stage: Callable[..., Mapping[Node, int]] | None = None, *,
+                spec: ModelSpec | None = None, optimizer: Optimizer | None = None,
+                stage_of: Mapping[Node, int] | None = None) -> PipelineCompiled:
+    """The pipeline of a training step already captured at the microbatch size: `stage_of`
+    gives every node's stage (a `StagePlan`'s), else `forward_stage(graph, stages)` the
+    forward nodes' (default: equal FLOPs) and the rest follows them."""
+    graph = captured.graph
+    if stage_of is None:
+        assign = (forward_stage or equal_flops_stages)(graph, stages)
+        stage_of = follow_forward(graph, assign)
+    # I and W programs are built for every schedule: switching to "zb" needs no rebuild
+    programs = split_stages(graph, stage_of, zero_bubble=True)
+    plan = make_schedule(schedule, len(programs.stages), microbatches)
+    return PipelineCompiled(captured, programs, plan, schedule, microbatches, spec, optimizer)
+
+
+def pipeline_of_plan(captured: Captured, plan, schedule: str = "1f1b", *,
+                     spec: ModelSpec | None = None, optimizer: Optimizer | None = None,
+                     cluster: str = "cpu") -> PipelineCompiled:
+    """The pipeline a `slice-stages` result (`StagePlan`) describes, for the graph it was
+    computed on: its stages and microbatches, and each stage whose logical mesh has more than
+    one device planned by the ILP on it (`PipelineCompiled.on_submeshes`)."""
+    pipe = pipeline_of(captured, len(plan.stages), plan.microbatches, schedule, spec=spec,
+                       optimizer=optimizer, stage_of=plan.stage_of)
+    submeshes = {i: "x".join(map(str, s.logical_mesh)) for i, s in enumerate(plan.stages)
+                 if math.prod(s.logical_mesh) > 1}
+    return pipe.on_submeshes(submeshes, cluster=cluster) if submeshes else pipe
+
+
+def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer | None
+                       ) -> dict[tuple[str, str], torch.Tensor]:
+    """What eager PyTorch computes for one step run microbatch by microbatch with gradient
+    accumulation (each microbatch's loss divided by `microbatches`, then one torch.optim
+    step), keyed as `eager_check.eager_results` keys it. With batch norm this differs from
+    the full batch: each microbatch normalizes with its own statistics and updates the
+    running statistics once."""
+    from graphpar.eager_check import step_results
+
+    names = [f"i{i}" for i in range(len(spec.inputs))] + [
+        f"t{i}" for i in range(len(spec.targets))]
+    parts = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))), microbatches)
+    module = copy.deepcopy(spec.module)
+    module.zero_grad(set_to_none=True)
+    losses = []
+    for part in parts:
+        out = module(*(part[n] for n in names[:len(spec.inputs)]))
+        loss = spec.loss_fn(out, *(part[n] for n in names[len(spec.inputs):]))
+        (loss / microbatches).backward()
+        losses.append(loss.detach())
+    return {("loss", "loss"): torch.stack(losses).mean(), **step_results(module, optimizer)}

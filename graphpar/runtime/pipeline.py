@@ -1,0 +1,539 @@
+"""The pipeline runtime: each stage runs its schedule's action list over its stage programs.
+
+A stage's programs (forward F, backward B or its parts I and W, update U; built by
+`graphpar.passes.pipeline.stage_programs`) exchange tensors by name. A :class:`StageRunner`
+holds one stage's state: its parameters and optimizer state, per microbatch the named tensors
+it received or kept from its forward for its backward, the gradients it accumulates, the
+losses. It runs one action at a time; what moves between stages is what `outgoing` returns
+and `incoming` takes, so the same runner serves
+
+- `run_in_process`: every stage in this process, actions interleaved in a valid order, the
+  transfers through mailboxes (the reference execution of a schedule), and
+- `run_multiprocess`: one process per stage over gloo, through `runtime.workers.WorkerGroup`,
+  the transfers as point-to-point sends, each rank timing its own actions.
+
+After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
+loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
+microbatch losses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from graphpar.backends.interpreter import Interpreter
+from graphpar.errors import GraphparError, ScheduleError
+from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.types import TensorType
+from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, validate
+
+__all__ = ["PipelineRun", "StageRunner", "assemble_outputs", "run_in_process",
+           "split_microbatches"]
+
+_PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
+
+
+class StageProgramLike(Protocol):
+    """What the runtime reads of `graphpar.passes.pipeline.stage_programs.StageProgram`."""
+
+    stage: int
+    send_forward: tuple[str, ...]
+    send_backward: tuple[str, ...]
+    keep_after_forward: frozenset[str]
+    grads: tuple[str, ...]
+
+    def program(self, phase: str) -> Graph | None: ...
+
+
+class PipelineProgramsLike(Protocol):
+    graph: Graph
+    stages: Sequence[StageProgramLike]
+    types: dict[str, TensorType]
+    grad_transfers: tuple[tuple[int, int, str], ...]
+
+
+def split_microbatches(tensors: Mapping[str, torch.Tensor], microbatches: int
+                       ) -> list[dict[str, torch.Tensor]]:
+    """The user inputs cut along dimension 0 (the batch) into `microbatches` equal parts."""
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+    for name, t in tensors.items():
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise GraphparError(
+                f"input {name!r} of shape {tuple(t.shape)} cannot be cut into {microbatches} "
+                f"microbatches: its batch dimension (dimension 0) must be a multiple of "
+                f"{microbatches}; choose a number of microbatches that divides the batch")
+        for m, chunk in enumerate(t.chunk(microbatches, dim=0)):
+            parts[m][name] = chunk.contiguous()
+    return parts
+
+
+class StageRunner:
+    """One stage of a pipelined training step: runs its actions, keeps its tensors."""
+
+    def __init__(self, program: StageProgramLike, microbatches: int,
+                 state: Mapping[str, torch.Tensor],
+                 inputs: Sequence[Mapping[str, torch.Tensor]],
+                 sharded: Mapping[str, Any] | None = None) -> None:
+        self.program = program
+        # phase -> ShardedPhase (device_program, mesh): run on the stage's sub-mesh
+        self.sharded = dict(sharded or {})
+        self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent, measured
+        self.stage = program.stage
+        self.microbatches = microbatches
+        self.inputs = inputs  # per microbatch, the user's tensors by name
+        self.interpreters = {p: Interpreter(g) for p in ("F", "B", "I", "W", "U")
+                             if (g := program.program(p)) is not None}
+        needed = {v.name for i in self.interpreters.values() for v in i.graph.inputs}
+        self.state = {k: v for k, v in state.items() if k in needed}
+        self.env: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+        self.grad_sums: dict[str, torch.Tensor] = {}
+        self.grad_outputs: dict[str, torch.Tensor] = {}  # GRAD outputs, summed
+        self.losses: dict[int, torch.Tensor] = {}
+        self.updates: dict[str, torch.Tensor] = {}  # UPDATE outputs by target
+        self.bytes_sent = 0
+        self.spans: list[tuple[Action, float, float]] = []  # measured: action, start, end
+        self.backward_done: set[int] = set()  # microbatches whose gradients are summed
+        self.sent_back: set[int] = set()  # microbatches whose SEND_B has run
+
+    # --- compute ----------------------------------------------------------------------------
+
+    def compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        if action.kind is ActionKind.UPDATE:
+            self.update()
+        else:
+            self._run(_PHASE[action.kind], action.microbatch)
+        self.spans.append((action, start, time.perf_counter()))
+
+    def _run(self, phase: str, m: int) -> None:
+        interpreter = self.interpreters.get(phase)
+        env = self.env[m]
+        if interpreter is not None:
+            graph = interpreter.graph
+            args = {v.name: self._lookup(v.name, env, m) for v in graph.inputs}
+            results = self._execute(phase, args)
+            for out, t in zip(graph.outputs, results):
+                self._keep(out.role, out.target, t, env, m)
+        if phase == "F":  # keep what the backward (or a later send) reads
+            keep = self.program.keep_after_forward | set(self.program.send_forward)
+            for name in [n for n in env if n not in keep]:
+                del env[name]
+        elif phase in ("B", "W") or (phase == "I" and "W" not in self.interpreters):
+            self._backward_done(m)
+
+    def _execute(self, phase: str, args: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Run a phase program on whole tensors: directly, or as the SPMD program of the
+        stage's sub-mesh, each device given its shard and the results gathered whole."""
+        sharded = self.sharded.get(phase)
+        if sharded is None:
+            return self.interpreters[phase].run(args)
+        from graphpar.runtime.spmd import run_spmd_in_process, shard_tensor, unshard
+
+        program, mesh = sharded.device_program, sharded.mesh
+        per_device = [{v.name: shard_tensor(args[v.name], v.layout, mesh, d)
+                       for v in program.inputs} for d in range(mesh.size)]
+        outputs = run_spmd_in_process(program, per_device, mesh)
+        self.intra_stage_bytes += int(sum(outputs.bytes_sent))
+        return [unshard([rank[i] for rank in outputs], out.value.layout, mesh)
+                for i, out in enumerate(program.outputs)]
+
+    def _backward_done(self, m: int) -> None:
+        if m in self.backward_done:
+            return
+        self.backward_done.add(m)
+        for name in self.program.grads:
+            t = self.env[m].get(name)
+            if t is not None:
+                self.grad_sums[name] = (t.clone() if name not in self.grad_sums
+                                        else self.grad_sums[name] + t)
+        env = self.env[m]  # only what is still to be sent back
+        self.env[m] = ({} if m in self.sent_back else
+                       {n: env[n] for n in self.program.send_backward if n in env})
+
+    def _lookup(self, name: str, env: dict, m: int) -> torch.Tensor:
+        for where in (env, self.inputs[m], self.state):
+            if name in where:
+                return where[name]
+        raise GraphparError(f"pipeline stage {self.stage}: microbatch {m} has no tensor "
+                            f"%{name} (a transfer the schedule did not make)")
+
+    def _keep(self, role: OutputRole, target: str | None, t: torch.Tensor, env: dict,
+              m: int) -> None:
+        if role is OutputRole.OUTPUT:
+            env[target] = t
+        elif role is OutputRole.LOSS:
+            self.losses[m] = t
+        elif role is OutputRole.GRAD:
+            self.grad_outputs[target] = (t.clone() if target not in self.grad_outputs
+                                         else self.grad_outputs[target] + t)
+        elif role is OutputRole.UPDATE:
+            # a forward's update (batch-norm statistics) carries on to the next microbatch
+            if target in self.state:
+                self.state[target] = t
+            self.updates[target] = t
+
+    def update(self, received: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The optimizer step on the mean gradients: this stage's sums, and those `received`
+        from the stages that summed them, divided by the number of microbatches."""
+        interpreter = self.interpreters.get("U")
+        if interpreter is None:
+            return
+        grads = {name: t / self.microbatches for name, t in self.grad_sums.items()}
+        grads.update({name: t / self.microbatches for name, t in (received or {}).items()})
+        graph = interpreter.graph
+        args = {v.name: grads[v.name] if v.name in grads else self.state[v.name]
+                for v in graph.inputs}
+        for out, t in zip(graph.outputs, self._execute("U", args)):
+            if out.role is OutputRole.UPDATE:
+                self.updates[out.target] = t
+
+    # --- transfers --------------------------------------------------------------------------
+
+    def outgoing(self, action: Action) -> list[torch.Tensor]:
+        """The tensors a SEND action sends, in the order of the program's names."""
+        names = (self.program.send_forward if action.kind is ActionKind.SEND_F
+                 else self.program.send_backward)
+        env = self.env[action.microbatch]
+        tensors = [self._lookup(n, env, action.microbatch) for n in names]
+        if action.kind is ActionKind.SEND_B:
+            self.sent_back.add(action.microbatch)
+        for n in names:  # sent: what the stage itself no longer reads is dropped
+            if action.kind is ActionKind.SEND_B or n not in self.program.keep_after_forward:
+                if action.kind is ActionKind.SEND_F or action.microbatch in self.backward_done:
+                    env.pop(n, None)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
+
+    def incoming(self, action: Action, names: Sequence[str],
+                 tensors: Sequence[torch.Tensor]) -> None:
+        self.env[action.microbatch].update(zip(names, tensors))
+
+    def mean_loss(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+
+
+@dataclass
+class PipelineRun:
+    """One pipelined step: the training graph's outputs and what the run measured."""
+
+    outputs: list[torch.Tensor]  # in the order of the training graph's outputs
+    bytes_sent: list[int]  # per stage, activations and gradients, measured
+    spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
+    intra_stage_bytes: list[int] = field(default_factory=list)  # per stage: its collectives
+    # microbatch tensors still held when the step ended (stash, received): 0 unless leaked
+    tensors_left: int = 0
+
+
+def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
+                     ) -> list[torch.Tensor]:
+    """The training graph's outputs from its stages' results: the mean loss, the mean
+    gradient, the updated parameters, state and buffers. `runners` are StageRunners or
+    anything with the same `losses`/`grad_outputs`/`updates`/`mean_loss`."""
+    losses = [r.mean_loss() for r in runners if r.losses]
+    grads: dict[str, torch.Tensor] = {}
+    updates: dict[str, torch.Tensor] = {}
+    for r in runners:
+        for name, t in r.grad_outputs.items():
+            grads[name] = grads[name] + t if name in grads else t
+        updates.update(r.updates)
+    outputs = []
+    for out in graph.outputs:
+        if out.role is OutputRole.LOSS:
+            outputs.append(losses[0])
+        elif out.role is OutputRole.GRAD:
+            outputs.append(grads[out.target] / microbatches)
+        elif out.role is OutputRole.UPDATE:
+            outputs.append(updates[out.target])
+        else:
+            raise GraphparError("a pipelined step returns a loss, gradients and updates; the "
+                                f"graph has a {out.role.value} output")
+    return outputs
+
+
+def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
+                   state: Mapping[str, torch.Tensor],
+                   inputs: Sequence[Mapping[str, torch.Tensor]],
+                   sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
+    """One step with every stage in this process: the stages take turns, each running actions
+    until it waits for a transfer that has not been sent; a send lands in a mailbox.
+
+    `inputs`: per microbatch, the user's tensors by name (`split_microbatches`). `sharded`:
+    stage -> phase -> `lower_mpmd.ShardedPhase` for stages on more than one device, whose
+    phases run as SPMD programs on their sub-mesh (lockstep, in this process)."""
+    validate(schedule)
+    stages = programs.stages
+    if len(schedule) != len(stages):
+        raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
+                            f"{len(stages)}")
+    microbatches = len(inputs)
+    runners = [StageRunner(p, microbatches, state, inputs, (sharded or {}).get(p.stage))
+               for p in stages]
+    mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
+    position = [0] * len(stages)
+    start = time.perf_counter()
+    while any(position[s] < len(schedule[s]) for s in schedule):
+        moved = False
+        for s, actions in schedule.items():
+            while position[s] < len(actions):
+                action = actions[position[s]]
+                if not _step(action, runners, mailbox, programs):
+                    break
+                position[s] += 1
+                moved = True
+        if not moved:
+            stuck = [str(schedule[s][position[s]]) for s in schedule
+                     if position[s] < len(schedule[s])]
+            raise ScheduleError(f"the pipeline is stuck waiting at {', '.join(stuck)}")
+    spans = [Span(r.stage, a, t0 - start, t1 - start, rank=r.stage)
+             for r in runners for a, t0, t1 in r.spans]
+    return PipelineRun(assemble_outputs(programs.graph, runners, microbatches),
+                       [r.bytes_sent for r in runners], spans,
+                       [r.intra_stage_bytes for r in runners],
+                       sum(len(env) for r in runners for env in r.env))
+
+
+def _step(action: Action, runners: list[StageRunner], mailbox: dict,
+          programs: PipelineProgramsLike) -> bool:
+    """Run `action` if it can run now; False if it waits for a transfer."""
+    s, kind, m = action.stage, action.kind, action.microbatch
+    runner = runners[s]
+    if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+        peer = s + 1 if kind is ActionKind.SEND_F else s - 1
+        mailbox[kind, m, peer] = runner.outgoing(action)
+    elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+        sent = ActionKind.SEND_F if kind is ActionKind.RECV_F else ActionKind.SEND_B
+        if (sent, m, s) not in mailbox:
+            return False
+        peer = programs.stages[s - 1 if kind is ActionKind.RECV_F else s + 1]
+        names = peer.send_forward if kind is ActionKind.RECV_F else peer.send_backward
+        runner.incoming(action, names, mailbox.pop((sent, m, s)))
+    elif kind is ActionKind.UPDATE:
+        # gradients another stage's update reads arrive once every backward has run
+        pending = [(src, name) for src, dst, name in programs.grad_transfers if dst == s]
+        if any(len(runners[src].backward_done) < runners[src].microbatches
+               for src, _ in pending):
+            return False
+        received = {name: runners[src].grad_sums[name] for src, name in pending}
+        for src, name in pending:  # sent by the stage that summed them
+            t = received[name]
+            runners[src].bytes_sent += t.numel() * t.element_size()
+        start = time.perf_counter()
+        runner.update(received)
+        runner.spans.append((action, start, time.perf_counter()))
+    else:
+        runner.compute(action)
+    return True
+
+
+# ------------------------------------------------------------------ one process per stage
+
+def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
+                     state: Mapping[str, torch.Tensor],
+                     inputs: Sequence[Mapping[str, torch.Tensor]],
+                     timeout: float = 120.0,
+                     sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
+    """One step with each stage in its own process (one rank per stage) over gloo, started by
+    `runtime.workers.WorkerGroup`: each rank runs its stage's action list, sends and receives
+    point to point, and times every action (the measured timeline).
+
+    A stage in `sharded` runs each phase's SPMD program for all devices of its sub-mesh in
+    lockstep inside the stage's process (not yet one process per device)."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from graphpar.ir.printer import print_graph
+    from graphpar.runtime.workers import WorkerGroup
+
+    validate(schedule)
+    stages = len(programs.stages)
+    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-pipeline-"))
+    group = WorkerGroup(stages, "graphpar.runtime.pipeline:PipelineWorker", jobdir,
+                        timeout=timeout, name="pipeline stage")
+    try:
+        job = {"microbatches": len(inputs), "stages": [],
+               "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+                         for n, t in programs.types.items()}}
+        for program in programs.stages:
+            s = program.stage
+            graphs = {}
+            for phase in ("F", "B", "I", "W", "U"):
+                g = program.program(phase)
+                if g is not None:
+                    (jobdir / f"stage{s}_{phase}.gpir").write_text(
+                        print_graph(g, show_cost=False))
+                    graphs[phase] = [o.target for o in g.outputs]  # targets do not print
+            spmd = {}
+            for phase, planned in (sharded or {}).get(s, {}).items():
+                device = planned.device_program
+                (jobdir / f"stage{s}_{phase}_spmd.gpir").write_text(
+                    print_graph(device, show_cost=False))
+                spmd[phase] = [o.target for o in device.outputs]
+            needed = {v.name for g in (program.program(p) for p in "FBIWU") if g is not None
+                      for v in g.inputs}
+            torch.save({"state": {k: t.clone() for k, t in state.items() if k in needed},
+                        "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
+                       jobdir / f"tensors{s}.pt")
+            job["stages"].append({
+                "graphs": graphs,
+                "spmd": spmd,
+                "send_forward": list(program.send_forward),
+                "send_backward": list(program.send_backward),
+                "keep_after_forward": sorted(program.keep_after_forward),
+                "grads": list(program.grads),
+                "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
+                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
+                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
+            })
+        (jobdir / "job.json").write_text(json.dumps(job))
+        group.start()
+        group.wait(group.send("run"))
+        results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
+                   for s in range(stages)]
+    finally:
+        group.stop()
+        shutil.rmtree(jobdir, ignore_errors=True)
+    runners = [_Finished(**r) for r in results]
+    start = min((span[2] for r in results for span in r["spans"]), default=0.0)
+    spans = [Span(s, Action(ActionKind(kind), s, mb), t0 - start, t1 - start, rank=s)
+             for s, r in enumerate(results) for kind, mb, t0, t1 in r["spans"]]
+    return PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
+                       [r["bytes_sent"] for r in results], spans)
+
+
+@dataclass
+class _Finished:
+    """What a stage's worker returns: as much of a StageRunner as `assemble_outputs` reads."""
+
+    losses: dict
+    grad_outputs: dict
+    updates: dict
+    bytes_sent: int
+    spans: list
+
+    def mean_loss(self) -> torch.Tensor | None:
+        if not self.losses:
+            return None
+        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+
+
+@dataclass
+class _LoadedStage:
+    """A stage program read back from a job directory (StageProgramLike)."""
+
+    stage: int
+    graphs: dict[str, Graph]
+    send_forward: tuple[str, ...]
+    send_backward: tuple[str, ...]
+    keep_after_forward: frozenset[str]
+    grads: tuple[str, ...]
+
+    def program(self, phase: str) -> Graph | None:
+        return self.graphs.get(phase)
+
+
+@dataclass(frozen=True)
+class _DeviceProgram:
+    """A sharded phase read back from a job directory (as `lower_mpmd.ShardedPhase`)."""
+
+    device_program: Graph
+    mesh: Any
+
+
+class PipelineWorker:
+    """Rank `rank` of a pipeline job: stage `rank`'s runner, its action list, gloo transfers."""
+
+    def __init__(self, jobdir, rank: int, world: int) -> None:
+        import json
+        from pathlib import Path
+
+        from graphpar.ir.parser import parse
+
+        self.jobdir, self.rank = Path(jobdir), rank
+        job = json.loads((self.jobdir / "job.json").read_text())
+        spec = job["stages"][rank]
+        graphs = {}
+        for phase, targets in spec["graphs"].items():
+            path = self.jobdir / f"stage{rank}_{phase}.gpir"
+            g = parse(path.read_text(), path.name)
+            for out, target in zip(g.outputs, targets):
+                out.target = target
+            graphs[phase] = g
+        self.program = _LoadedStage(rank, graphs, tuple(spec["send_forward"]),
+                                    tuple(spec["send_backward"]),
+                                    frozenset(spec["keep_after_forward"]), tuple(spec["grads"]))
+        self.peers = job["stages"]
+        self.types = {n: TensorType(tuple(shape), getattr(torch, dtype))
+                      for n, (shape, dtype) in job["types"].items()}
+        self.actions = [Action(ActionKind(k), rank, mb) for k, mb in spec["actions"]]
+        self.spec = spec
+        tensors = torch.load(self.jobdir / f"tensors{rank}.pt", weights_only=True)
+        sharded = {}
+        for phase, targets in spec["spmd"].items():
+            path = self.jobdir / f"stage{rank}_{phase}_spmd.gpir"
+            device = parse(path.read_text(), path.name)
+            for out, target in zip(device.outputs, targets):
+                out.target = target
+            sharded[phase] = _DeviceProgram(device, device.mesh)
+        self.runner = StageRunner(self.program, job["microbatches"], tensors["state"],
+                                  tensors["inputs"], sharded)
+
+    def run(self) -> None:
+        import os
+
+        import torch.distributed as dist
+
+        runner, pending = self.runner, []
+        spans = []
+        for action in self.actions:
+            start = time.time()
+            kind, m = action.kind, action.microbatch
+            if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                peer = action.peer
+                for tag, t in enumerate(runner.outgoing(action)):
+                    buf = t.contiguous()
+                    pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
+            elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                peer = action.peer
+                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
+                names = self.peers[peer][key]
+                tensors = []
+                for tag, name in enumerate(names):
+                    ty = self._type(name, peer)
+                    out = torch.empty(ty.shape, dtype=ty.dtype)
+                    dist.recv(out, src=peer, tag=tag)
+                    tensors.append(out)
+                runner.incoming(action, names, tensors)
+            elif kind is ActionKind.UPDATE:
+                for dst, name in self.spec["grads_out"]:
+                    buf = runner.grad_sums[name].contiguous()
+                    pending.append((dist.isend(buf, dst=dst, tag=0), buf))
+                    runner.bytes_sent += buf.numel() * buf.element_size()
+                received = {}
+                for src, name in self.spec["grads_in"]:
+                    ty = self._type(name, None)
+                    out = torch.empty(ty.shape, dtype=ty.dtype)
+                    dist.recv(out, src=src, tag=0)
+                    received[name] = out
+                runner.update(received)
+            else:
+                runner.compute(action)
+            spans.append((kind.value, m, start, time.time()))
+        for work, _ in pending:
+            work.wait()
+        result = self.jobdir / f"result{self.rank}.pt"
+        torch.save({"losses": runner.losses, "grad_outputs": runner.grad_outputs,
+                    "updates": runner.updates, "bytes_sent": runner.bytes_sent,
+                    "spans": spans}, result.with_suffix(".tmp"))
+        os.replace(result.with_suffix(".tmp"), result)
+
+    def _type(self, name: str, peer: int | None) -> TensorType:
+        return self.types[name]

@@ -1,0 +1,219 @@
+"""Pipelined training steps: every schedule, in this process and on gloo ranks, gives the loss,
+gradients, updated parameters and optimizer state of eager PyTorch + torch.optim on the full
+batch (microbatch by microbatch for batch norm), and sends the bytes its programs predict."""
+
+import copy
+
+import pytest
+import torch
+
+from graphpar.capture import Adam, capture_training
+from graphpar.compiler import ModelSpec
+from graphpar.errors import GraphparError, ScheduleError, UsageError
+from graphpar.models import get_model
+from graphpar.pipelined import compile_pipeline, pipeline_of
+from graphpar.runtime import pipeline as runtime
+from graphpar.runtime.schedules import COMPUTE_KINDS, SCHEDULES, ActionKind
+
+MICROBATCHES = 4
+BATCH = 8
+
+
+def captured_pipeline(name: str, stages: int, schedule: str = "gpipe"):
+    ex = get_model(name, "tiny", train=True, batch_size=BATCH)
+    spec = ModelSpec(name, ex.module, tuple(ex.inputs), ex.loss_fn, tuple(ex.targets))
+    micro = [t[:BATCH // MICROBATCHES] for t in (*ex.inputs, *ex.targets)]
+    captured = capture_training(copy.deepcopy(ex.module), micro[:len(ex.inputs)], ex.loss_fn,
+                                micro[len(ex.inputs):], optimizer=Adam(), keep_grads=True)
+    return pipeline_of(captured, stages, MICROBATCHES, schedule, spec=spec, optimizer=Adam())
+
+
+@pytest.fixture(scope="module")
+def gpt_two_stages():
+    return captured_pipeline("gpt", 2)
+
+
+def assert_matches_eager(pipe, processes=False):
+    check = pipe.check(processes=processes)
+    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
+    assert check.errors["parameters"].tensors == check.errors["gradients"].tensors > 0
+    assert check.errors["loss"].max_abs_error < 1e-5
+    assert check.within_tolerance, "\n".join(check.lines())
+    run = pipe.last_run
+    assert sum(run.bytes_sent) == pipe.predicted_bytes > 0  # measured == predicted
+    return run
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_every_schedule_equals_eager(gpt_two_stages, schedule):
+    pipe = gpt_two_stages.with_schedule(schedule)
+    run = assert_matches_eager(pipe)
+    assert run.tensors_left == 0  # every stash and received tensor was let go
+    ran = {(s.stage, s.action.kind, s.action.microbatch) for s in run.spans}
+    # in this process the computations are timed (transfers are a mailbox)
+    assert ran == {(s, a.kind, a.microbatch) for s, actions in pipe.schedule.items()
+                   for a in actions if a.kind in COMPUTE_KINDS | {ActionKind.UPDATE}}
+    if schedule == "zb":  # the backward really is split: W runs apart from I
+        assert any(s.action.kind is ActionKind.W for s in run.spans)
+
+
+def test_a_lost_microbatch_gradient_is_caught(gpt_two_stages, monkeypatch):
+    done = runtime.StageRunner._backward_done
+
+    def forget_the_first(self, m):
+        if m == 0:
+            self.program = copy.copy(self.program)
+            grads, self.program.grads = self.program.grads, ()
+            done(self, m)
+            self.program.grads = grads
+        else:
+            done(self, m)
+
+    monkeypatch.setattr(runtime.StageRunner, "_backward_done", forget_the_first)
+    check = gpt_two_stages.check()
+    assert not check.within_tolerance
+    assert check.errors["parameters"].tolerance_used > 1  # the update saw 3 of 4 gradients
+
+
+def test_on_gloo_ranks(gpt_two_stages):
+    pipe = gpt_two_stages.with_schedule("1f1b")
+    run = assert_matches_eager(pipe, processes=True)
+    assert {s.rank for s in run.spans} == {0, 1}
+    assert len(run.spans) == sum(len(actions) for actions in pipe.schedule.values())
+    # a rank's actions are timed in order, one after the other
+    for rank in (0, 1):
+        spans = [s for s in run.spans if s.rank == rank]
+        assert all(a.end_s <= b.start_s + 1e-6 for a, b in zip(spans, spans[1:]))
+
+
+def test_bad_requests_are_named(gpt_two_stages):
+    ex = get_model("mlp", "tiny", train=True, batch_size=6)
+    with pytest.raises(GraphparError, match="multiple of 4"):
+        compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                         microbatches=4)
+    with pytest.raises(UsageError, match="unknown pipeline schedule"):
+        compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,
+                         microbatches=2, schedule="interleaved")
+    with pytest.raises(ScheduleError, match="at least as many microbatches as stages"):
+        pipeline_of(gpt_two_stages.captured, 2, 1, "1f1b")
+
+
+def test_split_microbatches():
+    x = torch.arange(12).reshape(6, 2)
+    parts = runtime.split_microbatches({"x": x}, 3)
+    assert [p["x"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]],
+                                                 [[8, 9], [10, 11]]]
+
+
+# ------------------------------------------------------------------------------- slow: all
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_bundled_models_every_schedule(name, stages):
+    pipe = captured_pipeline(name, stages)
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "wide_resnet"])
+def test_four_gloo_ranks_every_schedule(name):
+    pipe = captured_pipeline(name, 4)
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule), processes=True)
+
+
+def test_a_stage_sharded_on_two_devices(gpt_two_stages):
+    # stages of 1 and 2 devices (3 in all): stage 1's phases are planned by the auto-shard ILP
+    # on its 1x2 sub-mesh and run as SPMD programs, each device on its own shards
+    pipe = gpt_two_stages.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    phases = pipe.sharded[1]
+    assert set(phases) == {"F", "B", "I", "W", "U"}
+    assert all(p.mesh.size == 2 for p in phases.values())
+    # the update's device program holds slices of (some) parameters and optimizer state
+    update = phases["U"]
+    whole = update.global_graph.inputs_by_name()
+    sliced = [v.name for v in update.device_program.inputs
+              if v.type.numel < whole[v.name].type.numel]
+    assert sliced, "the ILP sharded nothing: the test would not exercise a sharded stage"
+    assert_matches_eager(pipe)
+
+
+@pytest.mark.slow
+def test_a_sharded_stage_on_gloo_ranks(gpt_two_stages):
+    # the sharded stage's devices run in lockstep inside its stage's process
+    assert_matches_eager(gpt_two_stages.with_schedule("zb").on_submeshes({1: "1x2"}),
+                         processes=True)
+
+
+def moved_update_plan(pipe):
+    """A plan as slice-stages gives it (every node's stage, microbatches, logical meshes) in
+    which lm_head's update sits on the other stage than its gradient."""
+    from types import SimpleNamespace
+
+    from graphpar.passes.pipeline.partition import forward_backward_optimizer
+
+    graph = pipe.captured.graph
+    _, _, optimizer = forward_backward_optimizer(graph)
+    stage_of = dict(pipe.programs.stage_of)
+    moved = [n for n in graph.nodes if n in optimizer and n.module == "optimizer.lm_head"]
+    assert moved and {stage_of[n] for n in moved} == {1}
+    stage_of.update({n: 0 for n in moved})
+    return SimpleNamespace(stages=(SimpleNamespace(logical_mesh=(1,)),
+                                   SimpleNamespace(logical_mesh=(1, 1))),
+                           stage_of=stage_of, microbatches=MICROBATCHES)
+
+
+@pytest.mark.slow
+def test_a_stage_plan_with_a_gradient_updated_on_another_stage(gpt_two_stages):
+    # the summed gradient crosses stages before the update
+    from graphpar.pipelined import pipeline_of_plan
+
+    pipe = gpt_two_stages
+    planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "1f1b", spec=pipe.spec,
+                               optimizer=pipe.optimizer)
+    assert [(src, dst) for src, dst, _ in planned.programs.grad_transfers] == [(1, 0)]
+    assert not planned.sharded
+    assert_matches_eager(planned)  # the measured bytes include the gradient sent at UPDATE
+
+
+@pytest.mark.slow
+def test_a_gradient_updated_on_another_stage_on_gloo_ranks(gpt_two_stages):
+    from graphpar.pipelined import pipeline_of_plan
+
+    pipe = gpt_two_stages
+    planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "zb", spec=pipe.spec,
+                               optimizer=pipe.optimizer)
+    assert_matches_eager(planned, processes=True)
+
+
+def test_estimated_timeline_counts_every_flop_once_per_microbatch(gpt_two_stages, tmp_path):
+    from graphpar.cost.cluster import get_cluster
+    from graphpar.ir.printer import node_flops
+    from graphpar.passes.pipeline.partition import forward_backward_optimizer
+
+    pipe = gpt_two_stages.with_schedule("1f1b")
+    timeline = pipe.estimate("cpu")
+    graph = pipe.captured.graph
+    fwd, bwd, opt = forward_backward_optimizer(graph)
+    per_microbatch = sum(node_flops(n) for n in graph.nodes if n in fwd or n in bwd)
+    once = sum(node_flops(n) for n in opt)
+    peak = get_cluster("cpu").peak_flops("fp32")
+    # recomputed scalars (Adam's bias corrections on each stage) add a few FLOPs at most
+    assert sum(timeline.compute_seconds) * peak == pytest.approx(
+        MICROBATCHES * per_microbatch + once, rel=1e-3)
+    assert 0 < timeline.bubble_fraction < 1 and timeline.step_seconds > 0
+    pipe.run(*pipe.spec.inputs, *pipe.spec.targets)
+    trace = pipe.trace(tmp_path / "pipeline.json")
+    assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == len(
+        pipe.last_run.spans)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_sharded_stages_every_schedule(name):
+    # 4 stages on 6 devices: stages 1 and 3 each planned by the ILP on a sub-mesh of 2
+    pipe = captured_pipeline(name, 4).on_submeshes({1: "1x2", 3: "2x1"})
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: slicing a training graph into stages on sub-meshes, and lowering it."""

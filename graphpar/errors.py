@@ -51,6 +51,12 @@ class PassError(GraphparError):
     """A pass could not run on the graph it was given."""
 
 
+class ScheduleError(GraphparError):
+    """A pipeline schedule that cannot run: a missing or repeated action, a send with no
+    matching receive, a wait cycle, or too few microbatches for the schedule asked for; the
+    message names the stage and the action."""
+
+
 class ShardingError(GraphparError):
     """A mesh or layout that does not fit the graph (e.g. a mesh that divides no dimension)."""
 

@@ -24,7 +24,6 @@ microbatch's batch size). The optimizer update runs once per step, so its comput
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,13 +93,13 @@ class _Layer:
 
 @dataclass
 class StageSearch:
-    """Everything the search computed, for reports and benchmarks: the layers, the cost table
-    and per (sub-mesh, layer range) the logical mesh it was priced on."""
+    """Everything the search computed, for reports and benchmarks: the plan, the DP's table,
+    per (layer range, sub-mesh) the logical mesh it was priced on, and the forward layers."""
 
     plan: StagePlan
     costs: StageCosts
     logical: np.ndarray  # int [L, L, shapes]: index into logical_meshes(shape)
-    layer_seconds: dict = field(default_factory=dict)
+    forward_layers: list[tuple[int, int]] = field(default_factory=list)
 
 
 def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster = "dgx-a100",
@@ -144,50 +143,33 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     shapes = submesh_shapes(hosts, per_host)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
                          optimizer)
-    boundary = _boundary_bytes(graph, layer_of, count)
-    seconds = np.full((count, count, len(shapes)), np.inf)
-    after = np.full(seconds.shape, -1, dtype=np.int64)
-    logical = np.zeros(seconds.shape, dtype=np.int64)
-    needs = np.full(seconds.shape, np.inf)  # per-device bytes as the last stage, for errors
-    for m, shape in enumerate(shapes):
-        send = [_send_seconds(boundary[j], shape, hosts, per_host, cluster)
-                if j < count - 1 else 0.0 for j in range(count)]
-        for g, lshape in enumerate(logical_meshes(shape)):
-            table = _range_costs(units, solver, mesh_for(lshape, cluster))
-            if table is None:
-                continue
-            t, persistent, stashed = table
-            for i in range(count):
-                for j in range(i, count):
-                    total = t[i, j] + send[j]
-                    fits = _max_after(persistent[i, j], stashed[i, j], limit, microbatches)
-                    needs[i, j, m] = min(needs[i, j, m], persistent[i, j] + stashed[i, j])
-                    if fits >= 0 and total < seconds[i, j, m]:
-                        seconds[i, j, m], after[i, j, m], logical[i, j, m] = total, fits, g
-    costs = StageCosts(seconds, after, shapes)
+    options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
+                                  _boundary_bytes(graph, layer_of, count))
+    costs, logical = options.table(limit, microbatches)
     solution = solve_stages(costs, hosts * per_host, microbatches, stages, epsilon)
     if solution is None:
-        raise _no_plan(needs, shapes, hosts * per_host, stages, limit)
+        raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
 
     placed = place_submeshes([shapes[m] for _, _, m in solution.stages], hosts, per_host)
     result = []
     stage_of_layer = {}
     for s, ((a, b, m), devices) in enumerate(zip(solution.stages, placed)):
-        lshape = logical_meshes(shapes[m])[logical[a, b, m]]
-        t, persistent, stashed = _range_costs(units, solver, mesh_for(lshape, cluster))
+        g = logical[a, b, m]
+        lshape = logical_meshes(shapes[m])[g]
+        persistent, stashed = options.persistent[a, b, m, g], options.stashed[a, b, m, g]
         in_flight = min(len(solution.stages) - s, microbatches)
         modules = sorted({n.module for u in units[a:b + 1] for n in u.forward if n.module})
         result.append(PipelineStage(
             layers=tuple(range(a, b + 1)), modules=tuple(modules), submesh=shapes[m],
-            logical_mesh=lshape, est_seconds=float(seconds[a, b, m]),
-            mem_bytes=int(persistent[a, b] + in_flight * stashed[a, b]), devices=devices))
+            logical_mesh=lshape, est_seconds=float(costs.seconds[a, b, m]),
+            mem_bytes=int(persistent + in_flight * stashed), devices=devices))
         stage_of_layer.update({layer: s for layer in range(a, b + 1)})
     plan = StagePlan(
         stages=tuple(result),
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
         dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
-    return StageSearch(plan, costs, logical)
+    return StageSearch(plan, costs, logical, list(forward_layers))
 
 
 def _physical(mesh: str | Sequence[int]) -> tuple[int, int]:
@@ -209,6 +191,50 @@ def _max_after(persistent: float, stashed: float, limit: int, microbatches: int)
         return 1 << 30
     in_flight = int((limit - persistent) // stashed)
     return (1 << 30) if in_flight >= microbatches else in_flight - 1
+
+
+@dataclass
+class _StageOptions:
+    """Every layer range on every (sub-mesh, logical mesh): seconds per microbatch (sending its
+    boundary included) and bytes per device, as [L, L, shapes, logical meshes] arrays (inf
+    seconds where a logical mesh does not exist or has no plan)."""
+
+    shapes: tuple[tuple[int, int], ...]
+    seconds: np.ndarray
+    persistent: np.ndarray
+    stashed: np.ndarray
+
+    @classmethod
+    def build(cls, units: list[_Layer], solver: _LayerCosts, shapes, hosts: int, per_host: int,
+              cluster: Cluster, boundary: np.ndarray) -> _StageOptions:
+        count, most = len(units), max(len(logical_meshes(s)) for s in shapes)
+        seconds = np.full((count, count, len(shapes), most), np.inf)
+        persistent = np.zeros(seconds.shape)
+        stashed = np.zeros(seconds.shape)
+        for m, shape in enumerate(shapes):
+            send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
+                             if j < count - 1 else 0.0 for j in range(count)])
+            for g, lshape in enumerate(logical_meshes(shape)):
+                table = _range_costs(units, solver, mesh_for(lshape, cluster))
+                if table is not None:
+                    seconds[:, :, m, g] = table[0] + send[None, :]
+                    persistent[:, :, m, g], stashed[:, :, m, g] = table[1], table[2]
+        return cls(tuple(shapes), seconds, persistent, stashed)
+
+    def table(self, limit: float, microbatches: int) -> tuple[StageCosts, np.ndarray]:
+        """The DP's table under a per-device memory limit: per (range, sub-mesh) the fastest
+        logical mesh that fits as the last stage, and how many stages may follow it then; and
+        which logical mesh that is."""
+        fits = np.vectorize(_max_after, otypes=[np.int64])(self.persistent, self.stashed,
+                                                           limit, microbatches)
+        fits[~np.isfinite(self.seconds)] = -1
+        seconds = np.where(fits >= 0, self.seconds, np.inf)
+        logical = np.argmin(seconds, axis=3)
+        pick = logical[..., None]
+        best = np.take_along_axis(seconds, pick, axis=3)[..., 0]
+        after = np.take_along_axis(fits, pick, axis=3)[..., 0]
+        after[~np.isfinite(best)] = -1
+        return StageCosts(best, after, self.shapes), logical
 
 
 class _LayerCosts:
@@ -360,23 +386,32 @@ def _sending_bandwidth(shape: tuple[int, int], hosts: int, per_host: int,
     return share, cluster.inter_node_latency
 
 
-def _no_plan(needs: np.ndarray, shapes, devices: int, stages: int, limit: int) -> ShardingError:
-    finite = needs[np.isfinite(needs)]
-    if finite.size == 0:
+def _no_plan(options: _StageOptions, devices: int, microbatches: int, stages: int,
+             epsilon: float, limit: int) -> ShardingError:
+    """The error when no pipeline fits: how much memory per device the leanest pipeline needs
+    (the least limit under which the DP finds a plan, by bisection)."""
+    what = f"{stages} stages" if stages else "any number of stages"
+    finite = np.isfinite(options.seconds)
+    if not finite.any():
         return ShardingError(f"no layer range can be sharded on any sub-mesh of {devices} "
                              "devices; check the mesh divides the model's dimensions")
-    whole = needs[0, -1, :]
-    least_whole = float(whole[np.isfinite(whole)].min()) if np.isfinite(whole).any() else math.inf
-    # The fullest stage of the best split: at least the largest single layer's least need.
-    per_layer = np.array([needs[i, i, :].min() for i in range(needs.shape[0])])
-    least = max(float(per_layer.max()), 0.0)
-    what = f"{stages} stages" if stages else "any number of stages"
+    high = float((options.persistent + microbatches * options.stashed)[finite].max())
+    if solve_stages(options.table(high, microbatches)[0], devices, microbatches, stages,
+                    epsilon) is None:
+        return ShardingError(f"no pipeline of {what} covers exactly {devices} devices with "
+                             "the allowed sub-meshes; choose another number of stages")
+    low = float(limit)
+    while high - low > max(1.0, 1e-3 * high):
+        middle = (low + high) / 2
+        found = solve_stages(options.table(middle, microbatches)[0], devices, microbatches,
+                             stages, epsilon)
+        low, high = (low, middle) if found is not None else (middle, high)
     return MemoryLimitError(
         f"no pipeline of {what} on {devices} devices fits {format_bytes(limit)} per device: "
-        f"the best plan needs at least {format_bytes(least)} per device on its fullest stage "
-        f"(one stage holding everything needs {format_bytes(least_whole)}). Use more devices, "
-        "a larger memory limit (slice-stages{memory_limit=...}), more microbatches of a "
-        "smaller batch, or more stages.")
+        f"the leanest one needs about {format_bytes(high)} per device on its fullest stage "
+        f"(weights, gradients, optimizer state and {microbatches} microbatches' activations "
+        "at most). Use more devices, a larger memory limit (slice-stages{memory_limit=...}), "
+        "or more, smaller microbatches.")
 
 
 @register_pass("slice-stages")

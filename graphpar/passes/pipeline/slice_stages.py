@@ -25,7 +25,7 @@ microbatch's batch size). The optimizer update runs once per step, so its comput
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -37,7 +37,8 @@ from graphpar.errors import MemoryLimitError, PassError, ShardingError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
-from graphpar.passes.autoshard.ilp import Plan, solve
+from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
+from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.passes.pipeline.layers import (
     DEFAULT_DELTA,
@@ -54,6 +55,8 @@ from graphpar.passes.pipeline.partition import (
 from graphpar.passes.pipeline.plan import PipelineStage, StagePlan
 from graphpar.passes.pipeline.stage_dp import (
     StageCosts,
+    StageSolution,
+    pipeline_seconds,
     place_submeshes,
     solve_stages,
     submesh_shapes,
@@ -61,6 +64,9 @@ from graphpar.passes.pipeline.stage_dp import (
 from graphpar.units import format_bytes, parse_bytes
 
 PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
+
+
+LogicalMeshes = Callable[[tuple[int, int]], list[tuple[int, int]]]
 
 
 def logical_meshes(shape: tuple[int, int]) -> list[tuple[int, int]]:
@@ -106,12 +112,20 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  microbatches: int = 4, stages: int = 0, layers: int = 0,
                  delta: float = DEFAULT_DELTA, epsilon: float = 1e-6,
                  memory_limit: int | None = None, dtype: str = "fp32",
-                 time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None
+                 time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None,
+                 family: str | None = None, logical: LogicalMeshes = logical_meshes,
+                 fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None
                  ) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    two. `forward_layers` (op index ranges of the forward, in order) replaces the clustering,
-    for "equal operator" style baselines."""
+    two.
+
+    For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
+    in order) replaces the clustering; `family` (a hand plan of
+    `graphpar.passes.autoshard.hand_plans`) replaces the ILP on every layer it applies to;
+    `logical` chooses the logical meshes of a sub-mesh shape; `fixed` stages (first layer,
+    last layer, index into `submesh_shapes`) replace the DP. `cache` shares layer costs
+    between calls on the same graph, cluster, dtype and microbatch count."""
     started = time.perf_counter()
     hosts, per_host = _physical(mesh)
     cluster = get_cluster(cluster)
@@ -142,11 +156,17 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
 
     shapes = submesh_shapes(hosts, per_host)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
-                         optimizer)
+                         optimizer, family, cache)
     options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
-                                  _boundary_bytes(graph, layer_of, count))
-    costs, logical = options.table(limit, microbatches)
-    solution = solve_stages(costs, hosts * per_host, microbatches, stages, epsilon)
+                                  _boundary_bytes(graph, layer_of, count), logical)
+    costs, chosen = options.table(limit, microbatches)
+    if fixed is not None:
+        solution = evaluate_stages(costs, fixed, microbatches)
+        if solution is None:
+            raise MemoryLimitError(f"the fixed stages {list(fixed)} do not fit "
+                                   f"{format_bytes(limit)} per device")
+    else:
+        solution = solve_stages(costs, hosts * per_host, microbatches, stages, epsilon)
     if solution is None:
         raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
 
@@ -154,8 +174,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     result = []
     stage_of_layer = {}
     for s, ((a, b, m), devices) in enumerate(zip(solution.stages, placed)):
-        g = logical[a, b, m]
-        lshape = logical_meshes(shapes[m])[g]
+        g = chosen[a, b, m]
+        lshape = logical(shapes[m])[g]
         persistent, stashed = options.persistent[a, b, m, g], options.stashed[a, b, m, g]
         in_flight = min(len(solution.stages) - s, microbatches)
         modules = sorted({n.module for u in units[a:b + 1] for n in u.forward if n.module})
@@ -169,7 +189,20 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
         dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
-    return StageSearch(plan, costs, logical, list(forward_layers))
+    return StageSearch(plan, costs, chosen, list(forward_layers))
+
+
+def evaluate_stages(costs: StageCosts, stages: Sequence[tuple[int, int, int]],
+                    microbatches: int) -> StageSolution | None:
+    """The cost of given stages (first layer, last layer, sub-mesh shape index) on the DP's
+    table, or None when one cannot run or does not fit with the stages after it."""
+    times = []
+    for s, (a, b, m) in enumerate(stages):
+        fits = costs.max_after[a, b, m] >= len(stages) - 1 - s
+        if not (fits and np.isfinite(costs.seconds[a, b, m])):
+            return None
+        times.append(float(costs.seconds[a, b, m]))
+    return StageSolution(tuple(stages), pipeline_seconds(times, microbatches), 0)
 
 
 def _physical(mesh: str | Sequence[int]) -> tuple[int, int]:
@@ -206,15 +239,15 @@ class _StageOptions:
 
     @classmethod
     def build(cls, units: list[_Layer], solver: _LayerCosts, shapes, hosts: int, per_host: int,
-              cluster: Cluster, boundary: np.ndarray) -> _StageOptions:
-        count, most = len(units), max(len(logical_meshes(s)) for s in shapes)
+              cluster: Cluster, boundary: np.ndarray, logical: LogicalMeshes) -> _StageOptions:
+        count, most = len(units), max(max(len(logical(s)) for s in shapes), 1)
         seconds = np.full((count, count, len(shapes), most), np.inf)
         persistent = np.zeros(seconds.shape)
         stashed = np.zeros(seconds.shape)
         for m, shape in enumerate(shapes):
             send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
                              if j < count - 1 else 0.0 for j in range(count)])
-            for g, lshape in enumerate(logical_meshes(shape)):
+            for g, lshape in enumerate(logical(shape)):
                 table = _range_costs(units, solver, mesh_for(lshape, cluster))
                 if table is not None:
                     seconds[:, :, m, g] = table[0] + send[None, :]
@@ -241,15 +274,17 @@ class _LayerCosts:
     """The ILP cost of each layer on each logical mesh, one solve per (layer structure, mesh)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, dtype: str, time_limit: float,
-                 microbatches: int, forward: set[Node], optimizer: set[Node]):
+                 microbatches: int, forward: set[Node], optimizer: set[Node],
+                 family: str | None = None, cache: dict | None = None):
         self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
         self.peak = cluster.peak_flops(dtype)
         self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
+        self.family = family
         self.solves = 0
-        self._found: dict[tuple, LayerCost | None] = {}
+        self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
 
     def cost(self, layer: _Layer, mesh: Mesh) -> LayerCost | None:
-        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency)
+        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, self.family)
         if key not in self._found:
             self._found[key] = self._solve(layer, mesh)
         return self._found[key]
@@ -258,9 +293,16 @@ class _LayerCosts:
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}")
         costed = _without_boundary_outputs(sub)
         self.solves += 1
+        reduced = Reduced(Problem(costed, mesh, self.peak))
         try:
-            plan = solve(costed, mesh, self.peak, None, self.time_limit)
-        except MemoryLimitError:
+            plan = None
+            if self.family is not None:
+                try:
+                    plan = hand_plan(reduced, self.family, None, self.time_limit)
+                except NotApplicable:  # e.g. no Megatron linears in this layer: the ILP plans it
+                    pass
+            plan = plan or reduced.solve(None, self.time_limit)
+        except ShardingError:
             return None
         nodes = list(costed.nodes)
         update = sum(plan.node_strategy[n].compute_seconds

@@ -100,11 +100,11 @@ class _Layer:
 @dataclass
 class StageSearch:
     """Everything the search computed, for reports and benchmarks: the plan, the DP's table,
-    per (layer range, sub-mesh) the logical mesh it was priced on, and the forward layers."""
+    how each stage is sharded, and the forward layers."""
 
     plan: StagePlan
     costs: StageCosts
-    logical: np.ndarray  # int [L, L, shapes]: index into logical_meshes(shape)
+    stage_families: tuple[str | None, ...]  # per stage: None (the ILP) or its hand plan
     forward_layers: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -113,7 +113,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  delta: float = DEFAULT_DELTA, epsilon: float = 1e-6,
                  memory_limit: int | None = None, dtype: str = "fp32",
                  time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None,
-                 family: str | None = None, logical: LogicalMeshes = logical_meshes,
+                 families: Sequence[str | None] = (None,),
+                 logical: LogicalMeshes = logical_meshes,
                  fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None
                  ) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
@@ -121,8 +122,9 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     two.
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
-    in order) replaces the clustering; `family` (a hand plan of
-    `graphpar.passes.autoshard.hand_plans`) replaces the ILP on every layer it applies to;
+    in order) replaces the clustering; `families` are the ways a stage may be sharded, each
+    across the whole stage (None: the ILP; a name: that hand plan of
+    `graphpar.passes.autoshard.hand_plans` on every layer it applies to, the ILP on the rest);
     `logical` chooses the logical meshes of a sub-mesh shape; `fixed` stages (first layer,
     last layer, index into `submesh_shapes`) replace the DP. `cache` shares layer costs
     between calls on the same graph, cluster, dtype and microbatch count."""
@@ -156,9 +158,9 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
 
     shapes = submesh_shapes(hosts, per_host)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
-                         optimizer, family, cache)
+                         optimizer, cache)
     options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
-                                  _boundary_bytes(graph, layer_of, count), logical)
+                                  _boundary_bytes(graph, layer_of, count), logical, families)
     costs, chosen = options.table(limit, microbatches)
     if fixed is not None:
         solution = evaluate_stages(costs, fixed, microbatches)
@@ -171,11 +173,12 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
 
     placed = place_submeshes([shapes[m] for _, _, m in solution.stages], hosts, per_host)
-    result = []
+    result, families_used = [], []
     stage_of_layer = {}
     for s, ((a, b, m), devices) in enumerate(zip(solution.stages, placed)):
         g = chosen[a, b, m]
-        lshape = logical(shapes[m])[g]
+        lshape, family = options.choices[m][g]
+        families_used.append(family)
         persistent, stashed = options.persistent[a, b, m, g], options.stashed[a, b, m, g]
         in_flight = min(len(solution.stages) - s, microbatches)
         modules = sorted({n.module for u in units[a:b + 1] for n in u.forward if n.module})
@@ -189,7 +192,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
         dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
-    return StageSearch(plan, costs, chosen, list(forward_layers))
+    return StageSearch(plan, costs, tuple(families_used), list(forward_layers))
 
 
 def evaluate_stages(costs: StageCosts, stages: Sequence[tuple[int, int, int]],
@@ -228,31 +231,35 @@ def _max_after(persistent: float, stashed: float, limit: int, microbatches: int)
 
 @dataclass
 class _StageOptions:
-    """Every layer range on every (sub-mesh, logical mesh): seconds per microbatch (sending its
-    boundary included) and bytes per device, as [L, L, shapes, logical meshes] arrays (inf
-    seconds where a logical mesh does not exist or has no plan)."""
+    """Every layer range on every (sub-mesh, logical mesh and family): seconds per microbatch
+    (sending its boundary included) and bytes per device, as [L, L, shapes, choices] arrays
+    (inf seconds where a choice does not exist or has no plan)."""
 
     shapes: tuple[tuple[int, int], ...]
+    choices: list[list[tuple[tuple[int, int], str | None]]]  # per shape: (logical mesh, family)
     seconds: np.ndarray
     persistent: np.ndarray
     stashed: np.ndarray
 
     @classmethod
     def build(cls, units: list[_Layer], solver: _LayerCosts, shapes, hosts: int, per_host: int,
-              cluster: Cluster, boundary: np.ndarray, logical: LogicalMeshes) -> _StageOptions:
-        count, most = len(units), max(max(len(logical(s)) for s in shapes), 1)
+              cluster: Cluster, boundary: np.ndarray, logical: LogicalMeshes,
+              families: Sequence[str | None]) -> _StageOptions:
+        choices = [[(lshape, family) for lshape in logical(shape) for family in families]
+                   for shape in shapes]
+        count, most = len(units), max(max(len(c) for c in choices), 1)
         seconds = np.full((count, count, len(shapes), most), np.inf)
         persistent = np.zeros(seconds.shape)
         stashed = np.zeros(seconds.shape)
         for m, shape in enumerate(shapes):
             send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
                              if j < count - 1 else 0.0 for j in range(count)])
-            for g, lshape in enumerate(logical(shape)):
-                table = _range_costs(units, solver, mesh_for(lshape, cluster))
+            for g, (lshape, family) in enumerate(choices[m]):
+                table = _range_costs(units, solver, mesh_for(lshape, cluster), family)
                 if table is not None:
                     seconds[:, :, m, g] = table[0] + send[None, :]
                     persistent[:, :, m, g], stashed[:, :, m, g] = table[1], table[2]
-        return cls(tuple(shapes), seconds, persistent, stashed)
+        return cls(tuple(shapes), choices, seconds, persistent, stashed)
 
     def table(self, limit: float, microbatches: int) -> tuple[StageCosts, np.ndarray]:
         """The DP's table under a per-device memory limit: per (range, sub-mesh) the fastest
@@ -275,30 +282,29 @@ class _LayerCosts:
 
     def __init__(self, graph: Graph, cluster: Cluster, dtype: str, time_limit: float,
                  microbatches: int, forward: set[Node], optimizer: set[Node],
-                 family: str | None = None, cache: dict | None = None):
+                 cache: dict | None = None):
         self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
         self.peak = cluster.peak_flops(dtype)
         self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
-        self.family = family
         self.solves = 0
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
 
-    def cost(self, layer: _Layer, mesh: Mesh) -> LayerCost | None:
-        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, self.family)
+    def cost(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
+        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, family)
         if key not in self._found:
-            self._found[key] = self._solve(layer, mesh)
+            self._found[key] = self._solve(layer, mesh, family)
         return self._found[key]
 
-    def _solve(self, layer: _Layer, mesh: Mesh) -> LayerCost | None:
+    def _solve(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}")
         costed = _without_boundary_outputs(sub)
         self.solves += 1
         reduced = Reduced(Problem(costed, mesh, self.peak))
         try:
             plan = None
-            if self.family is not None:
+            if family is not None:
                 try:
-                    plan = hand_plan(reduced, self.family, None, self.time_limit)
+                    plan = hand_plan(reduced, family, None, self.time_limit)
                 except NotApplicable:  # e.g. no Megatron linears in this layer: the ILP plans it
                     pass
             plan = plan or reduced.solve(None, self.time_limit)
@@ -334,12 +340,12 @@ def _without_boundary_outputs(sub: Graph) -> Graph:
     return costed
 
 
-def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh):
+def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: str | None):
     """(seconds, persistent bytes, stashed bytes) of every layer range i..j on `mesh`, as
     [L, L] arrays, or None when some layer has no plan on it. The seconds include resharding
     between the layers' plans inside the range."""
     count = len(units)
-    per = [solver.cost(u, mesh) for u in units]
+    per = [solver.cost(u, mesh, family) for u in units]
     if any(c is None for c in per):
         return None
     pair = _reshard_between(units, per, mesh)  # pair[p, c]: from layer p's plan to layer c's

@@ -64,11 +64,17 @@ def shape_index(shapes, devices: int) -> int | None:
     return next((i for i, (n, m) in enumerate(shapes) if n * m == devices), None)
 
 
-def run_variants(graph, mesh: str, microbatches: int, cluster, only: tuple = ()) -> list[dict]:
-    """Every variant's row (`only=("two-level",)`: the two-level search alone)."""
+KINDS = ("two-level", "two-level+hand", "intra-op only", "inter-op only", "equal layer",
+         "equal operator", "megatron")
+
+
+def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
+                 power_of_two_hosts: bool = False) -> list[dict]:
+    """A row per variant of the `kinds` asked for (the two-level search always runs: the
+    others use its layers)."""
     hosts, per_host = (int(x) for x in mesh.split("x"))
     devices = hosts * per_host
-    shapes = submesh_shapes(hosts, per_host)
+    shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
     cache: dict = {}
     rows = []
 
@@ -91,35 +97,35 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, only: tuple = ())
         return search
 
     # epsilon 0: exact, so that variants compare without the DP's tolerance
-    common = dict(cluster=cluster, microbatches=microbatches, cache=cache, epsilon=0.0)
+    common = dict(cluster=cluster, microbatches=microbatches, cache=cache, epsilon=0.0,
+                  power_of_two_hosts=power_of_two_hosts)
     two = record("two-level", lambda: slice_stages(graph, mesh, **common))
     if two is None:
         return rows
     layers = len(two.forward_layers)
-    if "two-level" in only:
-        return rows
-    record("two-level+hand", lambda: slice_stages(graph, mesh, families=(None, *HAND),
-                                                   **common))
+    if "two-level+hand" in kinds:
+        record("two-level+hand", lambda: slice_stages(graph, mesh, families=(None, *HAND),
+                                                       **common))
     whole = shape_index(shapes, devices)
-    record("intra-op only", lambda: slice_stages(graph, mesh, fixed=[(0, layers - 1, whole)],
-                                                 **common))
-    record("inter-op only", lambda: slice_stages(
-        graph, mesh, families=("data",), logical=lambda s: [(s[0] * s[1], 1)], **common))
-    best_equal = None
-    for stages in range(2, min(layers, devices) + 1):
+    if "intra-op only" in kinds:
+        record("intra-op only", lambda: slice_stages(
+            graph, mesh, fixed=[(0, layers - 1, whole)], **common))
+    if "inter-op only" in kinds:
+        record("inter-op only", lambda: slice_stages(
+            graph, mesh, families=("data",), logical=lambda s: [(s[0] * s[1], 1)], **common))
+    for stages in range(2, min(layers, devices) + 1) if "equal layer" in kinds else ():
         m = shape_index(shapes, devices // stages)
         if devices % stages or m is None:
             continue
         fixed = [(a, b, m) for a, b in equal_ranges(layers, stages)]
-        search = record(f"equal layer S={stages}",
-                        lambda f=fixed: slice_stages(graph, mesh, fixed=f, **common))
-        if search and (best_equal is None or search.plan.est_step_seconds < best_equal[1]):
-            best_equal = (stages, search.plan.est_step_seconds)
-    forward, _, _ = forward_backward_optimizer(graph)
-    ops = sum(1 for n in graph.nodes if n in forward)
-    record("equal operator", lambda: slice_stages(
-        graph, mesh, forward_layers=equal_ranges(ops, layers), **common))
-    for pp in range(1, min(layers, devices) + 1):
+        record(f"equal layer S={stages}",
+               lambda f=fixed: slice_stages(graph, mesh, fixed=f, **common))
+    if "equal operator" in kinds:
+        forward, _, _ = forward_backward_optimizer(graph)
+        ops = sum(1 for n in graph.nodes if n in forward)
+        record("equal operator", lambda: slice_stages(
+            graph, mesh, forward_layers=equal_ranges(ops, layers), **common))
+    for pp in range(1, min(layers, devices) + 1) if "megatron" in kinds else ():
         m = shape_index(shapes, devices // pp)
         if devices % pp or m is None:
             continue
@@ -154,14 +160,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="microbatch size")
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--cluster", default="dgx-a100")
-    parser.add_argument("--two-level-only", action="store_true",
-                        help="run the two-level search alone (its compile time)")
+    parser.add_argument("--power-of-two-hosts", action="store_true",
+                        help="multi-host sub-meshes of 2, 4, 8, ... hosts only")
+    parser.add_argument("--variants", default=",".join(KINDS),
+                        help="which to run (two-level alone: its compile time)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args(argv)
     cluster = get_cluster(args.cluster)
     results = []
-    kinds = ["two-level", "two-level+hand", "intra-op only", "inter-op only", "equal layer",
-             "equal operator", "megatron"]
+    kinds = KINDS
     header = f"{'model':<16}{'mesh':<6}" + "".join(f"{k:>16}" for k in kinds) + \
         f"{'solves':>8}{'search s':>10}"
     print("estimated step milliseconds (lower is better); search: measured wall seconds of "
@@ -172,7 +179,7 @@ def main(argv=None) -> int:
         graph, capture_s = capture(model, args.batch)
         for mesh in args.meshes.split(","):
             rows = run_variants(graph, mesh, args.microbatches, cluster,
-                                ("two-level",) if args.two_level_only else ())
+                                tuple(args.variants.split(",")), args.power_of_two_hosts)
             best = summarize(rows)
             two = next((r for r in rows if r["variant"] == "two-level" and "est_step_s" in r),
                        {})
@@ -193,8 +200,10 @@ def _document(args, results) -> dict:
             "units": "est_step_s, est_s: seconds ESTIMATED by the cost model (dgx-a100); "
                      "search_s, capture_s: measured wall seconds; search_cpu_s: CPU seconds",
             "settings": {"microbatch_size": args.batch, "microbatches": args.microbatches,
-                         "cluster": args.cluster, "logical_meshes": "(d/mp, mp), mp = 1, 2, "
-                         "4, ... up to the devices per host; "
+                         "cluster": args.cluster,
+                         "power_of_two_hosts": args.power_of_two_hosts,
+                         "logical_meshes": "(d/mp, mp), mp = 1, 2, 4, ... up to the devices "
+                         "per host; "
                          f"e.g. 1x8: {logical_meshes((1, 8))}"},
             "machine": {"cpu_count": torch.get_num_threads(), "python": sys.version.split()[0],
                         "torch": torch.__version__, "platform": platform.platform()},

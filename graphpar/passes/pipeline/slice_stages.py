@@ -115,8 +115,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None,
                  families: Sequence[str | None] = (None,),
                  logical: LogicalMeshes = logical_meshes,
-                 fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None
-                 ) -> StageSearch:
+                 fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None,
+                 power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
     two.
@@ -126,7 +126,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     across the whole stage (None: the ILP; a name: that hand plan of
     `graphpar.passes.autoshard.hand_plans` on every layer it applies to, the ILP on the rest);
     `logical` chooses the logical meshes of a sub-mesh shape; `fixed` stages (first layer,
-    last layer, index into `submesh_shapes`) replace the DP. `cache` shares layer costs
+    last layer, index into `submesh_shapes`) replace the DP. `power_of_two_hosts` allows
+    multi-host sub-meshes of 2, 4, 8, ... hosts only (fewer ILP solves). `cache` shares layer costs
     between calls on the same graph, cluster, dtype and microbatch count."""
     started = time.perf_counter()
     hosts, per_host = _physical(mesh)
@@ -156,7 +157,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     units = [_Layer(i, nodes, [n for n in nodes if n in forward_set], layer_signature(nodes))
              for i, nodes in enumerate(members)]
 
-    shapes = submesh_shapes(hosts, per_host)
+    shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
                          optimizer, cache)
     options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
@@ -478,6 +479,7 @@ class SliceStages(GraphPass):
     memory_limit: str = ""  # default: the cluster's device memory
     dtype: str = "fp32"
     time_limit: float = 30.0  # per ILP solve
+    power_of_two_hosts: bool = False  # multi-host sub-meshes of 2, 4, 8 ... hosts only
 
     def __post_init__(self) -> None:
         _physical(self.mesh)
@@ -506,6 +508,6 @@ class SliceStages(GraphPass):
             graph, self.mesh, self.cluster, self.microbatches, self._stages(), self.layers,
             self.delta, self.epsilon,
             parse_bytes(self.memory_limit) if self.memory_limit else None, self.dtype,
-            self.time_limit)
+            self.time_limit, power_of_two_hosts=self.power_of_two_hosts)
         ctx.set_result(search.plan)
         return False

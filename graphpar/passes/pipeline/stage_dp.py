@@ -29,14 +29,17 @@ from numba import njit
 from graphpar.errors import ShardingError
 
 
-def submesh_shapes(hosts: int, devices_per_host: int) -> tuple[tuple[int, int], ...]:
+def submesh_shapes(hosts: int, devices_per_host: int, power_of_two_hosts: bool = False
+                   ) -> tuple[tuple[int, int], ...]:
     """The sub-mesh shapes a stage may take (Alpa §5.2): (1, 1), (1, 2), (1, 4), ... up to a
-    whole host, then (2, M), (3, M), ... (N, M) whole hosts."""
+    whole host, then (2, M), (3, M), ... (N, M) whole hosts — or only (2, M), (4, M), ...
+    with `power_of_two_hosts` (what Alpa's code does by default: fewer ILP solves)."""
     if devices_per_host & (devices_per_host - 1):
         raise ShardingError(f"stage slicing needs a power-of-two number of devices per host, "
                             f"got {devices_per_host}")
     shapes = [(1, 1 << p) for p in range(devices_per_host.bit_length())]
-    shapes += [(n, devices_per_host) for n in range(2, hosts + 1)]
+    shapes += [(n, devices_per_host) for n in range(2, hosts + 1)
+               if not power_of_two_hosts or not n & (n - 1)]
     return tuple(shapes)
 
 

@@ -141,6 +141,7 @@ def test_memory_bound_rules_out_deep_pipelines():
 def test_submesh_shapes_follow_alpa():
     assert submesh_shapes(1, 8) == ((1, 1), (1, 2), (1, 4), (1, 8))
     assert submesh_shapes(4, 8) == ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (3, 8), (4, 8))
+    assert submesh_shapes(8, 8, power_of_two_hosts=True)[4:] == ((2, 8), (4, 8), (8, 8))
     with pytest.raises(ShardingError, match="power-of-two"):
         submesh_shapes(2, 6)
 

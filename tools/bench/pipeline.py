@@ -93,6 +93,7 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
                         "est_s": s.est_seconds, "mem_gib": round(s.mem_bytes / 2**30, 2)}
                        for s, f in zip(plan.stages, search.stage_families)],
             "ilp_solves": plan.ilp_solves, "search_s": round(time.perf_counter() - start, 2),
+            "steps_s": {k: round(v, 3) for k, v in search.seconds.items()},
             "search_cpu_s": round(time.process_time() - cpu, 2), **extra})
         return search
 

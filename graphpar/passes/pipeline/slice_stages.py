@@ -106,6 +106,8 @@ class StageSearch:
     costs: StageCosts
     stage_families: tuple[str | None, ...]  # per stage: None (the ILP) or its hand plan
     forward_layers: list[tuple[int, int]] = field(default_factory=list)
+    # measured wall seconds of each step: clustering, layer costs (ILP), the DP
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster = "dgx-a100",
@@ -148,6 +150,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     if stages > hosts * per_host:
         raise PassError(f"stages={stages} needs at least as many devices; the mesh "
                         f"{hosts}x{per_host} has {hosts * per_host}")
+    clustered = time.perf_counter()
     layer_of_forward = {forward[k]: i for i, (a, b) in enumerate(forward_layers)
                         for k in range(a, b + 1)}
     layer_of = follow_forward(graph, layer_of_forward)
@@ -163,6 +166,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
                                   _boundary_bytes(graph, layer_of, count), logical, families)
     costs, chosen = options.table(limit, microbatches)
+    costed = time.perf_counter()
     if fixed is not None:
         solution = evaluate_stages(costs, fixed, microbatches)
         if solution is None:
@@ -173,6 +177,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     if solution is None:
         raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
 
+    searched = time.perf_counter()
     placed = place_submeshes([shapes[m] for _, _, m in solution.stages], hosts, per_host)
     result, families_used = [], []
     stage_of_layer = {}
@@ -193,7 +198,9 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
         dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
-    return StageSearch(plan, costs, tuple(families_used), list(forward_layers))
+    steps = {"clustering": clustered - started, "layer_costs": costed - clustered,
+             "dp": searched - costed}
+    return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps)
 
 
 def evaluate_stages(costs: StageCosts, stages: Sequence[tuple[int, int, int]],

@@ -188,11 +188,13 @@ _LAYER_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 def default_layer_count(forward: Sequence[Node]) -> int:
     """Layers to cluster into when not told: the model's repeated blocks (distinct
-    `name.<index>` module prefixes, e.g. `blocks.0` ... `blocks.47`) plus one for what comes
-    before and one for what comes after them, at least 2 and at most the ops."""
+    `name.<index>` module prefixes, e.g. `blocks.0` ... `blocks.47`) plus one, at least 2 and
+    at most the ops. With one more layer than blocks, the clustering of a transformer is
+    regular (embedding + first attention, then MLP + next attention, ..., last MLP + head), so
+    its layers come in 3 kinds whatever the depth; with two more it ends irregularly."""
     blocks = {m.group(1) for n in forward if n.module for m in [_LAYER_INDEX.match(n.module)]
               if m}
-    return max(1, min(len(forward), max(2, len(blocks) + 2)))
+    return max(1, min(len(forward), max(2, len(blocks) + 1)))
 
 
 def layer_signature(nodes: Sequence[Node]) -> str:

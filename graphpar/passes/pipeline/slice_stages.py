@@ -121,7 +121,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    two.
+    one.
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
     in order) replaces the clustering; `families` are the ways a stage may be sharded, each
@@ -480,7 +480,7 @@ class SliceStages(GraphPass):
     cluster: str = "dgx-a100"
     stages: str = "auto"  # auto, or a number of stages
     microbatches: int = 4
-    layers: int = 0  # 0: the model's blocks plus two
+    layers: int = 0  # 0: the model's blocks plus one
     delta: float = DEFAULT_DELTA
     epsilon: float = 1e-6
     memory_limit: str = ""  # default: the cluster's device memory

@@ -35,6 +35,8 @@ import torch
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster
 from graphpar.errors import GraphparError
+from graphpar.ir.parser import parse_program
+from graphpar.ir.printer import print_graph
 from graphpar.models import example_batch, get_model
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.slice_stages import logical_meshes, slice_stages
@@ -45,14 +47,24 @@ DEFAULT_MESHES = ["2x8", "4x8", "8x8"]
 HAND = ("data", "megatron", "data+megatron")
 
 
-def capture(model: str, batch: int):
+def capture(model: str, batch: int, ir_cache: str | None = None):
+    """The model's training step with Adam, and the capture's wall seconds. With `ir_cache`
+    (a folder), the IR text is kept there and read back next time instead of capturing."""
     name, _, preset = model.partition(":")
+    kept = Path(ir_cache) / f"{name}-{preset}-b{batch}.gpir" if ir_cache else None
+    start = time.perf_counter()
+    if kept is not None and kept.exists():
+        graph = next(iter(parse_program(kept.read_text())))
+        return graph, time.perf_counter() - start
     ex = get_model(name, preset or "tiny", device="meta", train=True)
     inputs, targets = example_batch(name, ex.config, batch)
-    start = time.perf_counter()
     graph = capture_training(ex.module, inputs, ex.loss_fn, targets, optimizer=Adam(lr=1e-4),
                              name=name).graph
-    return graph, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(print_graph(graph, show_source=True))
+    return graph, seconds
 
 
 def equal_ranges(count: int, stages: int) -> list[tuple[int, int]]:
@@ -161,6 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="microbatch size")
     parser.add_argument("--microbatches", type=int, default=32)
     parser.add_argument("--cluster", default="dgx-a100")
+    parser.add_argument("--ir-cache", help="a folder keeping captured IR between runs")
     parser.add_argument("--power-of-two-hosts", action="store_true",
                         help="multi-host sub-meshes of 2, 4, 8, ... hosts only")
     parser.add_argument("--variants", default=",".join(KINDS),
@@ -177,7 +190,7 @@ def main(argv=None) -> int:
     print(header)
     print("-" * len(header))
     for model in args.models.split(","):
-        graph, capture_s = capture(model, args.batch)
+        graph, capture_s = capture(model, args.batch, args.ir_cache)
         for mesh in args.meshes.split(","):
             rows = run_variants(graph, mesh, args.microbatches, cluster,
                                 tuple(args.variants.split(",")), args.power_of_two_hosts)

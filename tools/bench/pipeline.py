@@ -95,7 +95,9 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
         try:
             search = run()
         except GraphparError as error:
-            rows.append({"variant": variant, "error": str(error).split(":")[0], **extra})
+            rows.append({"variant": variant, "error": str(error),
+                         "search_s": round(time.perf_counter() - start, 2),
+                         "search_cpu_s": round(time.process_time() - cpu, 2), **extra})
             return None
         plan = search.plan
         rows.append({

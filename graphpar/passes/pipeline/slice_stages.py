@@ -226,15 +226,20 @@ def _physical(mesh: str | Sequence[int]) -> tuple[int, int]:
     return shape
 
 
-def _max_after(persistent: float, stashed: float, limit: int, microbatches: int) -> int:
-    """Eq. 5 with 1F1B's in-flight count: a stage followed by `a` stages keeps min(a + 1, B)
-    microbatches' activations. The most stages that may follow, or -1 if none fits."""
-    if persistent + stashed > limit:
-        return -1
-    if stashed <= 0:
-        return 1 << 30
-    in_flight = int((limit - persistent) // stashed)
-    return (1 << 30) if in_flight >= microbatches else in_flight - 1
+UNBOUNDED = 1 << 30  # any number of stages may follow
+
+
+def max_after(persistent: np.ndarray, stashed: np.ndarray, limit: float,
+              microbatches: int) -> np.ndarray:
+    """Eq. 5 with 1F1B's in-flight count, elementwise: a stage followed by `a` stages keeps
+    min(a + 1, B) microbatches' activations. The most stages that may follow, or -1 where the
+    stage does not fit even last."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        in_flight = np.floor((limit - persistent) / stashed)
+    in_flight = np.where(stashed > 0, in_flight, np.inf)
+    after = np.where(in_flight >= microbatches, UNBOUNDED,
+                     np.minimum(in_flight, UNBOUNDED) - 1).astype(np.int64)
+    return np.where(persistent + stashed > limit, -1, after)
 
 
 @dataclass
@@ -273,8 +278,7 @@ class _StageOptions:
         """The DP's table under a per-device memory limit: per (range, sub-mesh) the fastest
         logical mesh that fits as the last stage, and how many stages may follow it then; and
         which logical mesh that is."""
-        fits = np.vectorize(_max_after, otypes=[np.int64])(self.persistent, self.stashed,
-                                                           limit, microbatches)
+        fits = max_after(self.persistent, self.stashed, limit, microbatches)
         fits[~np.isfinite(self.seconds)] = -1
         seconds = np.where(fits >= 0, self.seconds, np.inf)
         logical = np.argmin(seconds, axis=3)

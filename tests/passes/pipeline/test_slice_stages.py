@@ -3,6 +3,7 @@
 import math
 import re
 
+import numpy as np
 import pytest
 
 from graphpar.capture import Adam, capture_training
@@ -14,7 +15,7 @@ from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import solve
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.plan import StagePlan
-from graphpar.passes.pipeline.slice_stages import slice_stages
+from graphpar.passes.pipeline.slice_stages import UNBOUNDED, max_after, slice_stages
 from graphpar.passes.pipeline.stage_dp import pipeline_seconds
 
 
@@ -80,3 +81,12 @@ def test_a_memory_limit_no_pipeline_meets_says_what_the_best_needs(mlp_step):
     assert max(s.mem_bytes for s in plan.stages) <= need * 1.01
     with pytest.raises(MemoryLimitError):
         run_pass(mlp_step, f"mesh=1x2,memory_limit={int(need * 0.97)}")  # and no less
+
+
+def test_max_after_is_eq_5_with_the_1f1b_in_flight_count():
+    # 10 GB of weights, 2 GB per microbatch stashed, 16 GB per device: 3 in flight fit, so two
+    # stages may follow; with 2 microbatches at most 2 are ever in flight, so any number may.
+    persistent, stashed = np.array([10.0, 10.0, 17.0, 3.0]), np.array([2.0, 2.0, 0.0, 0.0])
+    assert max_after(persistent, stashed, 16.0, 8).tolist() == [2, 2, -1, UNBOUNDED]
+    assert max_after(persistent[:1], stashed[:1], 16.0, 2).tolist() == [UNBOUNDED]
+    assert max_after(np.array([15.0]), np.array([2.0]), 16.0, 8).tolist() == [-1]

@@ -8,8 +8,10 @@ k..L-1 into s stages on exactly d devices, every stage at most t_max and within 
 the s - 1 stages after it (1F1B stashes one microbatch per stage still to run, Eq. 5).
 The plan's cost uses the actual slowest stage of the slicing found, not t_max.
 
-Two prunings, both sound:
+Three prunings, all sound:
 
+- the bounds below the least one some slicing meets are skipped, found by bisection (whether
+  a slicing exists only grows with the bound);
 - early stop: every plan found at t_max or later costs at least B * t_max (its sum is at least
   its max), so the enumeration stops once B * t_max reaches the best cost so far;
 - epsilon: candidates closer than `epsilon` are solved once, at the largest of them, so the
@@ -159,7 +161,18 @@ def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, boun
     mesh = np.zeros((most + 1, layers + 1, devices + 1), dtype=np.int64)
     path = np.zeros((max(most, 1), 3), dtype=np.int64)
     best, count, tried = np.inf, 0, 0
+    low = 1 if forced <= 0 else forced
     first = 0
+    if prune:  # skip the bounds no slicing meets: feasibility only grows with the bound
+        first, high = 0, bounds.size - 1
+        while first < high:
+            middle = (first + high) // 2
+            tried += 1
+            _fill(t, after, sizes, devices, most, bounds[middle], total, slowest, end, mesh)
+            if np.isfinite(total[low:, 0, devices]).any():
+                high = middle
+            else:
+                first = middle + 1
     while first < bounds.size:
         # Bounds within epsilon of this one are solved once, at the largest of them.
         last = first
@@ -169,7 +182,6 @@ def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, boun
             break
         tried += 1
         _fill(t, after, sizes, devices, most, bounds[last], total, slowest, end, mesh)
-        low = 1 if forced <= 0 else forced
         for s in range(low, most + 1):
             if total[s, 0, devices] == np.inf:
                 continue

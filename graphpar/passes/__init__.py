@@ -20,6 +20,7 @@ from graphpar.passes.manager import (
     register_pass,
     run_pipeline,
 )
+from graphpar.passes.pipeline import slice_stages  # noqa: F401  (registers slice-stages)
 
 __all__ = ["GraphPass", "Pass", "PassContext", "PassManager", "available_passes", "make_pass",
            "parse_pipeline", "register_alias", "register_pass", "run_pipeline"]

@@ -100,6 +100,10 @@ class PassContext:
             self._results[kind] = kind()
         return self._results[kind]
 
+    def set_result(self, value: Any) -> None:
+        """Store a result made whole (a frozen dataclass), read back by `result(type(value))`."""
+        self._results[type(value)] = value
+
     def analysis(self, compute: Callable[[Graph], Any], graph: Graph) -> Any:
         """`compute(graph)`, cached until a pass changes the graph."""
         key = (compute, id(graph))

@@ -1,0 +1,524 @@
+"""The `slice-stages` pass: Alpa's inter-operator pass over a training step.
+
+1. Cluster the forward ops into L layers (Eq. 6, `layers.py`); backward ops and optimizer
+   updates follow their forward ops (`partition.follow_forward`).
+2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
+   the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
+   solve, so the number of ILP solves grows with the kinds of layers, not with depth.
+3. A stage of layers i..j on a logical mesh costs its layers' times, plus resharding the
+   values its layers pass to each other (from one layer's plan to the next's), plus sending
+   its boundary to the next stage (below). Per sub-mesh shape the best logical mesh is kept.
+4. The stage DP (Eq. 2-5, `stage_dp.py`) picks stage boundaries and sub-meshes.
+
+Cross-stage communication, which Alpa leaves out: the values crossing the boundary after
+layer j (activations forward and their gradients backward, each counted once) are sent once
+across meshes (Alpa's local all-gather: every byte crosses once, then is gathered inside the
+destination over its fast links, which is not priced), spread over the sending sub-mesh's
+links to other hosts (`_sending_bandwidth`). The time is added to the sending stage: it sits
+on the first microbatch's path and, not being overlapped, in the steady state too.
+
+The graph is costed as it is given: it is one microbatch's training step (capture at the
+microbatch's batch size). The optimizer update runs once per step, so its compute is charged
+1/B per microbatch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+
+from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.communication import resharding_cost
+from graphpar.errors import MemoryLimitError, PassError, ShardingError
+from graphpar.ir.cluster import Cluster
+from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.mesh import Mesh, parse_mesh_shape
+from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
+from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
+from graphpar.passes.manager import GraphPass, PassContext, register_pass
+from graphpar.passes.pipeline.layers import (
+    DEFAULT_DELTA,
+    cluster_bounds,
+    default_layer_count,
+    forward_chain,
+    layer_signature,
+)
+from graphpar.passes.pipeline.partition import (
+    follow_forward,
+    forward_backward_optimizer,
+    stage_subgraph,
+)
+from graphpar.passes.pipeline.plan import PipelineStage, StagePlan
+from graphpar.passes.pipeline.stage_dp import (
+    StageCosts,
+    StageSolution,
+    pipeline_seconds,
+    place_submeshes,
+    solve_stages,
+    submesh_shapes,
+)
+from graphpar.units import format_bytes, parse_bytes
+
+PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
+
+
+LogicalMeshes = Callable[[tuple[int, int]], list[tuple[int, int]]]
+
+
+def logical_meshes(shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The logical meshes a sub-mesh of (hosts, devices per host) is sharded on: (d / mp, mp)
+    for each power of two mp up to the devices per host (mp = 1: one data axis)."""
+    hosts, per_host = shape
+    devices = hosts * per_host
+    return [(devices // mp, mp) for mp in (1 << p for p in range(per_host.bit_length()))
+            if mp <= per_host]
+
+
+@dataclass
+class LayerCost:
+    """One layer's ILP plan on one logical mesh, and what it costs per microbatch."""
+
+    seconds: float
+    persistent_bytes: int  # weights (and their gradients), buffers, optimizer state
+    stashed_bytes: int  # forward results the backward reads: kept per microbatch in flight
+    plan: Plan
+    subgraph: Graph  # the representative layer's stage subgraph the plan is for
+
+
+@dataclass
+class _Layer:
+    index: int
+    nodes: list[Node]  # forward, backward and update nodes, in graph order
+    forward: list[Node]
+    signature: str
+
+
+@dataclass
+class StageSearch:
+    """Everything the search computed, for reports and benchmarks: the plan, the DP's table,
+    how each stage is sharded, and the forward layers."""
+
+    plan: StagePlan
+    costs: StageCosts
+    stage_families: tuple[str | None, ...]  # per stage: None (the ILP) or its hand plan
+    forward_layers: list[tuple[int, int]] = field(default_factory=list)
+    # measured wall seconds of each step: clustering, layer costs (ILP), the DP
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster = "dgx-a100",
+                 microbatches: int = 4, stages: int = 0, layers: int = 0,
+                 delta: float = DEFAULT_DELTA, epsilon: float = 1e-6,
+                 memory_limit: int | None = None, dtype: str = "fp32",
+                 time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None,
+                 families: Sequence[str | None] = (None,),
+                 logical: LogicalMeshes = logical_meshes,
+                 fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None,
+                 power_of_two_hosts: bool = False) -> StageSearch:
+    """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
+    `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
+    one.
+
+    For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
+    in order) replaces the clustering; `families` are the ways a stage may be sharded, each
+    across the whole stage (None: the ILP; a name: that hand plan of
+    `graphpar.passes.autoshard.hand_plans` on every layer it applies to, the ILP on the rest);
+    `logical` chooses the logical meshes of a sub-mesh shape; `fixed` stages (first layer,
+    last layer, index into `submesh_shapes`) replace the DP. `power_of_two_hosts` allows
+    multi-host sub-meshes of 2, 4, 8, ... hosts only (fewer ILP solves). `cache` shares layer costs
+    between calls on the same graph, cluster, dtype and microbatch count."""
+    started = time.perf_counter()
+    hosts, per_host = _physical(mesh)
+    cluster = get_cluster(cluster)
+    if microbatches < 1:
+        raise PassError(f"microbatches={microbatches}: give at least 1")
+    limit = int(memory_limit) if memory_limit else cluster.device_memory
+    forward_set, _, optimizer = forward_backward_optimizer(graph)
+    forward = [n for n in graph.nodes if n in forward_set]
+    if forward_layers is None:
+        count = layers or default_layer_count(forward)
+        forward_layers = cluster_bounds(forward_chain(forward), min(count, len(forward)), delta)
+    count = len(forward_layers)
+    if stages > count:
+        raise PassError(f"stages={stages} is more than the {count} layers graph @{graph.name} "
+                        f"was clustered into; ask for at most {count} stages, or for more "
+                        "layers (slice-stages{layers=...})")
+    if stages > hosts * per_host:
+        raise PassError(f"stages={stages} needs at least as many devices; the mesh "
+                        f"{hosts}x{per_host} has {hosts * per_host}")
+    clustered = time.perf_counter()
+    layer_of_forward = {forward[k]: i for i, (a, b) in enumerate(forward_layers)
+                        for k in range(a, b + 1)}
+    layer_of = follow_forward(graph, layer_of_forward)
+    members: list[list[Node]] = [[] for _ in range(count)]
+    for node in graph.nodes:
+        members[layer_of[node]].append(node)
+    units = [_Layer(i, nodes, [n for n in nodes if n in forward_set], layer_signature(nodes))
+             for i, nodes in enumerate(members)]
+
+    shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
+    solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
+                         optimizer, cache)
+    options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
+                                  _boundary_bytes(graph, layer_of, count), logical, families)
+    costs, chosen = options.table(limit, microbatches)
+    costed = time.perf_counter()
+    if fixed is not None:
+        solution = evaluate_stages(costs, fixed, microbatches)
+        if solution is None:
+            raise MemoryLimitError(f"the fixed stages {list(fixed)} do not fit "
+                                   f"{format_bytes(limit)} per device")
+    else:
+        solution = solve_stages(costs, hosts * per_host, microbatches, stages, epsilon)
+    if solution is None:
+        raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
+
+    searched = time.perf_counter()
+    placed = place_submeshes([shapes[m] for _, _, m in solution.stages], hosts, per_host)
+    result, families_used = [], []
+    stage_of_layer = {}
+    for s, ((a, b, m), devices) in enumerate(zip(solution.stages, placed)):
+        g = chosen[a, b, m]
+        lshape, family = options.choices[m][g]
+        families_used.append(family)
+        persistent, stashed = options.persistent[a, b, m, g], options.stashed[a, b, m, g]
+        in_flight = min(len(solution.stages) - s, microbatches)
+        modules = sorted({n.module for u in units[a:b + 1] for n in u.forward if n.module})
+        result.append(PipelineStage(
+            layers=tuple(range(a, b + 1)), modules=tuple(modules), submesh=shapes[m],
+            logical_mesh=lshape, est_seconds=float(costs.seconds[a, b, m]),
+            mem_bytes=int(persistent + in_flight * stashed), devices=devices))
+        stage_of_layer.update({layer: s for layer in range(a, b + 1)})
+    plan = StagePlan(
+        stages=tuple(result),
+        stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
+        microbatches=microbatches, est_step_seconds=solution.seconds,
+        dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
+    steps = {"clustering": clustered - started, "layer_costs": costed - clustered,
+             "dp": searched - costed}
+    return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps)
+
+
+def evaluate_stages(costs: StageCosts, stages: Sequence[tuple[int, int, int]],
+                    microbatches: int) -> StageSolution | None:
+    """The cost of given stages (first layer, last layer, sub-mesh shape index) on the DP's
+    table, or None when one cannot run or does not fit with the stages after it."""
+    times = []
+    for s, (a, b, m) in enumerate(stages):
+        fits = costs.max_after[a, b, m] >= len(stages) - 1 - s
+        if not (fits and np.isfinite(costs.seconds[a, b, m])):
+            return None
+        times.append(float(costs.seconds[a, b, m]))
+    return StageSolution(tuple(stages), pipeline_seconds(times, microbatches), 0)
+
+
+def _physical(mesh: str | Sequence[int]) -> tuple[int, int]:
+    shape = parse_mesh_shape(mesh)
+    if len(shape) == 1:
+        shape = (1, shape[0])
+    if len(shape) != 2:
+        raise ShardingError(f"slice-stages needs the physical mesh as hosts x devices per host "
+                            f"(e.g. 2x8), got {'x'.join(map(str, shape))}")
+    return shape
+
+
+UNBOUNDED = 1 << 30  # any number of stages may follow
+
+
+def max_after(persistent: np.ndarray, stashed: np.ndarray, limit: float,
+              microbatches: int) -> np.ndarray:
+    """Eq. 5 with 1F1B's in-flight count, elementwise: a stage followed by `a` stages keeps
+    min(a + 1, B) microbatches' activations. The most stages that may follow, or -1 where the
+    stage does not fit even last."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        in_flight = np.floor((limit - persistent) / stashed)
+    in_flight = np.where(stashed > 0, in_flight, np.inf)
+    after = np.where(in_flight >= microbatches, UNBOUNDED,
+                     np.minimum(in_flight, UNBOUNDED) - 1).astype(np.int64)
+    return np.where(persistent + stashed > limit, -1, after)
+
+
+@dataclass
+class _StageOptions:
+    """Every layer range on every (sub-mesh, logical mesh and family): seconds per microbatch
+    (sending its boundary included) and bytes per device, as [L, L, shapes, choices] arrays
+    (inf seconds where a choice does not exist or has no plan)."""
+
+    shapes: tuple[tuple[int, int], ...]
+    choices: list[list[tuple[tuple[int, int], str | None]]]  # per shape: (logical mesh, family)
+    seconds: np.ndarray
+    persistent: np.ndarray
+    stashed: np.ndarray
+
+    @classmethod
+    def build(cls, units: list[_Layer], solver: _LayerCosts, shapes, hosts: int, per_host: int,
+              cluster: Cluster, boundary: np.ndarray, logical: LogicalMeshes,
+              families: Sequence[str | None]) -> _StageOptions:
+        choices = [[(lshape, family) for lshape in logical(shape) for family in families]
+                   for shape in shapes]
+        count, most = len(units), max(max(len(c) for c in choices), 1)
+        seconds = np.full((count, count, len(shapes), most), np.inf)
+        persistent = np.zeros(seconds.shape)
+        stashed = np.zeros(seconds.shape)
+        for m, shape in enumerate(shapes):
+            send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
+                             if j < count - 1 else 0.0 for j in range(count)])
+            for g, (lshape, family) in enumerate(choices[m]):
+                table = _range_costs(units, solver, mesh_for(lshape, cluster), family)
+                if table is not None:
+                    seconds[:, :, m, g] = table[0] + send[None, :]
+                    persistent[:, :, m, g], stashed[:, :, m, g] = table[1], table[2]
+        return cls(tuple(shapes), choices, seconds, persistent, stashed)
+
+    def table(self, limit: float, microbatches: int) -> tuple[StageCosts, np.ndarray]:
+        """The DP's table under a per-device memory limit: per (range, sub-mesh) the fastest
+        logical mesh that fits as the last stage, and how many stages may follow it then; and
+        which logical mesh that is."""
+        fits = max_after(self.persistent, self.stashed, limit, microbatches)
+        fits[~np.isfinite(self.seconds)] = -1
+        seconds = np.where(fits >= 0, self.seconds, np.inf)
+        logical = np.argmin(seconds, axis=3)
+        pick = logical[..., None]
+        best = np.take_along_axis(seconds, pick, axis=3)[..., 0]
+        after = np.take_along_axis(fits, pick, axis=3)[..., 0]
+        after[~np.isfinite(best)] = -1
+        return StageCosts(best, after, self.shapes), logical
+
+
+class _LayerCosts:
+    """The ILP cost of each layer on each logical mesh, one solve per (layer structure, mesh)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, dtype: str, time_limit: float,
+                 microbatches: int, forward: set[Node], optimizer: set[Node],
+                 cache: dict | None = None):
+        self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
+        self.peak = cluster.peak_flops(dtype)
+        self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
+        self.solves = 0
+        self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
+
+    def cost(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
+        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, family)
+        if key not in self._found:
+            self._found[key] = self._solve(layer, mesh, family)
+        return self._found[key]
+
+    def _solve(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
+        sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}")
+        costed = _without_boundary_outputs(sub)
+        self.solves += 1
+        reduced = Reduced(Problem(costed, mesh, self.peak))
+        try:
+            plan = None
+            if family is not None:
+                try:
+                    plan = hand_plan(reduced, family, None, self.time_limit)
+                except NotApplicable:  # e.g. no Megatron linears in this layer: the ILP plans it
+                    pass
+            plan = plan or reduced.solve(None, self.time_limit)
+        except ShardingError:
+            return None
+        nodes = list(costed.nodes)
+        update = sum(plan.node_strategy[n].compute_seconds
+                     for n, orig in zip(nodes, layer.nodes) if orig in self.optimizer)
+        seconds = plan.step_seconds - update + update / self.microbatches
+        persistent = 0
+        for v in costed.inputs:
+            if v.role in PERSISTENT:
+                per = plan.input_layout[v].local_bytes(v.type.shape, v.type.itemsize, mesh)
+                persistent += per * (2 if v.role is Role.PARAM else 1)
+        stashed = 0
+        for n, orig in zip(nodes, layer.nodes):
+            if orig not in self.forward:
+                continue
+            for out, orig_out in zip(n.outputs, orig.outputs):
+                if any(u not in self.forward for u in orig_out.users):  # the backward reads it
+                    layout = plan.node_strategy[n].outputs[out.index]
+                    stashed += layout.local_bytes(out.type.shape, out.type.itemsize, mesh)
+        return LayerCost(seconds, persistent, stashed, plan, costed)
+
+
+def _without_boundary_outputs(sub: Graph) -> Graph:
+    """The layer's subgraph without the plain outputs that carry values to other layers: their
+    layout is free here (the next layer's plan, or the cross-stage send, decides it), where
+    the ILP would otherwise price gathering them whole for a user."""
+    costed = sub.copy()
+    costed.outputs = [o for o in costed.outputs
+                      if not (o.role is OutputRole.OUTPUT and o.target is not None)]
+    return costed
+
+
+def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: str | None):
+    """(seconds, persistent bytes, stashed bytes) of every layer range i..j on `mesh`, as
+    [L, L] arrays, or None when some layer has no plan on it. The seconds include resharding
+    between the layers' plans inside the range."""
+    count = len(units)
+    per = [solver.cost(u, mesh, family) for u in units]
+    if any(c is None for c in per):
+        return None
+    pair = _reshard_between(units, per, mesh)  # pair[p, c]: from layer p's plan to layer c's
+    t = np.array([c.seconds for c in per])
+    persistent = np.array([c.persistent_bytes for c in per], dtype=np.float64)
+    stashed = np.array([c.stashed_bytes for c in per], dtype=np.float64)
+    seconds = np.full((count, count), np.inf)
+    mem_p = np.zeros((count, count))
+    mem_s = np.zeros((count, count))
+    for i in range(count):
+        run, inside, mp, ms = 0.0, 0.0, 0.0, 0.0
+        for j in range(i, count):
+            run += t[j]
+            inside += pair[i:j, j].sum() + pair[j, i:j].sum()
+            mp += persistent[j]
+            ms += stashed[j]
+            seconds[i, j], mem_p[i, j], mem_s[i, j] = run + inside, mp, ms
+    return seconds, mem_p, mem_s
+
+
+def _reshard_between(units: list[_Layer], per: list[LayerCost], mesh: Mesh) -> np.ndarray:
+    """pair[p, c]: seconds to reshard what layer p sends layer c, from the layout p's plan
+    gives it to the layout c's plan reads it in (same logical mesh)."""
+    count = len(units)
+    pair = np.zeros((count, count))
+    produced: dict[Value, tuple[int, object]] = {}
+    for p, (u, cost) in enumerate(zip(units, per)):
+        for orig, node in zip(u.nodes, cost.subgraph.nodes):
+            for o, n_out in zip(orig.outputs, node.outputs):
+                produced[o] = (p, cost.plan.node_strategy[node].outputs[n_out.index])
+    for c, (u, cost) in enumerate(zip(units, per)):
+        members = set(u.nodes)
+        seen: set[Value] = set()
+        inputs = iter(cost.subgraph.inputs)
+        for orig in u.nodes:
+            for v in orig.input_values:
+                if v.producer in members or v in seen:
+                    continue
+                seen.add(v)
+                sub_input = next(inputs)
+                if v not in produced or sub_input.role is not Role.INPUT:
+                    continue
+                p, src = produced[v]
+                dst = cost.plan.input_layout[sub_input]
+                if p != c and src != dst:
+                    pair[p, c] += resharding_cost(v.type.shape, v.type.itemsize, src, dst,
+                                                  mesh).seconds
+    return pair
+
+
+def _boundary_bytes(graph: Graph, layer_of: dict[Node, int], count: int) -> np.ndarray:
+    """Bytes crossing the cut after each layer: values produced on one side and read on the
+    other (forward activations and backward gradients alike), each counted once per cut."""
+    crossing = np.zeros(count + 1)
+    for node in graph.nodes:
+        p = layer_of[node]
+        for out in node.outputs:
+            readers = [layer_of[u] for u in out.users]
+            if not readers:
+                continue
+            low, high = min(readers + [p]), max(readers + [p])
+            if low < high:  # crosses every cut from low to high - 1
+                crossing[low] += out.type.nbytes
+                crossing[high] -= out.type.nbytes
+    return np.cumsum(crossing)[:count]
+
+
+def _send_seconds(nbytes: float, shape: tuple[int, int], hosts: int, per_host: int,
+                  cluster: Cluster) -> float:
+    if nbytes <= 0:
+        return 0.0
+    bandwidth, latency = _sending_bandwidth(shape, hosts, per_host, cluster)
+    return latency + nbytes / bandwidth
+
+
+def _sending_bandwidth(shape: tuple[int, int], hosts: int, per_host: int,
+                       cluster: Cluster) -> tuple[float, float]:
+    """(bytes/s, latency) from a sub-mesh to the next stage's: on one host, over its devices'
+    intra-node links; on several, over the sub-mesh's share of the NICs (a whole host has all
+    of one host's; a part of a host its devices' share), since the next stage may sit on
+    another host."""
+    n, m = shape
+    if hosts == 1:
+        return m * cluster.intra_node_bandwidth, cluster.intra_node_latency
+    share = n * cluster.inter_node_bandwidth * m / per_host
+    return share, cluster.inter_node_latency
+
+
+def _no_plan(options: _StageOptions, devices: int, microbatches: int, stages: int,
+             epsilon: float, limit: int) -> ShardingError:
+    """The error when no pipeline fits: how much memory per device the leanest pipeline needs
+    (the least limit under which the DP finds a plan, by bisection)."""
+    what = f"{stages} stages" if stages else "any number of stages"
+    finite = np.isfinite(options.seconds)
+    if not finite.any():
+        return ShardingError(f"no layer range can be sharded on any sub-mesh of {devices} "
+                             "devices; check the mesh divides the model's dimensions")
+    high = float((options.persistent + microbatches * options.stashed)[finite].max())
+    if solve_stages(options.table(high, microbatches)[0], devices, microbatches, stages,
+                    epsilon) is None:
+        return ShardingError(f"no pipeline of {what} covers exactly {devices} devices with "
+                             "the allowed sub-meshes; choose another number of stages")
+    low = float(limit)
+    while high - low > max(1.0, 1e-3 * high):
+        middle = (low + high) / 2
+        found = solve_stages(options.table(middle, microbatches)[0], devices, microbatches,
+                             stages, epsilon)
+        low, high = (low, middle) if found is not None else (middle, high)
+    return MemoryLimitError(
+        f"no pipeline of {what} on {devices} devices fits {format_bytes(limit)} per device: "
+        f"the leanest one needs about {format_bytes(high)} per device on its fullest stage "
+        f"(weights, gradients, optimizer state and {microbatches} microbatches' activations "
+        "at most). Use more devices, a larger memory limit (slice-stages{memory_limit=...}), "
+        "or more, smaller microbatches.")
+
+
+@register_pass("slice-stages")
+@dataclass
+class SliceStages(GraphPass):
+    """Slice a training step into pipeline stages on sub-meshes (Alpa's inter-op pass); the
+    result is `ctx.result(StagePlan)`; the IR is not changed."""
+
+    mesh: str = "1x8"  # the physical mesh: hosts x devices per host
+    cluster: str = "dgx-a100"
+    stages: str = "auto"  # auto, or a number of stages
+    microbatches: int = 4
+    layers: int = 0  # 0: the model's blocks plus one
+    delta: float = DEFAULT_DELTA
+    epsilon: float = 1e-6
+    memory_limit: str = ""  # default: the cluster's device memory
+    dtype: str = "fp32"
+    time_limit: float = 30.0  # per ILP solve
+    power_of_two_hosts: bool = False  # multi-host sub-meshes of 2, 4, 8 ... hosts only
+
+    def __post_init__(self) -> None:
+        _physical(self.mesh)
+        get_cluster(self.cluster).peak_flops(self.dtype)
+        self._stages()
+        if self.memory_limit:
+            parse_bytes(self.memory_limit)
+        if self.microbatches < 1:
+            raise PassError(f"microbatches={self.microbatches}: give at least 1")
+        if self.layers < 0:
+            raise PassError(f"layers={self.layers}: give a positive number, or 0 for auto")
+
+    def _stages(self) -> int:
+        if str(self.stages) == "auto":
+            return 0
+        try:
+            value = int(self.stages)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise PassError(f"stages={self.stages!r}: give 'auto' or a positive number")
+        return value
+
+    def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+        search = slice_stages(
+            graph, self.mesh, self.cluster, self.microbatches, self._stages(), self.layers,
+            self.delta, self.epsilon,
+            parse_bytes(self.memory_limit) if self.memory_limit else None, self.dtype,
+            self.time_limit, power_of_two_hosts=self.power_of_two_hosts)
+        ctx.set_result(search.plan)
+        return False

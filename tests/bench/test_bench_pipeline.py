@@ -1,0 +1,31 @@
+"""The pipeline benchmark runs end to end on a tiny model and keeps its promise: the two-level
+search with the hand plans as choices is never worse than any hand or one-level plan."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "pipeline.py"
+
+
+def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "pipeline.json"
+    assert bench.main(["--models", "mlp:tiny", "--meshes", "1x2", "--batch", "8",
+                       "--microbatches", "4", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (entry,) = result["results"]
+    best = entry["best"]
+    assert {"two-level", "two-level+hand", "intra-op only", "inter-op only", "equal layer",
+            "megatron"} <= set(best)
+    for kind in ("two-level", "intra-op only", "inter-op only", "equal layer", "megatron"):
+        assert best["two-level+hand"] <= best[kind] * (1 + 1e-12), kind
+    # the ILP alone is never worse than the one-level plan and the equal slicing it contains
+    for kind in ("intra-op only", "equal layer"):
+        assert best["two-level"] <= best[kind] * (1 + 1e-12), kind
+    variants = {r["variant"] for r in entry["rows"]}
+    assert {"megatron dp=2 tp=1 pp=1", "megatron dp=1 tp=2 pp=1", "megatron dp=1 tp=1 pp=2"
+            } <= variants
+    assert "estimated step milliseconds" in capsys.readouterr().out

@@ -1,0 +1,108 @@
+"""Operator clustering (Eq. 6) against brute force; the structural layer signature."""
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from graphpar.errors import ShardingError
+from graphpar.ir.graph import Graph, Role
+from graphpar.ir.types import TensorType
+from graphpar.passes.pipeline.layers import (
+    Chain,
+    cluster_bounds,
+    default_layer_count,
+    forward_chain,
+    layer_signature,
+    received_bytes,
+)
+
+
+def random_chain(rng: random.Random, ops: int) -> Chain:
+    """A random DAG in topological order: each value is read by 1-3 later ops."""
+    producer, starts, readers, nbytes = [], [0], [], []
+    for k in range(ops - 1):
+        later = list(range(k + 1, ops))
+        users = sorted(rng.sample(later, min(len(later), rng.randint(1, 3))))
+        producer.append(k)
+        readers += users
+        starts.append(len(readers))
+        nbytes.append(float(rng.choice([1, 2, 4, 8, 16])))
+    flops = np.array([rng.choice([0, 1, 5, 10, 20]) for _ in range(ops)], dtype=np.int64)
+    return Chain(flops, np.array(producer, dtype=np.int64), np.array(starts, dtype=np.int64),
+                 np.array(readers, dtype=np.int64), np.array(nbytes))
+
+
+def brute_force(chain: Chain, layers: int, bound: float):
+    """(least max received, least sum of squared FLOPs among those) over every clustering."""
+    ops = chain.flops.size
+    best = None
+    for cuts in itertools.combinations(range(1, ops), layers - 1):
+        edges = [0, *cuts, ops]
+        spans = list(zip(edges, edges[1:]))
+        work = [int(chain.flops[a:b].sum()) for a, b in spans]
+        if max(work) > bound:
+            continue
+        key = (max(received_bytes(chain, a, b - 1) for a, b in spans), sum(w * w for w in work))
+        best = key if best is None else min(best, key)
+    return best
+
+
+def score(chain: Chain, bounds):
+    work = [int(chain.flops[a:b + 1].sum()) for a, b in bounds]
+    return max(received_bytes(chain, a, b) for a, b in bounds), sum(w * w for w in work), work
+
+
+def test_clustering_equals_brute_force_on_small_chains():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(150):
+        ops = rng.randint(2, 9)
+        chain = random_chain(rng, ops)
+        layers = rng.randint(1, ops)
+        delta = rng.choice([0.0, 0.3, 0.6, 2.0])
+        bound = max((1 + delta) * chain.flops.sum() / layers, chain.flops.max())
+        want = brute_force(chain, layers, bound)
+        if want is None:  # the bound is relaxed: not comparable with this brute force
+            continue
+        got = cluster_bounds(chain, layers, delta)
+        assert got[0][0] == 0 and got[-1][1] == ops - 1 and len(got) == layers
+        assert all(b + 1 == a for (_, b), (a, _) in zip(got, got[1:]))
+        worst, squares, work = score(chain, got)
+        assert max(work) <= bound
+        assert (worst, squares) == want
+        checked += 1
+    assert checked > 100
+
+
+def test_clustering_rejects_more_layers_than_ops():
+    chain = random_chain(random.Random(1), 3)
+    with pytest.raises(ShardingError, match="cannot cluster 3 forward ops into 4 layers"):
+        cluster_bounds(chain, 4)
+
+
+def _mlp_chain(depth: int) -> Graph:
+    g = Graph("mlp")
+    x = g.add_input("x", TensorType((4, 8), torch.float32))
+    for i in range(depth):
+        w = g.add_input(f"layers.{i}.weight", TensorType((8, 8), torch.float32), Role.PARAM)
+        h = g.create("matmul", [x, w], module=f"layers.{i}").output
+        x = g.create("relu", [h], module=f"layers.{i}").output
+    g.add_output(x)
+    return g
+
+
+def test_identical_layers_cluster_alike_and_share_a_signature():
+    g = _mlp_chain(4)
+    forward = list(g.nodes)
+    assert default_layer_count(forward) == 5  # 4 blocks, plus one
+    chain = forward_chain(forward)
+    assert chain.flops.tolist() == [2 * 4 * 8 * 8, 4 * 8] * 4
+    bounds = cluster_bounds(chain, 4)
+    assert bounds == [(0, 1), (2, 3), (4, 5), (6, 7)]  # each receives one 4x8 fp32 = 128 B
+    assert max(received_bytes(chain, a, b) for a, b in bounds) == 128
+    signatures = {layer_signature(forward[a:b + 1]) for a, b in bounds}
+    assert len(signatures) == 1
+    assert layer_signature(forward[0:1]) != layer_signature(forward[1:2])

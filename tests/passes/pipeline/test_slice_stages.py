@@ -1,0 +1,92 @@
+"""The slice-stages pass on captured training steps: its plan, its costs, its errors."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+from graphpar.capture import Adam, capture_training
+from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.errors import MemoryLimitError, PassError, UsageError
+from graphpar.ir.graph import OutputRole, Role
+from graphpar.models import get_model
+from graphpar.passes import PassContext, PassManager, parse_pipeline
+from graphpar.passes.autoshard.ilp import solve
+from graphpar.passes.pipeline.partition import forward_backward_optimizer
+from graphpar.passes.pipeline.plan import StagePlan
+from graphpar.passes.pipeline.slice_stages import UNBOUNDED, max_after, slice_stages
+from graphpar.passes.pipeline.stage_dp import pipeline_seconds
+
+
+@pytest.fixture(scope="module")
+def mlp_step():
+    ex = get_model("mlp", "tiny", train=True, n_layers=4)
+    return capture_training(ex.module, ex.inputs, ex.loss_fn, ex.targets,
+                            optimizer=Adam(lr=1e-3), name="mlp").graph
+
+
+def run_pass(graph, options: str) -> StagePlan:
+    ctx = PassContext()
+    PassManager(parse_pipeline(f"slice-stages{{{options}}}")).run(graph, ctx)
+    return ctx.result(StagePlan)
+
+
+def test_plan_puts_each_layer_forward_backward_and_update_on_one_stage(mlp_step):
+    plan = run_pass(mlp_step, "mesh=1x4,microbatches=8,stages=2")
+    assert len(plan.stages) == 2
+    assert set(plan.stage_of) == set(mlp_step.nodes)
+    assert sorted(d for s in plan.stages for d in s.devices) == [0, 1, 2, 3]
+    assert sum(math.prod(s.submesh) for s in plan.stages) == 4
+    assert all(math.prod(s.logical_mesh) == math.prod(s.submesh) for s in plan.stages)
+    assert plan.est_step_seconds == pytest.approx(
+        pipeline_seconds([s.est_seconds for s in plan.stages], 8), rel=1e-12)
+    # layers in order, stages contiguous
+    assert [s.layers[0] for s in plan.stages] == [0, plan.stages[0].layers[-1] + 1]
+    forward, _, _ = forward_backward_optimizer(mlp_step)
+    order = [plan.stage_of[n] for n in mlp_step.nodes if n in forward]
+    assert order == sorted(order) and set(order) == {0, 1}
+    # each parameter's update is computed where its gradient is, on the stage that uses it
+    producer_stage = {o.target: plan.stage_of[o.value.producer] for o in mlp_step.outputs
+                      if o.role is OutputRole.UPDATE and o.value.producer is not None}
+    for param in mlp_step.inputs_with_role(Role.PARAM):
+        users = {plan.stage_of[u] for u in param.users if u in forward}
+        assert users == {producer_stage[param.name]}, param.name
+    assert plan.stages[0].modules and all(m.startswith("layers.") for m in
+                                          plan.stages[0].modules)
+    assert plan.ilp_solves > 0 and plan.dp_seconds > 0
+
+
+def test_one_device_one_microbatch_costs_what_the_whole_graph_ilp_costs(mlp_step):
+    # On one device there is nothing to reshard or send: the layers' times add up exactly.
+    search = slice_stages(mlp_step, "1x1", microbatches=1)
+    whole = solve(mlp_step, mesh_for("1x1"), get_cluster("dgx-a100").peak_flops("fp32"))
+    assert len(search.plan.stages) == 1
+    assert search.plan.est_step_seconds == pytest.approx(whole.step_seconds, rel=1e-9)
+
+
+def test_more_stages_than_layers_is_a_clear_error(mlp_step):
+    with pytest.raises(PassError, match=r"stages=9 is more than the 3 layers .*at most 3"):
+        slice_stages(mlp_step, "1x16", stages=9, layers=3)
+    with pytest.raises(UsageError, match="stages='two'"):
+        parse_pipeline("slice-stages{stages=two}")
+
+
+def test_a_memory_limit_no_pipeline_meets_says_what_the_best_needs(mlp_step):
+    with pytest.raises(MemoryLimitError, match=r"fits 1.0 kB per device: the leanest one needs "
+                       r"about [0-9.]+ kB per device on its fullest stage") as error:
+        run_pass(mlp_step, "mesh=1x2,memory_limit=1kB")
+    need = float(re.search(r"needs about ([0-9.]+) kB", str(error.value)).group(1)) * 1000
+    plan = run_pass(mlp_step, f"mesh=1x2,memory_limit={int(need * 1.01)}")  # enough, it says
+    assert max(s.mem_bytes for s in plan.stages) <= need * 1.01
+    with pytest.raises(MemoryLimitError):
+        run_pass(mlp_step, f"mesh=1x2,memory_limit={int(need * 0.97)}")  # and no less
+
+
+def test_max_after_is_eq_5_with_the_1f1b_in_flight_count():
+    # 10 GB of weights, 2 GB per microbatch stashed, 16 GB per device: 3 in flight fit, so two
+    # stages may follow; with 2 microbatches at most 2 are ever in flight, so any number may.
+    persistent, stashed = np.array([10.0, 10.0, 17.0, 3.0]), np.array([2.0, 2.0, 0.0, 0.0])
+    assert max_after(persistent, stashed, 16.0, 8).tolist() == [2, 2, -1, UNBOUNDED]
+    assert max_after(persistent[:1], stashed[:1], 16.0, 2).tolist() == [UNBOUNDED]
+    assert max_after(np.array([15.0]), np.array([2.0]), 16.0, 8).tolist() == [-1]

@@ -28,6 +28,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     _check_compile_options(args)  # every option is checked before any slow work
     passes = parse_pipeline(args.passes)
+    if args.pipeline:
+        from graphpar.cli.pipeline import check_pipeline_options, cmd_compile_pipeline
+
+        check_pipeline_options(args)
+        return cmd_compile_pipeline(args, passes)
     if args.mesh:  # bad meshes and clusters too, named by their option
         from graphpar.cost.cluster import mesh_for
         from graphpar.errors import ShardingError

@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],
                    help="also lower each device program to a CUDA listing (cuBLAS, NCCL and "
                         "generated-kernel calls): OUT/cuda/rank<R>.calls and kernels/")
+    c.add_argument("--pipeline", metavar="auto|S",
+                   help="slice the training step into pipeline stages on sub-meshes of --mesh "
+                        "(Alpa's inter-op DP over the ILP): 'auto' or a number of stages")
+    c.add_argument("--microbatches", type=int, default=4,
+                   help="microbatches per step with --pipeline (default 4)")
+    c.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
+                   help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
+    c.add_argument("--trace", metavar="FILE",
+                   help="with --pipeline and --run-cpu: write each rank's measured timeline as "
+                        "a Chrome trace")
     c.set_defaults(fn=cmd_compile)
 
     d = sub.add_parser("dump", help="validate and print an IR file (or a CUDA listing, *.calls)")

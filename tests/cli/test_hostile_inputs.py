@@ -218,6 +218,13 @@ BAD_OPTIONS = [
     (["--memory-limit", "1GB"], "--memory-limit bounds the sharding plan: give --mesh too"),
     (["--mesh", "2", "--cluster", "."], "--cluster .: is a directory"),
     (["--out", ""], "--out: give a directory name"),
+    (["--mesh", "2", "--pipeline", "2"], "--pipeline slices a training step into stages: add "
+                                         "--mode train"),
+    (["--mode", "train", "--pipeline", "2"], "--pipeline needs the devices to slice over"),
+    (["--mode", "train", "--mesh", "2", "--pipeline", "x"], "--pipeline x: give 'auto' or a "
+                                                            "number of stages"),
+    (["--mode", "train", "--mesh", "2", "--pipeline", "2", "--trace", "t.json"],
+     "--trace writes the measured timeline of a run: give --run-cpu too"),
 ]
 
 

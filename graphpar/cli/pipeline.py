@@ -1,0 +1,204 @@
+"""`graphpar compile --pipeline auto|S`: slice a training step into pipeline stages on sub-meshes
+(Alpa's inter-op pass over the intra-op ILP), write the MPMD program and a report, and with
+`--run-cpu` run one pipelined step on CPU ranks against eager PyTorch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from graphpar.cli.common import _existing_parent, _publish, load_target, step
+from graphpar.errors import GraphparError, OutputError, UsageError
+
+
+def check_pipeline_options(args: argparse.Namespace) -> None:
+    """Usage errors of the pipeline options, found before the model is loaded."""
+    if args.mode != "train":
+        raise UsageError("--pipeline slices a training step into stages: add --mode train")
+    if not args.mesh:
+        raise UsageError("--pipeline needs the devices to slice over: give --mesh too "
+                         "(e.g. --mesh 2x4)")
+    if args.pipeline != "auto" and not (args.pipeline.isdigit() and int(args.pipeline) >= 1):
+        raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
+    if args.microbatches < 1:
+        raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
+    if args.lower:
+        raise UsageError("--lower cuda lowers SPMD programs; it does not take --pipeline yet")
+    if args.trace and not args.run_cpu:
+        raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
+
+
+def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
+    """Capture the step at the microbatch size, run `passes` and slice-stages, build the
+    stage programs and the schedule; write IR and report; optionally run on CPU ranks."""
+    from graphpar.capture.optim import optimizer_from_name
+    from graphpar.compiler import ModelSpec, compile_model
+    from graphpar.cost.cluster import mesh_for
+    from graphpar.ir.printer import print_program
+    from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
+    from graphpar.passes.pipeline.plan import StagePlan
+    from graphpar.passes.pipeline.slice_stages import SliceStages
+    from graphpar.pipelined import pipeline_of
+    from graphpar.runtime.pipeline import split_microbatches
+
+    devices = mesh_for(args.mesh, args.cluster).size
+    if args.run_cpu is not None and args.run_cpu != devices:
+        raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+                         f"({devices} devices): run one CPU rank per device")
+    with step("loading the model"):
+        spec = load_target(args.model, args.example, args.mode)
+    optimizer = optimizer_from_name(args.optimizer)
+    names = [f"input {i}" for i in range(len(spec.inputs))] + [
+        f"target {i}" for i in range(len(spec.targets))]
+    try:
+        first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
+                                   args.microbatches)[0]
+    except GraphparError as exc:
+        raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
+    micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
+                      spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
+                      spec.source, spec.make_real)
+    slicer = SliceStages(mesh=_physical_mesh(args.mesh), cluster=args.cluster,
+                         stages=args.pipeline, microbatches=args.microbatches,
+                         memory_limit=_memory_limit(args.memory_limit),
+                         time_limit=args.time_limit if args.time_limit is not None else 30.0)
+    out = Path(args.out)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
+    try:
+        with step(f"capturing {spec.name} (train, microbatch of "
+                  f"{len(first[names[0]])}) and slicing stages"):
+            result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
+                                   keep_grads=bool(args.run_cpu))
+        plan = result.context.result(StagePlan)
+        pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, args.schedule,
+                           spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
+        program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
+                                             enumerate(plan.stages)])
+        ir_name = f"{result.graph.name}_pipeline.gpir"
+        (staging / ir_name).write_text(print_program(program, show_source=True))
+        summary = result.summary()
+        summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
+        if args.run_cpu:
+            with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
+                summary["run_cpu"] = run_pipeline_on_cpu(spec, plan, result, args)
+        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
+                                  if p.is_file()) + ["report.json"]
+        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print_pipeline_report(summary, out / ir_name, out / "report.json")
+    return 0
+
+
+def pipeline_report(plan, pipe, schedule: str) -> dict:
+    """The stage plan as report data; step time and bubble from the schedule simulated over
+    the DP's per-stage estimates (forward : backward taken as 1 : 2)."""
+    from graphpar.runtime.schedules import simulate
+
+    per_stage = [s.est_seconds for s in plan.stages]
+    timeline = simulate(pipe.schedule, [t / 3 for t in per_stage],
+                        [2 * t / 3 for t in per_stage], [0.0] * (len(per_stage) - 1),
+                        [t / 3 for t in per_stage] if schedule == "zb" else None)
+    return {
+        "stages": [{"layers": list(s.layers), "modules": list(s.modules),
+                    "submesh": "x".join(map(str, s.submesh)),
+                    "logical_mesh": "x".join(map(str, s.logical_mesh)),
+                    "devices": list(s.devices),
+                    "seconds_per_microbatch_estimated": s.est_seconds,
+                    "memory_bytes_per_device_estimated": s.mem_bytes} for s in plan.stages],
+        "schedule": schedule,
+        "microbatches": plan.microbatches,
+        "step_seconds_estimated": plan.est_step_seconds,
+        "schedule_step_seconds_estimated": timeline.step_seconds,
+        "bubble_fraction_estimated": timeline.bubble_fraction,
+        "search_seconds_measured": plan.dp_seconds,
+        "ilp_solves": plan.ilp_solves,
+        "bytes_between_stages_predicted": pipe.predicted_bytes,
+    }
+
+
+def run_pipeline_on_cpu(spec, plan, result, args) -> dict:
+    """One pipelined step on CPU processes, one per stage (a stage on several devices runs
+    them in lockstep in its process), against eager PyTorch and torch.optim."""
+    from graphpar.pipelined import pipeline_of_plan
+    from graphpar.runtime.schedules import timeline_of
+
+    spec.real_module()  # weights are made only now, to run
+    pipe = pipeline_of_plan(result.captured, plan, args.schedule, spec=spec,
+                            optimizer=result.optimizer, cluster=args.cluster)
+    check = pipe.check(processes=True)
+    run = pipe.last_run
+    report = {"ranks": args.run_cpu, "processes": pipe.stages,
+              "max_abs_error": check.max_abs_error, "errors": check.as_dict(),
+              "error_lines": check.lines(),
+              "bytes_between_stages_measured": sum(run.bytes_sent),
+              "bytes_between_stages_predicted": pipe.predicted_bytes,
+              "step_seconds_measured": timeline_of(run.spans).step_seconds,
+              "bubble_fraction_measured": timeline_of(run.spans).bubble_fraction}
+    if args.trace:
+        pipe.trace(args.trace)
+        report["trace"] = args.trace
+    return report
+
+
+def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
+    from graphpar.ir.printer import format_count
+
+    p = s["pipeline"]
+    print(f"graphpar compile: {s['model']} (train, pipelined) from {s['source']}")
+    print(f"  graph      {s['nodes']} nodes per microbatch step, {len(s['ops'])} distinct ops")
+    print(f"  params     {s['parameters']:,} in {s['parameter_tensors']} tensors "
+          f"({s['parameter_bytes'] / 2**20:.1f} MiB)")
+    print(f"  compute    {format_count(s['flops_estimated'], 'FLOP')} per microbatch "
+          "(estimated)")
+    print(f"  pipeline   {len(p['stages'])} stages, {p['microbatches']} microbatches, "
+          f"schedule {p['schedule']}: step {p['step_seconds_estimated'] * 1e3:.3f} ms "
+          f"(Eq. 2), {p['schedule_step_seconds_estimated'] * 1e3:.3f} ms simulated, bubble "
+          f"{p['bubble_fraction_estimated']:.1%} (estimated)")
+    for i, st in enumerate(p["stages"]):
+        modules = f"{len(st['modules'])} modules"
+        print(f"  stage {i:<4} layers {st['layers'][0]}..{st['layers'][-1]} ({modules}) on "
+              f"sub-mesh {st['submesh']} (devices {_span(st['devices'])}), logical mesh "
+              f"{st['logical_mesh']}: {st['seconds_per_microbatch_estimated'] * 1e3:.3f} ms/"
+              f"microbatch, {st['memory_bytes_per_device_estimated'] / 2**20:.1f} MiB/device "
+              "(estimated)")
+    print(f"  search     {p['search_seconds_measured']:.2f} s (measured), {p['ilp_solves']} "
+          "ILP solves")
+    if "run_cpu" in s:
+        r = s["run_cpu"]
+        print(f"  run-cpu    {r['ranks']} devices in {r['processes']} processes: max |error| vs "
+              f"eager {r['max_abs_error']:.2e}; bytes between stages "
+              f"{r['bytes_between_stages_measured']} measured, "
+              f"{r['bytes_between_stages_predicted']} predicted; step "
+              f"{r['step_seconds_measured'] * 1e3:.1f} ms, bubble "
+              f"{r['bubble_fraction_measured']:.1%} (measured)")
+        for line in r["error_lines"]:
+            print(f"             {line}")
+        if "trace" in r:
+            print(f"  trace      {r['trace']}")
+    print(f"  wrote      {ir_path}, {report_path}")
+
+
+def _physical_mesh(mesh: str) -> str:
+    """slice-stages takes hosts x devices per host; a 1-D mesh of n is one host of n."""
+    return mesh if "x" in mesh else f"1x{mesh}"
+
+
+def _memory_limit(value: str | None) -> str:
+    """slice-stages' default ("") is the device memory; "none" is a bound nothing reaches."""
+    if value in (None, "device"):
+        return ""
+    return str(2**62) if value == "none" else value
+
+
+def _span(devices: list[int]) -> str:
+    if not devices:
+        return "-"
+    return str(devices[0]) if len(devices) == 1 else f"{devices[0]}-{devices[-1]}"

@@ -1,0 +1,54 @@
+"""`graphpar compile --pipeline`: stages sliced by the DP, the MPMD program written, one
+pipelined step run on CPU ranks equal to eager, and clear errors for impossible requests."""
+
+import json
+
+import pytest
+
+from graphpar.cli import main
+from graphpar.ir.parser import parse_program
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
+                             "--microbatches", "2", "--schedule", "zb", "--run-cpu", "2",
+                             "--trace", trace, "--out", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    pipe = report["pipeline"]
+    assert len(pipe["stages"]) == 2 and pipe["schedule"] == "zb" and pipe["microbatches"] == 2
+    assert [s["devices"] for s in pipe["stages"]] == [[0], [1]]
+    run = report["run_cpu"]
+    assert run["errors"] and all(e["tolerance_used"] <= 1 for e in run["errors"].values()), (
+        run["error_lines"])
+    assert run["bytes_between_stages_measured"] == run["bytes_between_stages_predicted"] > 0
+    program = parse_program((tmp_path / "out" / report["files"][0]).read_text())
+    names = [g.name for g in program]
+    assert {"stage0_forward", "stage1_forward", "stage0_backward", "stage1_backward"} <= set(
+        names)
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert "2 stages, 2 microbatches, schedule zb" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--pipeline", "2", "--microbatches", "3"], "--microbatches 3: input 'input 0' of shape"),
+    (["--pipeline", "9", "--microbatches", "2"], "stages=9 is more than the"),
+    (["--pipeline", "2", "--microbatches", "1", "--schedule", "1f1b"], "needs at least as many microbatches as stages"),
+    (["--pipeline", "2", "--microbatches", "2", "--memory-limit", "1KB"], "the leanest one needs about"),
+])
+def test_impossible_pipelines_are_refused_with_what_to_change(tmp_path, capsys, argv, says):
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", *argv,
+                             "--out", tmp_path / "out")
+    assert code != 0
+    assert says in err, err
+    assert not (tmp_path / "out").exists()

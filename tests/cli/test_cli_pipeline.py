@@ -42,8 +42,10 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
 @pytest.mark.parametrize("argv, says", [
     (["--pipeline", "2", "--microbatches", "3"], "--microbatches 3: input 'input 0' of shape"),
     (["--pipeline", "9", "--microbatches", "2"], "stages=9 is more than the"),
-    (["--pipeline", "2", "--microbatches", "1", "--schedule", "1f1b"], "needs at least as many microbatches as stages"),
-    (["--pipeline", "2", "--microbatches", "2", "--memory-limit", "1KB"], "the leanest one needs about"),
+    (["--pipeline", "2", "--microbatches", "1", "--schedule", "1f1b"],
+     "needs at least as many microbatches as stages"),
+    (["--pipeline", "2", "--microbatches", "2", "--memory-limit", "1KB"],
+     "the leanest one needs about"),
 ])
 def test_impossible_pipelines_are_refused_with_what_to_change(tmp_path, capsys, argv, says):
     code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",

@@ -65,7 +65,7 @@ def test_plans_fit_the_clusters_device_memory_unless_told_otherwise(tmp_path):
     from graphpar.cost.cluster import get_cluster
 
     spec = get_cluster("dgx-a100").to_dict()
-    spec["device_memory"] = 200_000_000  # more than the leanest plan's 87 MB, less than the 341 MB of the unlimited plan
+    spec["device_memory"] = 200_000_000  # the leanest plan needs 87 MB, the unlimited 341 MB
     small = tmp_path / "small.json"
     small.write_text(json.dumps(spec))
     free = shard(gpt_graph(batch=1, layers=1), f"mesh=4,cluster={small},memory_limit=none")

@@ -22,6 +22,7 @@ from graphpar.passes.lower_spmd import graph_mesh
 if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
     from graphpar.eager_check import EagerCheck
+    from graphpar.pipelined import PipelineCompiled
 
 
 @dataclass
@@ -125,13 +126,30 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
             mode: str = "infer", loss_fn: Callable | None = None,
             targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
             cluster: str = "dgx-a100", memory_limit: str = "device", time_limit: float = 30.0,
-            pipeline: str = "cleanup", keep_grads: bool = False) -> Compiled:
+            passes: str = "cleanup", keep_grads: bool = False,
+            pipeline: str | int | None = None, microbatches: int = 4,
+            schedule: str = "1f1b") -> Compiled | PipelineCompiled:
     """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
-    `keep_grads`: a training step also returns its gradients (for `Compiled.check`)."""
+    `keep_grads`: a training step also returns its gradients (for `Compiled.check`).
+
+    With `pipeline` ("auto" or a number of stages; training only) the step is instead sliced
+    into pipeline stages on sub-meshes of `mesh` (Alpa's inter-op pass over the ILP) and run
+    by `schedule` ("gpipe", "1f1b", "zb") over `microbatches`: a `PipelineCompiled`, whose
+    `.plan` is the stage plan and whose `check()` runs one step against eager."""
     from graphpar.compiler import ModelSpec, compile_model
 
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
-    passes = [*parse_pipeline(pipeline),
+    if pipeline is not None:
+        from graphpar.pipelined import slice_and_build
+
+        if mode != "train":
+            raise UsageError("pipeline= slices a training step into stages: pass mode='train'")
+        sliced = slice_and_build(spec, mesh, stages=pipeline, microbatches=microbatches,
+                                 schedule=schedule, optimizer=optimizer, cluster=cluster,
+                                 memory_limit=memory_limit, time_limit=time_limit,
+                                 passes=parse_pipeline(passes), keep_grads=keep_grads)
+        return sliced.pipe.sharded_as_planned(cluster)
+    passes = [*parse_pipeline(passes),
               AutoShard(mesh=mesh, cluster=cluster, memory_limit=memory_limit,
                         time_limit=time_limit)]
     result = compile_model(spec, mode, passes, optimizer=optimizer, keep_grads=keep_grads)

@@ -34,11 +34,12 @@ from graphpar.runtime.schedules import (
 )
 
 if TYPE_CHECKING:
-    from graphpar.compiler import ModelSpec
+    from graphpar.compiler import CompileResult, ModelSpec
     from graphpar.eager_check import EagerCheck
+    from graphpar.passes.pipeline.plan import StagePlan
 
-__all__ = ["PipelineCompiled", "compile_pipeline", "eager_microbatched", "pipeline_of",
-           "pipeline_of_plan"]
+__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "eager_microbatched",
+           "pipeline_of", "pipeline_of_plan", "slice_and_build"]
 
 
 @dataclass
@@ -55,6 +56,7 @@ class PipelineCompiled:
     last_run: PipelineRun | None = field(default=None, repr=False)
     # stage -> phase -> ShardedPhase, for stages that run on a sub-mesh of several devices
     sharded: dict = field(default_factory=dict, repr=False)
+    plan: StagePlan | None = None  # the slice-stages result it was built from, if any
 
     def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu",
                      memory_limit: str = "") -> PipelineCompiled:
@@ -65,6 +67,15 @@ class PipelineCompiled:
         sharded = shard_stages(self.programs, submeshes, cluster=cluster,
                                memory_limit=memory_limit)
         return dataclasses.replace(self, sharded=sharded, last_run=None)
+
+    def sharded_as_planned(self, cluster: str = "cpu") -> PipelineCompiled:
+        """Each stage whose planned logical mesh has several devices sharded by the ILP on
+        it (`on_submeshes`); unchanged without a plan or with one device per stage."""
+        if self.plan is None:
+            return self
+        submeshes = {i: "x".join(map(str, s.logical_mesh))
+                     for i, s in enumerate(self.plan.stages) if math.prod(s.logical_mesh) > 1}
+        return self.on_submeshes(submeshes, cluster=cluster) if submeshes else self
 
     def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
@@ -209,9 +220,8 @@ def pipeline_of_plan(captured: Captured, plan, schedule: str = "1f1b", *,
     one device planned by the ILP on it (`PipelineCompiled.on_submeshes`)."""
     pipe = pipeline_of(captured, len(plan.stages), plan.microbatches, schedule, spec=spec,
                        optimizer=optimizer, stage_of=plan.stage_of)
-    submeshes = {i: "x".join(map(str, s.logical_mesh)) for i, s in enumerate(plan.stages)
-                 if math.prod(s.logical_mesh) > 1}
-    return pipe.on_submeshes(submeshes, cluster=cluster) if submeshes else pipe
+    pipe.plan = plan
+    return pipe.sharded_as_planned(cluster)
 
 
 def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer | None
@@ -235,3 +245,47 @@ def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer 
         (loss / microbatches).backward()
         losses.append(loss.detach())
     return {("loss", "loss"): torch.stack(losses).mean(), **step_results(module, optimizer)}
+
+
+@dataclass
+class SlicedPipeline:
+    """What `slice_and_build` made: the compile of the microbatch step (with the slice-stages
+    result in its context) and the pipeline of its stages (not yet sharded on sub-meshes)."""
+
+    result: CompileResult
+    plan: StagePlan
+    pipe: PipelineCompiled
+
+
+def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
+                    microbatches: int = 4, schedule: str = "1f1b",
+                    optimizer: Optimizer | None = None, cluster: str = "dgx-a100",
+                    memory_limit: str = "device", time_limit: float = 30.0,
+                    passes: Sequence = (), keep_grads: bool = False) -> SlicedPipeline:
+    """Capture `spec`'s training step at the microbatch size (its example batch cut into
+    `microbatches` along dimension 0), run `passes` then `slice-stages` on the physical `mesh`
+    ("HxD", or "D" for one host) and build the stages' programs and `schedule`.
+    `memory_limit`: "device" (the cluster's), "none" or a size."""
+    from graphpar.compiler import ModelSpec, compile_model
+    from graphpar.passes.pipeline.plan import StagePlan
+    from graphpar.passes.pipeline.slice_stages import SliceStages
+
+    names = [f"input {i}" for i in range(len(spec.inputs))] + [
+        f"target {i}" for i in range(len(spec.targets))]
+    first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
+                               microbatches)[0]
+    micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
+                      spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
+                      spec.source, spec.make_real)
+    limit = "" if memory_limit in ("", "device") else (
+        str(2**62) if memory_limit == "none" else memory_limit)
+    slicer = SliceStages(mesh=mesh if "x" in str(mesh) else f"1x{mesh}", cluster=cluster,
+                         stages=str(stages), microbatches=microbatches, memory_limit=limit,
+                         time_limit=time_limit)
+    result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
+                           keep_grads=keep_grads)
+    plan = result.context.result(StagePlan)
+    pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, schedule,
+                       spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
+    pipe.plan = plan
+    return SlicedPipeline(result, plan, pipe)

@@ -97,3 +97,18 @@ def test_eager_results_name_state_as_the_graph_does():
     for key in [("loss", "loss"), ("gradients", pname), ("parameters", pname),
                 ("optimizer state", f"{pname}.exp_avg"), ("optimizer state", "optim.step")]:
         assert key in expected, key
+
+
+def test_pipelined_compile_from_python_matches_eager():
+    """graphpar.compile(..., pipeline=S): the stage DP's plan, run by ZB-H1 over two
+    microbatches, equals eager PyTorch + torch.optim on the full batch."""
+    ex = get_model("mlp", "tiny", train=True)
+    pipe = graphpar.compile(ex.module, ex.inputs, mesh="2", mode="train", loss_fn=ex.loss_fn,
+                            targets=ex.targets, optimizer=Adam(), cluster="cpu",
+                            keep_grads=True, pipeline=2, microbatches=2, schedule="zb")
+    assert len(pipe.plan.stages) == pipe.stages == 2 and pipe.schedule_name == "zb"
+    check = pipe.check()
+    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
+    assert check.within_tolerance, "\n".join(check.lines())
+    with pytest.raises(graphpar.errors.UsageError, match="pass mode='train'"):
+        graphpar.compile(ex.module, ex.inputs, mesh="2", pipeline=2)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from graphpar.cli.common import _existing_parent, _publish, load_target, step
-from graphpar.errors import GraphparError, OutputError, UsageError
+from graphpar.errors import OutputError, UsageError
 
 
 def check_pipeline_options(args: argparse.Namespace) -> None:
@@ -35,14 +35,11 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     """Capture the step at the microbatch size, run `passes` and slice-stages, build the
     stage programs and the schedule; write IR and report; optionally run on CPU ranks."""
     from graphpar.capture.optim import optimizer_from_name
-    from graphpar.compiler import ModelSpec, compile_model
     from graphpar.cost.cluster import mesh_for
     from graphpar.ir.printer import print_program
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
-    from graphpar.passes.pipeline.plan import StagePlan
-    from graphpar.passes.pipeline.slice_stages import SliceStages
-    from graphpar.pipelined import pipeline_of
-    from graphpar.runtime.pipeline import split_microbatches
+    from graphpar.pipelined import slice_and_build
+    from graphpar.runtime.pipeline import MicrobatchError
 
     devices = mesh_for(args.mesh, args.cluster).size
     if args.run_cpu is not None and args.run_cpu != devices:
@@ -51,33 +48,24 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer)
-    names = [f"input {i}" for i in range(len(spec.inputs))] + [
-        f"target {i}" for i in range(len(spec.targets))]
-    try:
-        first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
-                                   args.microbatches)[0]
-    except GraphparError as exc:
-        raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
-    micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
-                      spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
-                      spec.source, spec.make_real)
-    slicer = SliceStages(mesh=_physical_mesh(args.mesh), cluster=args.cluster,
-                         stages=args.pipeline, microbatches=args.microbatches,
-                         memory_limit=_memory_limit(args.memory_limit),
-                         time_limit=args.time_limit if args.time_limit is not None else 30.0)
     out = Path(args.out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
         raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
     try:
-        with step(f"capturing {spec.name} (train, microbatch of "
-                  f"{len(first[names[0]])}) and slicing stages"):
-            result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
-                                   keep_grads=bool(args.run_cpu))
-        plan = result.context.result(StagePlan)
-        pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, args.schedule,
-                           spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
+        with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
+                  "slicing stages"):
+            try:
+                sliced = slice_and_build(
+                    spec, args.mesh, stages=args.pipeline, microbatches=args.microbatches,
+                    schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
+                    memory_limit=args.memory_limit or "device",
+                    time_limit=args.time_limit if args.time_limit is not None else 30.0,
+                    passes=passes, keep_grads=bool(args.run_cpu))
+            except MicrobatchError as exc:
+                raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
+        result, plan, pipe = sliced.result, sliced.plan, sliced.pipe
         program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
                                              enumerate(plan.stages)])
         ir_name = f"{result.graph.name}_pipeline.gpir"
@@ -86,7 +74,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
         if args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
-                summary["run_cpu"] = run_pipeline_on_cpu(spec, plan, result, args)
+                summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
         (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -124,15 +112,13 @@ def pipeline_report(plan, pipe, schedule: str) -> dict:
     }
 
 
-def run_pipeline_on_cpu(spec, plan, result, args) -> dict:
+def run_pipeline_on_cpu(spec, pipe, args) -> dict:
     """One pipelined step on CPU processes, one per stage (a stage on several devices runs
     them in lockstep in its process), against eager PyTorch and torch.optim."""
-    from graphpar.pipelined import pipeline_of_plan
     from graphpar.runtime.schedules import timeline_of
 
     spec.real_module()  # weights are made only now, to run
-    pipe = pipeline_of_plan(result.captured, plan, args.schedule, spec=spec,
-                            optimizer=result.optimizer, cluster=args.cluster)
+    pipe = pipe.sharded_as_planned(args.cluster)
     check = pipe.check(processes=True)
     run = pipe.last_run
     report = {"ranks": args.run_cpu, "processes": pipe.stages,
@@ -184,18 +170,6 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
         if "trace" in r:
             print(f"  trace      {r['trace']}")
     print(f"  wrote      {ir_path}, {report_path}")
-
-
-def _physical_mesh(mesh: str) -> str:
-    """slice-stages takes hosts x devices per host; a 1-D mesh of n is one host of n."""
-    return mesh if "x" in mesh else f"1x{mesh}"
-
-
-def _memory_limit(value: str | None) -> str:
-    """slice-stages' default ("") is the device memory; "none" is a bound nothing reaches."""
-    if value in (None, "device"):
-        return ""
-    return str(2**62) if value == "none" else value
 
 
 def _span(devices: list[int]) -> str:

@@ -8,6 +8,7 @@ import argparse
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from graphpar.cli.common import _existing_parent, _publish, load_target, step
@@ -31,22 +32,38 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
 
 
-def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
+@dataclass(frozen=True)
+class CompiledPipeline:
+    """What `compile_pipeline` made: the model, the sliced training step at the microbatch
+    size (its `StagePlan` in `plan`), the stage programs and schedule (`pipe`) and the MPMD
+    program lowered from them."""
+
+    spec: object  # the full-batch ModelSpec
+    result: object  # the compile of one microbatch (graphpar.compiler.CompileResult)
+    plan: object  # graphpar.passes.pipeline.plan.StagePlan
+    pipe: object  # the stage programs and schedule (graphpar.pipelined.pipeline_of)
+    program: object  # the MPMD program (graphpar.passes.pipeline.lower_mpmd)
+    microbatch_size: int
+
+
+def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline:
     """Capture the step at the microbatch size, run `passes` and slice-stages, build the
-    stage programs and the schedule; write IR and report; optionally run on CPU ranks."""
+    stage programs and the schedule and lower them to the MPMD program. Reads the options of
+    `graphpar compile --pipeline` from `args` (model, example, mode, mesh, cluster, pipeline,
+    microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu)."""
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler import ModelSpec, compile_model
     from graphpar.cost.cluster import mesh_for
-    from graphpar.ir.printer import print_program
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
     from graphpar.passes.pipeline.plan import StagePlan
     from graphpar.passes.pipeline.slice_stages import SliceStages
     from graphpar.pipelined import pipeline_of
     from graphpar.runtime.pipeline import split_microbatches
 
+    run_cpu = getattr(args, "run_cpu", None)
     devices = mesh_for(args.mesh, args.cluster).size
-    if args.run_cpu is not None and args.run_cpu != devices:
-        raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+    if run_cpu is not None and run_cpu != devices:
+        raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
                          f"({devices} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
@@ -65,23 +82,32 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                          stages=args.pipeline, microbatches=args.microbatches,
                          memory_limit=_memory_limit(args.memory_limit),
                          time_limit=args.time_limit if args.time_limit is not None else 30.0)
+    size = len(first[names[0]])
+    with step(f"capturing {spec.name} (train, microbatch of {size}) and slicing stages"):
+        result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
+                               keep_grads=bool(run_cpu))
+    plan = result.context.result(StagePlan)
+    pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, args.schedule,
+                       spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
+    program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
+                                         enumerate(plan.stages)])
+    return CompiledPipeline(spec, result, plan, pipe, program, size)
+
+
+def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
+    """`compile_pipeline`, then write IR and report; optionally run on CPU ranks."""
+    from graphpar.ir.printer import print_program
+
     out = Path(args.out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
         raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
     try:
-        with step(f"capturing {spec.name} (train, microbatch of "
-                  f"{len(first[names[0]])}) and slicing stages"):
-            result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
-                                   keep_grads=bool(args.run_cpu))
-        plan = result.context.result(StagePlan)
-        pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, args.schedule,
-                           spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
-        program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
-                                             enumerate(plan.stages)])
+        compiled = compile_pipeline(args, passes)
+        spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe
         ir_name = f"{result.graph.name}_pipeline.gpir"
-        (staging / ir_name).write_text(print_program(program, show_source=True))
+        (staging / ir_name).write_text(print_program(compiled.program, show_source=True))
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
         if args.run_cpu:

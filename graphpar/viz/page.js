@@ -1136,7 +1136,8 @@
           `style="stroke:${b.color}"/>` +
           `<text class="label" x="${x + 10}" y="${by + 20}">${esc(gr.phase)}</text>` +
           `<text class="name" x="${x + BOX_W - 10}" y="${by + 20}" text-anchor="end">@${esc(gr.name)}</text>` +
-          `<text class="stat" x="${x + 10}" y="${by + 42}">${fmtInt(gr.nodes)} nodes · ` +
+          `<text class="stat" x="${x + 10}" y="${by + 42}">${fmtInt(gr.nodes)} ` +
+          `node${gr.nodes === 1 ? "" : "s"} · ` +
           `${fmtCount(gr.flops, "FLOP")}</text></g>`);
       }
     });
@@ -1198,7 +1199,13 @@
     view.hidden = false;
     document.body.classList.add("pipeline-mode");
     for (const b of $("tabs").querySelectorAll("button")) b.classList.toggle("active", b.dataset.tab === "pipeline");
-    $("totals").innerHTML = totalsHtml(DATA.totals, DATA.totals.graphs);
+    // totals over the stage graphs only: a global graph on the page is the same step again
+    const nodes = P.stages.reduce((acc, b) => acc + b.nodes, 0);
+    const flops = P.stages.reduce((acc, b) => acc + b.flops, 0);
+    $("totals").innerHTML = `<span><b>${P.stages.length}</b> stages</span>` +
+      `<span><b>${P.submeshes.length}</b> sub-meshes</span>` +
+      `<span><b>${fmtInt(nodes)}</b> nodes in stage graphs</span>` +
+      `<span><b>${fmtCount(flops, "FLOP")}</b></span>`;
     $("legend").innerHTML = P.submeshes.map((m) =>
       `<span class="chip"><i style="background:${m.color}"></i>sub-mesh ${esc(m.shape)} · devices ` +
       `${esc(span(m.devices))}</span>`).join("") +

@@ -107,6 +107,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         compiled = compile_pipeline(args, passes)
         spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe
         ir_name = f"{result.graph.name}_pipeline.gpir"
+        annotate_stage_estimates(compiled.program, plan)
         (staging / ir_name).write_text(print_program(compiled.program, show_source=True))
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
@@ -121,6 +122,20 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         shutil.rmtree(staging, ignore_errors=True)
     print_pipeline_report(summary, out / ir_name, out / "report.json")
     return 0
+
+
+def annotate_stage_estimates(program, plan) -> None:
+    """Each stage graph of the MPMD program gets its stage's estimates as graph attributes
+    (`est_seconds` per microbatch, `mem_bytes` per device, both from the cost model), so the
+    written file carries them: `graphpar viz` shows them on the stage's band."""
+    from graphpar.viz.stages import stage_of_graph
+
+    for graph in program:
+        found = stage_of_graph(graph)
+        if found is not None and found[0] < len(plan.stages):
+            stage = plan.stages[found[0]]
+            graph.attrs["est_seconds"] = float(stage.est_seconds)
+            graph.attrs["mem_bytes"] = int(stage.mem_bytes)
 
 
 def pipeline_report(plan, pipe, schedule: str) -> dict:

@@ -10,9 +10,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphpar.cli.common import _existing_parent, _publish, load_target, step
 from graphpar.errors import GraphparError, OutputError, UsageError
+
+if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
+    from graphpar.compiler import CompileResult, ModelSpec
+    from graphpar.ir.graph import Program
+    from graphpar.passes.pipeline.plan import StagePlan
+    from graphpar.pipelined import PipelineCompiled
 
 
 def check_pipeline_options(args: argparse.Namespace) -> None:
@@ -38,11 +45,11 @@ class CompiledPipeline:
     size (its `StagePlan` in `plan`), the stage programs and schedule (`pipe`) and the MPMD
     program lowered from them."""
 
-    spec: object  # the full-batch ModelSpec
-    result: object  # the compile of one microbatch (graphpar.compiler.CompileResult)
-    plan: object  # graphpar.passes.pipeline.plan.StagePlan
-    pipe: object  # the stage programs and schedule (graphpar.pipelined.pipeline_of)
-    program: object  # the MPMD program (graphpar.passes.pipeline.lower_mpmd)
+    spec: ModelSpec  # the full batch
+    result: CompileResult  # the compile of one microbatch
+    plan: StagePlan
+    pipe: PipelineCompiled  # the stage programs and schedule
+    program: Program  # the MPMD program (graphpar.passes.pipeline.lower_mpmd)
     microbatch_size: int
 
 

@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", default="graph.html")
     v.add_argument("--mode", choices=["infer", "train"], default="infer")
     v.add_argument("--passes", default="cleanup")
+    v.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    v.add_argument("--mesh", help="with --pipeline: the devices to slice over, e.g. 1x4")
+    v.add_argument("--cluster", default="dgx-a100",
+                   help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
+    v.add_argument("--memory-limit", help="with --pipeline: per-device memory, as for compile")
+    v.add_argument("--time-limit", type=float, help="with --pipeline: ILP time limit, seconds")
+    v.add_argument("--pipeline", metavar="auto|S",
+                   help="slice the training step into stages as `compile --pipeline` does and "
+                        "draw the MPMD program as bands, plus the global graph coloured by stage")
+    v.add_argument("--microbatches", type=int, default=4,
+                   help="microbatches per step with --pipeline (default 4)")
+    v.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
+                   help="pipeline schedule with --pipeline (default 1f1b)")
     v.set_defaults(fn=show.cmd_viz)
 
     add_generate_parser(sub)

@@ -8,10 +8,18 @@ import argparse
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphpar.cli.common import _existing_parent, _publish, load_target, step
 from graphpar.errors import OutputError, UsageError
+
+if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
+    from graphpar.compiler import CompileResult, ModelSpec
+    from graphpar.ir.graph import Program
+    from graphpar.passes.pipeline.plan import StagePlan
+    from graphpar.pipelined import PipelineCompiled
 
 
 def check_pipeline_options(args: argparse.Namespace) -> None:
@@ -31,45 +39,72 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
 
 
-def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
+@dataclass(frozen=True)
+class CompiledPipeline:
+    """What `compile_pipeline` made: the model, the sliced training step at the microbatch
+    size (its `StagePlan` in `plan`), the stage programs and schedule (`pipe`) and the MPMD
+    program lowered from them."""
+
+    spec: ModelSpec  # the full batch
+    result: CompileResult  # the compile of one microbatch
+    plan: StagePlan
+    pipe: PipelineCompiled  # the stage programs and schedule
+    program: Program  # the MPMD program (graphpar.passes.pipeline.lower_mpmd)
+    microbatch_size: int
+
+
+def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline:
     """Capture the step at the microbatch size, run `passes` and slice-stages, build the
-    stage programs and the schedule; write IR and report; optionally run on CPU ranks."""
+    stage programs and the schedule and lower them to the MPMD program. Reads the options of
+    `graphpar compile --pipeline` from `args` (model, example, mode, mesh, cluster, pipeline,
+    microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu)."""
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.cost.cluster import mesh_for
-    from graphpar.ir.printer import print_program
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
     from graphpar.pipelined import slice_and_build
     from graphpar.runtime.pipeline import MicrobatchError
 
+    run_cpu = getattr(args, "run_cpu", None)
     devices = mesh_for(args.mesh, args.cluster).size
-    if args.run_cpu is not None and args.run_cpu != devices:
-        raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
+    if run_cpu is not None and run_cpu != devices:
+        raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
                          f"({devices} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer)
+    with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
+              "slicing stages"):
+        try:
+            sliced = slice_and_build(
+                spec, args.mesh, stages=args.pipeline, microbatches=args.microbatches,
+                schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
+                memory_limit=args.memory_limit or "device",
+                time_limit=args.time_limit if args.time_limit is not None else 30.0,
+                passes=passes, keep_grads=bool(run_cpu))
+        except MicrobatchError as exc:
+            raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
+    plan, pipe = sliced.plan, sliced.pipe
+    program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
+                                         enumerate(plan.stages)])
+    size = len(spec.inputs[0]) // args.microbatches
+    return CompiledPipeline(spec, sliced.result, plan, pipe, program, size)
+
+
+def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
+    """`compile_pipeline`, then write IR and report; optionally run on CPU ranks."""
+    from graphpar.ir.printer import print_program
+
     out = Path(args.out)
     try:
         staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
         raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
     try:
-        with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
-                  "slicing stages"):
-            try:
-                sliced = slice_and_build(
-                    spec, args.mesh, stages=args.pipeline, microbatches=args.microbatches,
-                    schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
-                    memory_limit=args.memory_limit or "device",
-                    time_limit=args.time_limit if args.time_limit is not None else 30.0,
-                    passes=passes, keep_grads=bool(args.run_cpu))
-            except MicrobatchError as exc:
-                raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
-        result, plan, pipe = sliced.result, sliced.plan, sliced.pipe
-        program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
-                                             enumerate(plan.stages)])
+        compiled = compile_pipeline(args, passes)
+        spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe
         ir_name = f"{result.graph.name}_pipeline.gpir"
-        (staging / ir_name).write_text(print_program(program, show_source=True))
+        annotate_stage_estimates(compiled.program, plan)
+        (staging / ir_name).write_text(print_program(compiled.program, show_source=True))
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
         if args.run_cpu:
@@ -83,6 +118,20 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         shutil.rmtree(staging, ignore_errors=True)
     print_pipeline_report(summary, out / ir_name, out / "report.json")
     return 0
+
+
+def annotate_stage_estimates(program, plan) -> None:
+    """Each stage graph of the MPMD program gets its stage's estimates as graph attributes
+    (`est_seconds` per microbatch, `mem_bytes` per device, both from the cost model), so the
+    written file carries them: `graphpar viz` shows them on the stage's band."""
+    from graphpar.viz.stages import stage_of_graph
+
+    for graph in program:
+        found = stage_of_graph(graph)
+        if found is not None and found[0] < len(plan.stages):
+            stage = plan.stages[found[0]]
+            graph.attrs["est_seconds"] = float(stage.est_seconds)
+            graph.attrs["mem_bytes"] = int(stage.mem_bytes)
 
 
 def pipeline_report(plan, pipe, schedule: str) -> dict:

@@ -13,6 +13,7 @@ from graphpar.cli.common import (
     progress_printer,
     step,
 )
+from graphpar.errors import UsageError
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -38,7 +39,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     check_output_file(out, "-o")
-    if args.target.endswith(".py") or args.example:
+    if args.pipeline:
+        page = _pipeline_page(args)
+    elif args.target.endswith(".py") or args.example:
         from graphpar.compiler import compile_model
         from graphpar.passes import parse_pipeline
 
@@ -50,10 +53,36 @@ def cmd_viz(args: argparse.Namespace) -> int:
         from graphpar.ir.parser import load
 
         program = load(args.target, verify=True, on_progress=progress_printer())
+    if not args.pipeline:
+        page = render_html(program)
     with atomic_output(out, "-o") as file:
-        file.write(render_html(program))
+        file.write(page)
     print(f"graphpar viz: wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
     return 0
+
+
+def _pipeline_page(args: argparse.Namespace) -> str:
+    """`viz --pipeline`: the MPMD program of `compile --pipeline` (same options, same compile)
+    and, after it, the sliced global training step with its nodes coloured by stage."""
+    from graphpar.cli.pipeline import check_pipeline_options, compile_pipeline
+    from graphpar.ir.graph import Program
+    from graphpar.passes import parse_pipeline
+    from graphpar.viz import render_html
+
+    if args.target and not args.target.endswith(".py"):
+        raise UsageError(f"viz --pipeline compiles a model: give a model file (.py) or "
+                         f"--example, not {args.target}; an MPMD program file (*_pipeline.gpir) "
+                         "is drawn as a pipeline without --pipeline")
+    options = argparse.Namespace(**vars(args), model=args.target or None, run_cpu=None,
+                                 trace=None, lower=None)
+    check_pipeline_options(options)
+    compiled = compile_pipeline(options, parse_pipeline(args.passes))
+    plan = compiled.plan
+    program = Program.of([*compiled.program, compiled.result.graph])
+    estimates = [{"est_seconds": s.est_seconds, "mem_bytes": s.mem_bytes} for s in plan.stages]
+    title = (f"{compiled.spec.name}: {len(plan.stages)} stages, {plan.microbatches} "
+             f"microbatches, {args.schedule}")
+    return render_html(program, title, stage_of=plan.stage_of, stage_estimates=estimates)
 
 
 def cmd_ops(args: argparse.Namespace) -> int:

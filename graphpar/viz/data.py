@@ -17,13 +17,14 @@ OpKind.COLLECTIVE ops are counted and flagged, and graph attributes are listed o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from graphpar.errors import GraphparError
 from graphpar.ir.graph import Graph, Node, OutputRole, Program, Role, Value
 from graphpar.ir.printer import format_attr, node_flops
 from graphpar.ir.registry import OpKind, get_op
+from graphpar.viz.stages import pipeline_data
 
 SCHEMA_VERSION = 1
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -41,10 +42,15 @@ def as_program(program_or_graph: Program | Graph) -> Program:
     raise TypeError(f"expected a graphpar Graph or Program, got {type(program_or_graph).__name__}")
 
 
-def program_data(program_or_graph: Program | Graph,
-                 node_info: NodeInfo | None = None) -> dict[str, Any]:
-    """The whole page's data: every graph, and totals over all of them."""
-    graphs = [graph_data(g, node_info) for g in as_program(program_or_graph)]
+def program_data(program_or_graph: Program | Graph, node_info: NodeInfo | None = None,
+                 stage_of: Mapping[Node, int] | None = None,
+                 stage_estimates: Sequence[Mapping[str, float]] | None = None
+                 ) -> dict[str, Any]:
+    """The whole page's data: every graph, and totals over all of them; `pipeline` (see
+    `graphpar.viz.stages`) when the program is an MPMD pipeline, and each node's `stage` where
+    `stage_of` (a stage plan's node -> stage, for a sliced global graph) names it."""
+    program = as_program(program_or_graph)
+    graphs = [graph_data(g, node_info, stage_of) for g in program]
     totals: dict[str, Any] = {"graphs": len(graphs)}
     for key in ("nodes", "flops", "parameters", "parameter_bytes", "parameter_tensors",
                 "collectives", "collective_bytes"):
@@ -53,10 +59,16 @@ def program_data(program_or_graph: Program | Graph,
     for g in graphs:
         kinds.update(g["summary"]["kinds"])
     totals["kinds"] = dict(kinds)
-    return {"version": SCHEMA_VERSION, "graphs": graphs, "totals": totals}
+    data = {"version": SCHEMA_VERSION, "graphs": graphs, "totals": totals}
+    pipeline = pipeline_data(list(program), [g["summary"] for g in graphs],
+                             stage_estimates)
+    if pipeline is not None:
+        data["pipeline"] = pipeline
+    return data
 
 
-def graph_data(graph: Graph, node_info: NodeInfo | None = None) -> dict[str, Any]:
+def graph_data(graph: Graph, node_info: NodeInfo | None = None,
+               stage_of: Mapping[Node, int] | None = None) -> dict[str, Any]:
     names = _value_names(graph)
     input_index = {v: i for i, v in enumerate(graph.inputs)}
     node_index = {n: i for i, n in enumerate(graph.nodes)}
@@ -83,12 +95,13 @@ def graph_data(graph: Graph, node_info: NodeInfo | None = None) -> dict[str, Any
             "kind": _kind(node),
             "outputs": [_value_entry(o, names[o]) for o in node.outputs],
             "inputs": [operand(v) for v in node.inputs],
-            "flops": _flops(node),
+            "flops": safe_flops(node),
         }
         if node.attrs:
             entry["attrs"] = {k: format_attr(v) for k, v in node.attrs.items()}
         for key, value in (("module", node.module), ("loc", node.loc),
-                           ("phase", phases.get(node)), ("group", node_group.get(node))):
+                           ("phase", phases.get(node)), ("group", node_group.get(node)),
+                           ("stage", stage_of.get(node) if stage_of else None)):
             if value is not None:
                 entry[key] = value
         info = node_info(node) if node_info is not None else None
@@ -303,7 +316,8 @@ def _kind(node: Node) -> str:
         return "unknown"
 
 
-def _flops(node: Node) -> int:
+def safe_flops(node: Node) -> int:
+    """The IR's FLOP estimate of a node, 0 for an op without a cost rule for its operands."""
     try:
         return node_flops(node)
     except (GraphparError, TypeError, ValueError, IndexError, AttributeError):
@@ -331,6 +345,8 @@ def _summary(graph: Graph, nodes: list[dict], inputs: list[dict]) -> dict[str, A
         "kind_flops": dict(kind_flops),
         "ops": dict(Counter(n["op"] for n in nodes).most_common()),
         "phases": dict(Counter(n["phase"] for n in nodes if "phase" in n)),
+        "stages": {str(k): v for k, v in sorted(Counter(
+            n["stage"] for n in nodes if "stage" in n).items())},
         "roles": roles,
         "parameters": params["numel"],
         "parameter_bytes": params["bytes"],

@@ -29,6 +29,14 @@
   const kindColor = (k) => css.getPropertyValue("--k-" + k).trim() || "#fff";
   const phaseColor = (p) => css.getPropertyValue("--p-" + p).trim() || "#fff";
   const roleColor = (r) => css.getPropertyValue("--r-" + r).trim() || "#fff";
+  // A stage's colour is its sub-mesh's (the pipeline data's); without one, the palette's.
+  const STAGE_PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#e15759", "#76b7b2",
+    "#edc948", "#ff9da7", "#9c755f", "#bab0ac"];
+  const stageColor = (s) => {
+    const band = DATA.pipeline && DATA.pipeline.stages.find((b) => b.stage === s);
+    return band ? band.color : STAGE_PALETTE[s % STAGE_PALETTE.length];
+  };
+  const stageFill = (s) => stageColor(s) + "80";  // half opacity, so the text stays readable
 
   // ------------------------------------------------------------------ formatting
 
@@ -136,7 +144,8 @@
     M.state = {
       expanded: new Set(),
       roles: Object.assign({}, ROLES_SHOWN),
-      colorBy: M.layouts.length ? "layout" : "kind",
+      colorBy: Object.keys(g.summary.stages || {}).length ? "stage" :
+        M.layouts.length ? "layout" : "kind",
       selected: null, view: null, query: "", matches: [], matchIndex: -1, saved: false,
     };
     M.savedCount = M.edges.filter((e) => e.saved).length;
@@ -547,6 +556,7 @@
     if (it.type === "node") {
       if (by === "layout") return it.el.layout ? M.layoutColor.get(it.el.layout) : "#ffffff";
       if (by === "phase" && it.el.phase) return phaseColor(it.el.phase);
+      if (by === "stage" && it.el.stage !== undefined) return stageFill(it.el.stage);
     }
     return null;
   }
@@ -803,12 +813,13 @@
   function matchesOf(query) {
     const q = query.trim().toLowerCase();
     if (!q) return [];
-    const [field, value] = q.includes(":") && /^(kind|phase|role|op|module|layout):/.test(q) ?
+    const [field, value] = q.includes(":") && /^(kind|phase|role|op|module|layout|stage):/.test(q) ?
       [q.slice(0, q.indexOf(":")), q.slice(q.indexOf(":") + 1).trim()] : [null, q];
     const has = (s) => s !== undefined && s !== null && String(s).toLowerCase().includes(value);
     const out = [];
     for (const n of M.nodes) {
       const hit = field === "kind" ? n.kind === value : field === "phase" ? n.phase === value :
+        field === "stage" ? String(n.stage) === value :
         field === "op" ? n.op === value : field === "module" ? has(n.module) :
         field === "layout" ? n.outputs.some((o) => has(o.layout)) : field === "role" ? false :
         has(n.op) || has(n.module) || has(n.loc) || n.outputs.some((o) => o.name.toLowerCase() === value || o.name.toLowerCase() === "%" + value);
@@ -1017,6 +1028,10 @@
     let chips = [];
     if (by === "kind") {
       chips = Object.entries(s.kinds).map(([k, c]) => [kindColor(k), k, c, "kind:" + k]);
+    } else if (by === "stage") {
+      const stages = Object.entries(s.stages || {});
+      chips = stages.map(([st, c]) => [stageFill(Number(st)), "stage " + st, c, "stage:" + st]);
+      if (!chips.length) chips.push(["#fff", "no stages (not a sliced training graph)", "", ""]);
     } else if (by === "phase") {
       chips = PHASES.filter((p) => s.phases[p]).map((p) => [phaseColor(p), p, s.phases[p], "phase:" + p]);
       if (!chips.length) chips.push(["#fff", "no phases (not a training graph)", "", ""]);
@@ -1045,9 +1060,11 @@
 
   function buildTabs() {
     const tabs = $("tabs");
-    if (DATA.graphs.length < 2) return;
+    if (DATA.graphs.length < 2 && !DATA.pipeline) return;
     tabs.hidden = false;
-    tabs.innerHTML = DATA.graphs.map((g, i) => {
+    const pipeTab = DATA.pipeline ? '<button type="button" data-tab="pipeline">pipeline ' +
+      `<span class="n">${DATA.pipeline.stages.length} stages</span></button>` : "";
+    tabs.innerHTML = pipeTab + DATA.graphs.map((g, i) => {
       const attrs = attrText(g.attrs);
       return `<button type="button" data-tab="${i}">@${esc(g.name)}${attrs ? " · " + esc(attrs) : ""}` +
         ` <span class="n">${fmtInt(g.summary.nodes)}</span></button>`;
@@ -1056,6 +1073,7 @@
 
   function show(i) {
     current = i;
+    if (pipelineShown) hidePipeline();
     if (!models[i]) models[i] = prepare(DATA.graphs[i]);
     M = models[i];
     for (const b of $("tabs").querySelectorAll("button")) b.classList.toggle("active", Number(b.dataset.tab) === i);
@@ -1066,6 +1084,143 @@
     select(M.state.selected);
     runSearch(M.state.query);
   }
+
+
+  // ------------------------------------------------------------------ the pipeline view
+  //
+  // An MPMD program (DATA.pipeline): one horizontal band per stage, coloured by its sub-mesh,
+  // with its forward, backward and update graphs as boxes in three columns; matched send/recv
+  // pairs are arrows between the boxes (one arrow per pair of graphs, its count and bytes).
+
+  const P = DATA.pipeline;
+  const PIPE_PHASES = ["forward", "backward", "update"];
+  const PIPE_EDGE = { forward: "#2563eb", backward: "#d9480f", update: "#3c9149" };
+  const BAND_H = 104, BAND_GAP = 34, LABEL_W = 320, BOX_W = 230, BOX_H = 58, COL_GAP = 90;
+
+  const span = (ids) => ids.length === 1 ? String(ids[0]) :
+    ids.every((d, i) => i === 0 || d === ids[i - 1] + 1) ? `${ids[0]}-${ids[ids.length - 1]}` :
+      ids.join(",");
+  const fmtSeconds = (t) => t >= 1 ? t.toFixed(3) + " s" : t >= 1e-3 ? (t * 1e3).toFixed(3) + " ms" :
+    (t * 1e6).toFixed(2) + " µs";
+
+  function bandLines(b) {
+    const lines = [`sub-mesh ${b.shape} · devices ${span(b.devices)}`,
+      `${fmtInt(b.nodes)} nodes · ${fmtCount(b.flops, "FLOP")}`];
+    const est = [];
+    if (b.est_seconds !== undefined) est.push(fmtSeconds(b.est_seconds) + "/microbatch");
+    if (b.mem_bytes !== undefined) est.push(fmtBytes(b.mem_bytes) + "/device");
+    if (est.length) lines.push(est.join(" · ") + " (est.)");
+    return lines;
+  }
+
+  function pipelineSvg() {
+    const boxes = new Map();  // graph index -> {x, y, w, h}
+    const out = [];
+    const width = LABEL_W + PIPE_PHASES.length * (BOX_W + COL_GAP);
+    P.stages.forEach((b, row) => {
+      const y = row * (BAND_H + BAND_GAP);
+      out.push(`<g class="band" data-stage="${b.stage}" data-submesh="${b.submesh}">` +
+        `<rect class="band-bg" x="0" y="${y}" width="${width}" height="${BAND_H}" rx="8" ` +
+        `style="fill:${b.color}22;stroke:${b.color}"/>` +
+        `<rect x="0" y="${y}" width="8" height="${BAND_H}" rx="3" style="fill:${b.color}"/>` +
+        `<text class="band-title" x="20" y="${y + 24}">stage ${b.stage}</text>` +
+        bandLines(b).map((line, i) =>
+          `<text class="band-stat" x="20" y="${y + 44 + 17 * i}">${esc(line)}</text>`).join("") +
+        "</g>");
+      for (const gr of b.graphs) {
+        const col = PIPE_PHASES.indexOf(gr.phase);
+        const x = LABEL_W + Math.max(col, 0) * (BOX_W + COL_GAP), by = y + (BAND_H - BOX_H) / 2;
+        boxes.set(gr.graph, { x, y: by, w: BOX_W, h: BOX_H });
+        out.push(`<g class="stage-graph ph-${gr.phase}" data-graph="${gr.graph}">` +
+          `<rect class="body" x="${x}" y="${by}" width="${BOX_W}" height="${BOX_H}" rx="6" ` +
+          `style="stroke:${b.color}"/>` +
+          `<text class="label" x="${x + 10}" y="${by + 20}">${esc(gr.phase)}</text>` +
+          `<text class="name" x="${x + BOX_W - 10}" y="${by + 20}" text-anchor="end">@${esc(gr.name)}</text>` +
+          `<text class="stat" x="${x + 10}" y="${by + 42}">${fmtInt(gr.nodes)} ` +
+          `node${gr.nodes === 1 ? "" : "s"} · ` +
+          `${fmtCount(gr.flops, "FLOP")}</text></g>`);
+      }
+    });
+    // one arrow per (sending graph, receiving graph), offset so the two directions part
+    const pairs = new Map();
+    for (const t of P.transfers) {
+      const k = t.src.graph + ">" + t.dst.graph;
+      if (!pairs.has(k)) pairs.set(k, { t, list: [] });
+      pairs.get(k).list.push(t);
+    }
+    for (const { t, list } of pairs.values()) {
+      const a = boxes.get(t.src.graph), z = boxes.get(t.dst.graph);
+      if (!a || !z) continue;
+      const down = t.dst.stage > t.src.stage;
+      const dx = t.phase === "backward" ? 0.62 : t.phase === "update" ? 0.5 : 0.38;
+      const sx = a.x + a.w * dx + (down ? -8 : 8), tx = z.x + z.w * dx + (down ? -8 : 8);
+      const sy = down ? a.y + a.h : a.y, ty = down ? z.y : z.y + z.h;
+      const hops = Math.abs(t.dst.stage - t.src.stage);
+      // across more than one band the arrow bows right, past the boxes in between
+      const bow = hops > 1 ? BOX_W / 2 + 24 * hops : 0;
+      const d = `M${sx} ${sy}C${sx + bow} ${sy + (down ? 40 : -40)} ${tx + bow} ` +
+        `${ty + (down ? -40 : 40)} ${tx} ${ty}`;
+      const bytes = list.reduce((acc, x) => acc + x.bytes, 0);
+      const label = `${list.length > 1 ? list.length + " × " : ""}${list.length > 1 ? "" : list[0].type + " · "}${fmtBytes(bytes)}`;
+      const title = list.map((x) => `${x.phase} tag ${x.tag}: ${x.type} (${fmtBytes(x.bytes)}), ` +
+        `stage ${x.src.stage} %${x.src.node} → stage ${x.dst.stage} %${x.dst.node}`).join("\n");
+      const mx = (sx + tx) / 2 + bow * 0.75, my = (sy + ty) / 2;
+      out.push(`<g class="transfer ph-${t.phase}" data-src="${t.src.graph}" data-dst="${t.dst.graph}">` +
+        `<path d="${d}" style="stroke:${PIPE_EDGE[t.phase] || "#666"}" marker-end="url(#parrow)"/>` +
+        `<text x="${mx + 6}" y="${my + 4}">${esc(label)}</text><title>${esc(title)}</title></g>`);
+    }
+    const height = P.stages.length * (BAND_H + BAND_GAP);
+    return `<svg class="pipeline-svg" width="${width + 140}" height="${height}" ` +
+      `viewBox="-10 -10 ${width + 140} ${height}">` +
+      '<defs><marker id="parrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" ' +
+      'markerHeight="7" orient="auto-start-reverse"><path d="M0 1L10 5L0 9z" fill="#555"/>' +
+      "</marker></defs>" + out.join("") + "</svg>";
+  }
+
+  function pipelineNote() {
+    const counts = {};
+    for (const t of P.transfers) counts[t.phase] = (counts[t.phase] || 0) + 1;
+    const sent = P.transfers.reduce((acc, t) => acc + t.bytes, 0);
+    let html = `<p class="muted">${P.stages.length} stages on ${P.submeshes.length} sub-meshes · ` +
+      `${P.transfers.length} send/recv pairs (${Object.entries(counts).map(([k, c]) => c + " " + k).join(", ")}) ` +
+      `moving ${fmtBytes(sent)} per microbatch · click a graph to open it</p>`;
+    if (P.unmatched.length) {
+      html += `<p class="error-inline">${P.unmatched.length} unmatched: ` +
+        esc(P.unmatched.map((u) => `${u.op} in stage ${u.stage} (%${u.node}, tag ${u.tag})`).join(", ")) + "</p>";
+    }
+    return html;
+  }
+
+  let pipelineShown = false;
+  function showPipeline() {
+    pipelineShown = true;
+    const view = $("pipeline");
+    if (!view.innerHTML) view.innerHTML = pipelineNote() + pipelineSvg();
+    view.hidden = false;
+    document.body.classList.add("pipeline-mode");
+    for (const b of $("tabs").querySelectorAll("button")) b.classList.toggle("active", b.dataset.tab === "pipeline");
+    // totals over the stage graphs only: a global graph on the page is the same step again
+    const nodes = P.stages.reduce((acc, b) => acc + b.nodes, 0);
+    const flops = P.stages.reduce((acc, b) => acc + b.flops, 0);
+    $("totals").innerHTML = `<span><b>${P.stages.length}</b> stages</span>` +
+      `<span><b>${P.submeshes.length}</b> sub-meshes</span>` +
+      `<span><b>${fmtInt(nodes)}</b> nodes in stage graphs</span>` +
+      `<span><b>${fmtCount(flops, "FLOP")}</b></span>`;
+    $("legend").innerHTML = P.submeshes.map((m) =>
+      `<span class="chip"><i style="background:${m.color}"></i>sub-mesh ${esc(m.shape)} · devices ` +
+      `${esc(span(m.devices))}</span>`).join("") +
+      PIPE_PHASES.map((p) => `<span class="chip"><i style="background:${PIPE_EDGE[p]}"></i>${p} send → recv</span>`).join("");
+    $("role-toggles").innerHTML = "";
+  }
+  function hidePipeline() {
+    pipelineShown = false;
+    $("pipeline").hidden = true;
+    document.body.classList.remove("pipeline-mode");
+  }
+  $("pipeline").addEventListener("click", (e) => {
+    const box = e.target.closest("[data-graph]");
+    if (box) show(Number(box.dataset.graph));
+  });
 
   // ------------------------------------------------------------------ events
 
@@ -1149,7 +1304,8 @@
   });
   $("tabs").addEventListener("click", (e) => {
     const b = e.target.closest("[data-tab]");
-    if (b) show(Number(b.dataset.tab));
+    if (b && b.dataset.tab === "pipeline") showPipeline();
+    else if (b) show(Number(b.dataset.tab));
   });
   $("role-toggles").addEventListener("change", (e) => {
     const role = e.target.dataset.role;
@@ -1207,7 +1363,7 @@
     for (let i = 0; i < DATA.graphs.length; i++) {
       click($("tabs").querySelector(`[data-tab="${i}"]`));
       if (current !== i) show(i);
-      for (const by of ["phase", "layout", "kind"]) {
+      for (const by of ["phase", "layout", "stage", "kind"]) {
         $("color-by").value = by;
         $("color-by").dispatchEvent(new Event("change"));
       }
@@ -1239,6 +1395,14 @@
       zoomAt(1.5, 100, 100);
       click($("close-details"));
     }
+    if (P) {
+      click($("tabs").querySelector('[data-tab="pipeline"]'));
+      for (const box of [...$("pipeline").querySelectorAll("[data-graph]")]) {
+        click(box);
+        click($("tabs").querySelector('[data-tab="pipeline"]'));
+      }
+      if (!pipelineShown) throw new Error("the pipeline tab did not open the pipeline view");
+    }
     document.body.setAttribute("data-selftest", "ok");
   }
 
@@ -1259,6 +1423,7 @@
       runSearch(opts.get("search"));
       nextMatch(1);
     }
+    if (P && !opts.has("graph") && !opts.has("selftest")) showPipeline();
     if (opts.has("selftest")) selfTest();
   }
   document.body.setAttribute("data-ready", "true");

@@ -35,6 +35,10 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
     names = [g.name for g in program]
     assert {"stage0_forward", "stage1_forward", "stage0_backward", "stage1_backward"} <= set(
         names)
+    for g in program:  # each stage graph carries its stage's estimates, for graphpar viz
+        stage = pipe["stages"][int(g.name[len("stage")])]
+        assert g.attrs == {"est_seconds": stage["seconds_per_microbatch_estimated"],
+                           "mem_bytes": stage["memory_bytes_per_device_estimated"]}
     assert json.loads(trace.read_text())["traceEvents"]
     assert "2 stages, 2 microbatches, schedule zb" in out
 

@@ -191,3 +191,28 @@ def test_programs_layouts_and_collectives(chromium, tmp_path):
     assert re.search(r'<g class="node k-collective collective', dom), "collective not marked"
     assert "{S(0),P}" in dom and "{S(0),R}" in dom
     assert 'data-q="layout:{S(0),R}"' in dom, "graphs with layouts are colored by layout"
+
+
+def test_pipeline_view_draws_bands_and_transfers(chromium, tmp_path):
+    from test_viz_pipeline import THREE_STAGES
+
+    from graphpar.ir.parser import parse_program
+    from graphpar.viz.stages import SUBMESH_PALETTE
+
+    page = write_html(parse_program(THREE_STAGES), tmp_path / "pipeline.html")
+    dom, selftest = run_chromium(chromium, tmp_path, (page.as_uri(), "--dump-dom"),
+                                 (page.as_uri() + "#selftest", "--dump-dom"))
+    dom = checked_dom(dom)  # an MPMD program opens on its pipeline view
+    assert 'data-selftest="ok"' in checked_dom(selftest)
+    bands = re.findall(r'<g class="band" data-stage="(\d)" data-submesh="(\d)"', dom)
+    assert bands == [("0", "0"), ("1", "1"), ("2", "2")]
+    assert sorted(re.findall(r'<g class="stage-graph ph-(\w+)" data-graph="(\d)"', dom)) == [
+        ("forward", "0"), ("forward", "2"), ("forward", "3"), ("update", "1"), ("update", "4")]
+    # one arrow per pair of graphs: 0→2 (two values), 2→3 (two), 4→1 (the update's gradient)
+    arrows = re.findall(r'<g class="transfer ph-(\w+)" data-src="(\d)" data-dst="(\d)"', dom)
+    assert sorted(arrows) == [("forward", "0", "2"), ("forward", "2", "3"),
+                              ("update", "4", "1")]
+    assert "1 unmatched" in dom and "devices 1-2" in dom
+    stripes = re.findall(r'<rect x="0" y="\d+" width="8" height="\d+" rx="3" '
+                         r'style="fill:\s*(#\w+)', dom)
+    assert stripes == list(SUBMESH_PALETTE[:3]), "each band is drawn in its sub-mesh colour"

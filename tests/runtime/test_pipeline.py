@@ -217,3 +217,26 @@ def test_sharded_stages_every_schedule(name):
     pipe = captured_pipeline(name, 4).on_submeshes({1: "1x2", 3: "2x1"})
     for schedule in sorted(SCHEDULES):
         assert_matches_eager(pipe.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_eight_devices_on_gloo_ranks_every_schedule(name):
+    # 4 stages x sub-meshes of 2 devices: 8 devices, one gloo process per stage
+    pipe = captured_pipeline(name, 4).on_submeshes({0: "1x2", 1: "2x1", 2: "1x2", 3: "2x1"})
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule), processes=True)
+
+
+@pytest.mark.slow
+def test_the_stage_dp_plan_on_eight_devices_runs_equal_to_eager():
+    """graphpar.compile(pipeline="auto") on a 2x4 mesh: whatever stages and sub-meshes the DP
+    picks, one step on gloo ranks equals eager."""
+    import graphpar
+
+    ex = get_model("gpt", "tiny", train=True, batch_size=BATCH)
+    pipe = graphpar.compile(ex.module, ex.inputs, mesh="2x4", mode="train", loss_fn=ex.loss_fn,
+                            targets=ex.targets, optimizer=Adam(), cluster="cpu",
+                            keep_grads=True, pipeline="auto", microbatches=MICROBATCHES)
+    assert sum(s.submesh[0] * s.submesh[1] for s in pipe.plan.stages) == 8
+    assert_matches_eager(pipe, processes=True)

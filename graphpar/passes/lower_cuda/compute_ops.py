@@ -250,15 +250,22 @@ def _rowwise(low: Lowering, template: str, x: View, out: View, rows: int, cols: 
 
 
 def _softmax(low: Lowering, node: Node) -> None:
+    """A row-wise kernel over the last dim; another dim is first made last by one copy, and
+    the result is read back through the inverse permutation (no call)."""
     t = node.output.type
-    if node.attrs["dim"] % t.rank != t.rank - 1:
-        raise UnsupportedOpError("softmax over a dim other than the last")
-    x = low.contiguous(node.inputs[0])
-    out = low.new_view(t.shape, t.dtype)
+    dim = node.attrs["dim"] % t.rank
+    order = tuple(d for d in range(t.rank) if d != dim) + (dim,)
+    if dim == t.rank - 1:
+        x = low.contiguous(node.inputs[0])
+    else:
+        moved = permute_view(low.view(node.inputs[0]), order)
+        x = low.materialize(Pending(("leaf", moved), moved.shape, moved.dtype))
+    out = low.new_view(x.shape, t.dtype)
     template = "softmax" if node.op == "softmax" else "log_softmax"
-    _rowwise(low, template, x, out, rows=t.numel // t.shape[-1], cols=t.shape[-1],
+    _rowwise(low, template, x, out, rows=t.numel // t.shape[dim], cols=t.shape[dim],
              extra=[("causal", False), ("sq", 1)])
-    low.bind(node.output, out)
+    inverse = tuple(order.index(d) for d in range(t.rank))
+    low.bind(node.output, out if dim == t.rank - 1 else permute_view(out, inverse))
 
 
 def _norm(low: Lowering, node: Node) -> None:

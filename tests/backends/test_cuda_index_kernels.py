@@ -125,3 +125,29 @@ def test_index_kernels_run_on_the_host_and_equal_the_interpreter(graph, tmp_path
     for i, (g, e) in enumerate(zip(got, Interpreter(graph).run(inputs))):
         # float kernels sum in another order than torch: a few ulps
         torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"out {i}: {m}")
+
+
+def test_attention_with_a_mask_tensor_equals_the_interpreter():
+    """A boolean mask keeps scores where it holds; a float mask is added to them (in place,
+    between the scores GEMM and the softmax kernel); the backward recomputes the same P."""
+    graph = parse("""
+graph @masked(%q: f32[1,2,4,8] input, %k: f32[1,2,5,8] input, %v: f32[1,2,5,8] input,
+              %keep: bool[4,5] input, %bias: f32[1,1,4,5] input, %do: f32[1,2,4,8] input) {
+  %0 = attention(%q, %k, %v, %keep) {scale=0.5} : f32[1,2,4,8]
+  %1, %2 = attention_with_lse(%q, %k, %v, %bias) {scale=0.5} : f32[1,2,4,8], f32[1,2,4]
+  %3, %4, %5 = attention_backward(%do, %q, %k, %v, %1, %2, %bias) {scale=0.5}
+      : f32[1,2,4,8], f32[1,2,5,8], f32[1,2,5,8]
+  return %0 output, %1 output, %2 output, %3 output, %4 output, %5 output
+}
+""")
+    gen = torch.Generator().manual_seed(2)
+    inputs = {v.name: torch.randn(v.type.shape, generator=gen) for v in graph.inputs}
+    keep = torch.rand(4, 5, generator=gen) > 0.3
+    keep[:, 0] = True  # no row fully masked (its softmax would be NaN in both)
+    inputs["keep"] = keep
+    listing = lower_to_listing(graph)
+    executor = CpuListingExecutor(listing, poison=True)
+    got = executor.run(inputs)
+    for i, (g, e) in enumerate(zip(got, Interpreter(graph).run(inputs))):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"out {i}: {m}")
+    assert executor.peak_arena_bytes == listing.arena_bytes

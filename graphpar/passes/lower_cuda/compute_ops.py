@@ -130,16 +130,14 @@ def _linear(low: Lowering, node: Node) -> None:
 
 def _attention_parts(low: Lowering, node: Node):
     q, k, v = node.inputs[:3]
-    mask = node.inputs[3] if len(node.inputs) > 3 else None
-    if isinstance(mask, Value):
-        raise UnsupportedOpError("attention with a mask tensor (only causal masks lower)")
+    mask = node.inputs[3] if len(node.inputs) > 3 and isinstance(node.inputs[3], Value) else None
     qt, kt = q.type, k.type
     vq, vk, vv = low.view(q), low.view(k), low.view(v)
     if kt.shape[-3] != qt.shape[-3]:  # grouped-query: each K/V head serves a query group
         vk, vv = (_repeat_heads(low, x, qt.shape[-3]) for x in (vk, vv))
     scale = node.attrs.get("scale")
     scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else scale
-    return vq, vk, vv, scale
+    return vq, vk, vv, scale, None if mask is None else low.view(mask)
 
 
 def _transposed(v: View) -> View:
@@ -148,10 +146,17 @@ def _transposed(v: View) -> View:
 
 
 def _probabilities(low: Lowering, node: Node, q: View, k: View, scale: float,
-                   lse: View | None = None) -> View:
-    """softmax(q k^T · scale) (causal if the node says so), and its log-sum-exp per row."""
+                   lse: View | None = None, mask: View | None = None) -> View:
+    """softmax(q k^T · scale + mask) (causal if the node says so; a boolean mask keeps where
+    it is true), and its log-sum-exp per row."""
     batch, sq, sk = q.shape[:-2], q.shape[-2], k.shape[-2]
     scores = emit_gemm(low, q, _transposed(k), batch + (sq, sk), q.dtype, alpha=scale)
+    if mask is not None:  # applied in place over the scores, element for element
+        m = ("leaf", broadcast_view(mask, scores.shape))
+        s = ("leaf", scores)
+        expr = (("apply", "where", (m, s, ("const", -math.inf)), ()) if mask.dtype == torch.bool
+                else ("apply", "add", (s, m), ()))
+        low.materialize(Pending(expr, scores.shape, scores.dtype), out=scores)
     probs = low.new_view(scores.shape, scores.dtype)
     extra: list[tuple[str, Any]] = [("causal", bool(node.attrs.get("causal"))), ("sq", sq)]
     if lse is not None:
@@ -164,12 +169,12 @@ def _probabilities(low: Lowering, node: Node, q: View, k: View, scale: float,
 def _attention(low: Lowering, node: Node) -> None:
     """GEMM (scores, scaled) -> softmax kernel (causal mask; with_lse: the log-sum-exp too) ->
     GEMM."""
-    q, k, v, scale = _attention_parts(low, node)
+    q, k, v, scale, mask = _attention_parts(low, node)
     lse = None
     if node.op == "attention_with_lse":
         lt = node.outputs[1].type
         lse = low.new_view(lt.shape, lt.dtype)
-    probs = _probabilities(low, node, q, k, scale, lse)
+    probs = _probabilities(low, node, q, k, scale, lse, mask)
     low.bind(node.outputs[0], emit_gemm(low, probs, v, node.outputs[0].type.shape, q.dtype))
     if lse is not None:
         low.bind(node.outputs[1], lse)
@@ -178,9 +183,9 @@ def _attention(low: Lowering, node: Node) -> None:
 def _attention_backward(low: Lowering, node: Node) -> None:
     """dq, dk, dv from the recomputed probabilities P: dv = P^T do, dP = do v^T,
     dS = P (dP - rowsum(do o)), dq = dS k · scale, dk = dS^T q · scale."""
-    q, k, v, scale = _attention_parts(low, _Shifted(node))
+    q, k, v, scale, mask = _attention_parts(low, _Shifted(node))
     do, o = low.view(node.inputs[0]), low.view(node.inputs[4])
-    probs = _probabilities(low, node, q, k, scale)
+    probs = _probabilities(low, node, q, k, scale, mask=mask)
     shape = probs.shape
     dv = emit_gemm(low, _transposed(probs), do, v.shape, q.dtype)
     dp = emit_gemm(low, do, _transposed(v), shape, q.dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from graphpar.ir.cuda_listing import Listing
 from graphpar.ir.graph import Program
 from graphpar.passes.lower_cuda import (  # noqa: F401 (register their ops)
+    attention_ops,
     comm_ops,
     compute_ops,
     conv_ops,

@@ -1,5 +1,6 @@
 """The convolution, pooling, batch-norm and routing lowerings (conv2d as im2col + GEMM, col2im,
-max pooling, batch norm, top-k, cumsum, scatter, softmax over any dim and its backward): their
+max pooling, batch norm, top-k, cumsum, scatter, softmax over any dim and its backward, nll_loss
+with class weights, attention with a mask tensor): their
 listings on the CPU equal the reference interpreter, the index kernels' CUDA C builds with nvcc
 -Werror, and (slow) runs on the host through the emulation header."""
 
@@ -26,7 +27,8 @@ GRAPH = """
 graph @windows(%x: f32[2,3,9,9] input, %w: f32[4,3,3,3] param, %cb: f32[4] param,
                %g: f32[2,4,4,4] input, %bw: f32[4] param, %bb: f32[4] param,
                %rm: f32[4] buffer, %rv: f32[4] buffer, %s: f32[3,5,6] input,
-               %idx: i64[3,5,2] input, %src: f32[3,5,2] input) {
+               %idx: i64[3,5,2] input, %src: f32[3,5,2] input, %lp: f32[6,5] input,
+               %tg: i64[6] input, %cw: f32[5] param) {
   %0 = conv2d(%x, %w, %cb) {stride=[2, 2], padding=[1, 1], dilation=[2, 2], groups=1}
       : f32[2,4,4,4]
   %1, %2, %3 = conv2d_backward(%g, %x, %w) {stride=[2, 2], padding=[1, 1], dilation=[2, 2],
@@ -46,10 +48,13 @@ graph @windows(%x: f32[2,3,9,9] input, %w: f32[4,3,3,3] param, %cb: f32[4] param
   %20 = scatter_add(%s, %idx, %src) {dim=2} : f32[3,5,6]
   %21 = softmax(%s) {dim=1} : f32[3,5,6]
   %22 = softmax_backward(%s, %21) {dim=1} : f32[3,5,6]
+  %23 = log_softmax(%lp) {dim=1} : f32[6,5]
+  %24, %25 = nll_loss(%23, %tg, %cw) {reduction=1, ignore_index=2} : f32[], f32[]
+  %26 = nll_loss_backward(%24, %23, %tg, %25, %cw) {reduction=1, ignore_index=2} : f32[6,5]
   return %0 output, %1 output, %2 output, %3 output, %4 output, %5 output, %6 output,
          %7 output, %8 output, %9 output, %10 output, %11 output, %12 output, %13 output,
          %14 output, %15 output, %16 output, %17 output, %18 output, %19 output, %20 output,
-         %21 output, %22 output
+         %21 output, %22 output, %24 output, %25 output, %26 output
 }
 """
 
@@ -64,6 +69,8 @@ def _inputs(graph) -> dict[str, torch.Tensor]:
     out = {v.name: torch.randn(v.type.shape, generator=gen) for v in graph.inputs
            if v.type.dtype != torch.int64}
     out["rv"] = out["rv"].abs() + 0.5
+    out["cw"] = out["cw"].abs() + 0.1  # class weights
+    out["tg"] = torch.tensor([0, 2, 4, 1, 2, 3])  # two rows ignored (ignore_index=2)
     # distinct positions per row, so scatter's result does not depend on write order
     out["idx"] = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(15)]).view(
         3, 5, 2)

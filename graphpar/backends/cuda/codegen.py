@@ -375,16 +375,20 @@ def _embedding(call: Call) -> str:
 def _nll_loss(call: Call) -> str:
     t, it = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]]
     dt, classes = call["dtype"], call["classes"]
+    weighted = call.get("weight") is not None
+    w = _load(dt, "weight[k]") if weighted else "1.0f"
+    weight_param = f"const {t}* weight, " if weighted else ""
     finish = "-s / n" if call["reduction"] == 1 else "-s"
     return f"""extern "C" __global__ void {call['name']}(const {t}* logp, const {it}* target,
-    {t}* loss, {t}* total_weight) {{
+    {weight_param}{t}* loss, {t}* total_weight) {{
   __shared__ float red[{BLOCK}];
   float s = 0.0f, c = 0.0f;
   for (long long i = threadIdx.x; i < {call['rows']}LL; i += blockDim.x) {{
     const long long k = (long long)target[i];
     if (k != {call['ignore_index']}LL) {{
-      s += {_load(dt, f'logp[i * {classes}LL + k]')};
-      c += 1.0f;
+      const float w = (float){w};
+      s += w * (float){_load(dt, f'logp[i * {classes}LL + k]')};
+      c += w;
     }}
   }}
   s = gp_block_sum(s, red);
@@ -400,15 +404,18 @@ def _nll_loss(call: Call) -> str:
 def _nll_loss_backward(call: Call) -> str:
     t, it, dt = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]], call["dtype"]
     classes = call["classes"]
+    weighted = call.get("weight") is not None
     scale = f"-{_load(dt, 'grad[0]')}" + (f" / {_load(dt, 'total_weight[0]')}"
                                           if call["reduction"] == 1 else "")
+    if weighted:
+        scale = f"({scale}) * {_load(dt, 'weight[k]')}"
     ignore = call["ignore_index"]
     value = _store(dt, f"(k == col && k != {ignore}LL) ? {scale} : 0.0f")
     body = [f"const long long row = i / {classes}LL;", f"const long long col = i % {classes}LL;",
             "const long long k = (long long)target[row];", f"y[i] = {value};"]
-    return _grid_stride(call["name"], [f"const {t}* grad", f"const {it}* target",
-                                       f"const {t}* total_weight", f"{t}* y"],
-                        call["rows"] * classes, body)
+    params = [f"const {t}* grad", f"const {it}* target"] + (
+        [f"const {t}* weight"] if weighted else []) + [f"const {t}* total_weight", f"{t}* y"]
+    return _grid_stride(call["name"], params, call["rows"] * classes, body)
 
 
 def _arange(call: Call) -> str:
@@ -469,10 +476,11 @@ def kernel_arguments(call: Call) -> list[str]:
     if kind in ("kernel.layer_norm", "kernel.rms_norm"):
         return (["x"] + [k for k in ("w", "b") if call.get(k) is not None] + ["y"]
                 + [k for k in ("mean", "rstd") if call.get(k) is not None])
+    weight = ["weight"] if call.get("weight") is not None else []
     if kind == "kernel.nll_loss":
-        return ["logp", "target", "loss", "total_weight"]
+        return ["logp", "target", *weight, "loss", "total_weight"]
     if kind == "kernel.nll_loss_backward":
-        return ["grad", "target", "total_weight", "y"]
+        return ["grad", "target", *weight, "total_weight", "y"]
     if kind == "kernel.arange":
         return ["y"]
     if kind == "kernel.embedding_backward":

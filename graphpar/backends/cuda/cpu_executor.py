@@ -284,11 +284,16 @@ class CpuListingExecutor:
         idx = self.tensor(c["index"], c["index_dtype"], (rows,), (1,))
         self._write(c["y"], c["dtype"], (rows, cols), (cols, 1), w[idx.long()])
 
+    def _class_weight(self, c: Call) -> torch.Tensor | None:
+        return None if c.get("weight") is None else self._flat(c["weight"], c["dtype"],
+                                                                  c["classes"])
+
     def _nll_loss(self, c: Call) -> None:
         logp = self._flat(c["logp"], c["dtype"], c["rows"] * c["classes"])
         target = self._flat(c["target"], c["target_dtype"], c["rows"])
         loss, total = torch.ops.aten.nll_loss_forward(
-            logp.view(c["rows"], c["classes"]), target, None, c["reduction"], c["ignore_index"])
+            logp.view(c["rows"], c["classes"]), target, self._class_weight(c), c["reduction"],
+            c["ignore_index"])
         self._write(c["loss"], c["dtype"], (), (), loss)
         self._write(c["total_weight"], c["dtype"], (), (), total)
 
@@ -298,7 +303,8 @@ class CpuListingExecutor:
         target = self._flat(c["target"], c["target_dtype"], rows)
         total = self.tensor(c["total_weight"], c["dtype"], (), ())
         shape = torch.empty(rows, classes, dtype=torch_dtype(c["dtype"]))
-        y = torch.ops.aten.nll_loss_backward(grad, shape, target, None, c["reduction"],
+        y = torch.ops.aten.nll_loss_backward(grad, shape, target, self._class_weight(c),
+                                             c["reduction"],
                                              c["ignore_index"], total)
         self._write(c["y"], c["dtype"], (rows, classes), (classes, 1), y)
 

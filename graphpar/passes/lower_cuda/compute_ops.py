@@ -294,39 +294,47 @@ def _index_kernel(low: Lowering, kind: str, params: list[tuple[str, Any]], reads
     low.emit(kind, params, reads, writes)
 
 
+def _class_weight(low: Lowering, node: Node, index: int) -> tuple[list, list]:
+    """The optional class-weight operand: its ("weight", address) parameter and read, or
+    nothing (an unweighted call's parameters stay as they were)."""
+    if len(node.inputs) > index and isinstance(node.inputs[index], Value):
+        w = low.contiguous(node.inputs[index])
+        return [("weight", low.addr(w))], [w]
+    return [], []
+
+
 def _nll_loss(low: Lowering, node: Node) -> None:
-    """-logp[i, target[i]] summed (reduction 2) or averaged (1) over rows whose target is not
-    ignore_index; total_weight is the number of such rows."""
+    """-w[t]·logp[i, t = target[i]] summed (reduction 2) or divided by Σ w[t] (1) over rows
+    whose target is not ignore_index; total_weight is Σ w[t] (w = 1 without class weights:
+    the number of such rows)."""
     logp, target = low.contiguous(node.inputs[0]), low.contiguous(node.inputs[1])
-    if len(node.inputs) > 2 and isinstance(node.inputs[2], Value):
-        raise UnsupportedOpError("nll_loss with class weights")
     if len(logp.shape) != 2:
         raise UnsupportedOpError("nll_loss over other than [rows, classes]")
+    weight, weight_read = _class_weight(low, node, 2)
     loss, total = (low.new_view(o.type.shape, o.type.dtype) for o in node.outputs)
     _index_kernel(low, "kernel.nll_loss", [
         ("rows", logp.shape[0]), ("classes", logp.shape[1]), ("dtype", dtype_name(logp.dtype)),
         ("target_dtype", dtype_name(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
         ("ignore_index", node.attrs.get("ignore_index", -100)), ("logp", low.addr(logp)),
-        ("target", low.addr(target)), ("loss", low.addr(loss)),
-        ("total_weight", low.addr(total))], [logp, target], [loss, total],
-        ("logp", "target", "loss", "total_weight"))
+        ("target", low.addr(target)), *weight, ("loss", low.addr(loss)),
+        ("total_weight", low.addr(total))], [logp, target, *weight_read], [loss, total],
+        ("logp", "target", "weight", "loss", "total_weight"))
     low.bind(node.outputs[0], loss)
     low.bind(node.outputs[1], total)
 
 
 def _nll_loss_backward(low: Lowering, node: Node) -> None:
     g, logp, target, total = (low.contiguous(x) for x in node.inputs[:4])
-    if len(node.inputs) > 4 and isinstance(node.inputs[4], Value):
-        raise UnsupportedOpError("nll_loss_backward with class weights")
+    weight, weight_read = _class_weight(low, node, 4)
     t = node.output.type
     out = low.new_view(t.shape, t.dtype)
     _index_kernel(low, "kernel.nll_loss_backward", [
         ("rows", t.shape[0]), ("classes", t.shape[1]), ("dtype", dtype_name(t.dtype)),
         ("target_dtype", dtype_name(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
         ("ignore_index", node.attrs.get("ignore_index", -100)), ("grad", low.addr(g)),
-        ("target", low.addr(target)), ("total_weight", low.addr(total)),
-        ("y", low.addr(out))], [g, target, total], [out],
-        ("grad", "target", "total_weight", "y"))
+        ("target", low.addr(target)), *weight, ("total_weight", low.addr(total)),
+        ("y", low.addr(out))], [g, target, total, *weight_read], [out],
+        ("grad", "target", "weight", "total_weight", "y"))
     low.bind(node.output, out)
 
 

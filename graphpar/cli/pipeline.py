@@ -33,8 +33,6 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
-    if args.lower:
-        raise UsageError("--lower cuda lowers SPMD programs; it does not take --pipeline yet")
     if args.trace and not args.run_cpu:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
 
@@ -107,6 +105,9 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         (staging / ir_name).write_text(print_program(compiled.program, show_source=True))
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
+        if args.lower == "cuda":
+            with step("lowering every stage program to CUDA listings"):
+                summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
         if args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
@@ -132,6 +133,19 @@ def annotate_stage_estimates(program, plan) -> None:
             stage = plan.stages[found[0]]
             graph.attrs["est_seconds"] = float(stage.est_seconds)
             graph.attrs["mem_bytes"] = int(stage.mem_bytes)
+
+def lower_stage_programs(program, directory: Path) -> dict:
+    """Each graph of the MPMD program (a stage's forward, backward, update) lowered to one
+    listing per device of its sub-mesh, written to `directory/<graph>/`; their reports."""
+    from graphpar.cli.cuda import cuda_report, write_listings
+    from graphpar.passes.lower_cuda import lower_to_listing
+
+    reports = {}
+    for graph in program:
+        listings = [lower_to_listing(graph, graph.mesh, r) for r in range(graph.mesh.size)]
+        write_listings(listings, directory / graph.name)
+        reports[graph.name] = cuda_report(listings)
+    return reports
 
 
 def pipeline_report(plan, pipe, schedule: str) -> dict:
@@ -218,6 +232,12 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
             print(f"             {line}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")
+    for name, c in s.get("cuda", {}).items():
+        print(f"  cuda       {name}: {c['calls_per_device'][0]} calls, "
+              f"{c['generated_kernels']} generated kernels, arena "
+              f"{max(c['arena_bytes_planned'])} B planned (lower bound "
+              f"{max(c['arena_lower_bound_bytes'])} B) per device; "
+              f"{ir_path.parent / 'cuda' / name}/")
     print(f"  wrote      {ir_path}, {report_path}")
 
 

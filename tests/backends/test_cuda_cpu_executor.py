@@ -36,7 +36,11 @@ CASES = [("mlp", "infer"), ("gpt", "infer"), ("mlp", "train"),
          pytest.param("llama", "infer", marks=pytest.mark.slow),
          pytest.param("bert", "infer", marks=pytest.mark.slow),
          pytest.param("llama", "train", marks=pytest.mark.slow),  # grouped-query backward
-         pytest.param("bert", "train", marks=pytest.mark.slow)]
+         pytest.param("bert", "train", marks=pytest.mark.slow),
+         ("wide_resnet", "train"),  # convolutions, pooling, batch norm and their backwards
+         pytest.param("wide_resnet", "infer", marks=pytest.mark.slow),
+         pytest.param("moe", "infer", marks=pytest.mark.slow),  # top-k, cumsum
+         pytest.param("moe", "train", marks=pytest.mark.slow)]  # scatter, softmax_backward
 
 
 @pytest.mark.parametrize("name, mode", CASES)

@@ -20,7 +20,8 @@ from graphpar.passes.lower_cuda import CudaListings  # noqa: E402
 
 
 @pytest.mark.parametrize("name, mode", [("mlp", "infer"), ("gpt", "infer"), ("llama", "infer"),
-                                        ("mlp", "train")])
+                                        ("mlp", "train"), ("moe", "train"),
+                                        ("wide_resnet", "train")])
 def test_gpu_run_of_a_listing_equals_its_cpu_run(name, mode):
     ex = get_model(name, "tiny", train=mode == "train")
     spec = ModelSpec(name, ex.module, ex.inputs, ex.loss_fn, ex.targets)

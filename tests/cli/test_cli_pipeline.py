@@ -21,7 +21,7 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
     code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
                              "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
                              "--microbatches", "2", "--schedule", "zb", "--run-cpu", "2",
-                             "--trace", trace, "--out", tmp_path / "out")
+                             "--trace", trace, "--lower", "cuda", "--out", tmp_path / "out")
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     pipe = report["pipeline"]
@@ -31,7 +31,8 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
     assert run["errors"] and all(e["tolerance_used"] <= 1 for e in run["errors"].values()), (
         run["error_lines"])
     assert run["bytes_between_stages_measured"] == run["bytes_between_stages_predicted"] > 0
-    program = parse_program((tmp_path / "out" / report["files"][0]).read_text())
+    ir_file = next(f for f in report["files"] if f.endswith(".gpir"))
+    program = parse_program((tmp_path / "out" / ir_file).read_text())
     names = [g.name for g in program]
     assert {"stage0_forward", "stage1_forward", "stage0_backward", "stage1_backward"} <= set(
         names)
@@ -39,6 +40,15 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
         stage = pipe["stages"][int(g.name[len("stage")])]
         assert g.attrs == {"est_seconds": stage["seconds_per_microbatch_estimated"],
                            "mem_bytes": stage["memory_bytes_per_device_estimated"]}
+    # --lower cuda: every stage program's listing, sends and receives as NCCL calls
+    cuda = report["cuda"]
+    assert set(cuda) == set(names)
+    assert cuda["stage0_forward"]["calls_by_kind_rank0"].get("nccl.send", 0) > 0
+    assert cuda["stage1_forward"]["calls_by_kind_rank0"].get("nccl.recv", 0) > 0
+    assert all(c["arena_bytes_planned"][0] >= c["arena_lower_bound_bytes"][0] for c in
+               cuda.values())
+    assert (tmp_path / "out" / "cuda" / "stage1_backward" / "rank0.calls").read_text(
+        ).startswith("listing @stage1_backward rank=0")
     assert json.loads(trace.read_text())["traceEvents"]
     assert "2 stages, 2 microbatches, schedule zb" in out
 

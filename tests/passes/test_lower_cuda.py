@@ -101,10 +101,10 @@ graph @main(%q: f32[1,2,4,8] input, %k: f32[1,2,4,8] input, %v: f32[1,2,4,8] inp
 
 
 def test_an_op_without_lowering_names_the_op_and_node():
-    with pytest.raises(UnsupportedOpError, match=r"node 0 \(cumsum\).*op 'cumsum' has no CUDA"):
+    with pytest.raises(UnsupportedOpError, match=r"node 0 \(argmax\).*op 'argmax' has no CUDA"):
         _lower("""
 graph @main(%x: f32[4,8] input) {
-  %0 = cumsum(%x) {dim=1} : f32[4,8]
+  %0 = argmax(%x) {dim=1} : i64[4]
   return %0 output
 }
 """)

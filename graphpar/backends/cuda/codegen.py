@@ -17,6 +17,13 @@ from typing import Any
 
 import torch
 
+from graphpar.backends.cuda.c_source import BLOCK, STORAGE
+from graphpar.backends.cuda.c_source import compute_type as _compute_type
+from graphpar.backends.cuda.c_source import grid_stride as _grid_stride
+from graphpar.backends.cuda.c_source import literal as _literal
+from graphpar.backends.cuda.c_source import load as _load
+from graphpar.backends.cuda.c_source import store as _store
+from graphpar.backends.cuda.index_kernels import INDEX_KERNELS
 from graphpar.errors import UnsupportedOpError
 from graphpar.ir.cuda_listing import Apply, Call, Const, Expr, Leaf, Listing, parse_expr
 from graphpar.ir.registry import dtype as torch_dtype
@@ -25,12 +32,6 @@ from graphpar.ir.types import DTYPE_NAMES, TensorType
 
 __all__ = ["BLOCK", "PRELUDE", "kernel_arguments", "kernel_source", "launch_shape",
            "module_source"]
-
-BLOCK = 256  # threads per block of every generated kernel
-
-STORAGE = {"f32": "float", "f64": "double", "f16": "__half", "bf16": "__nv_bfloat16",
-           "i64": "long long", "i32": "int", "i16": "short", "i8": "signed char",
-           "u8": "unsigned char", "bool": "bool"}
 
 PRELUDE = """\
 #ifndef GP_HOST_EMULATION  // tests build the kernels for the host with an emulation header
@@ -65,27 +66,6 @@ __device__ __forceinline__ float gp_block_max(float v, float* red) {
 """
 
 
-def _compute_type(dtype: str) -> str:
-    """The C type arithmetic runs in: half types compute in float."""
-    return "float" if dtype in ("f16", "bf16") else STORAGE[dtype]
-
-
-def _load(dtype: str, expr: str) -> str:
-    if dtype == "f16":
-        return f"__half2float({expr})"
-    if dtype == "bf16":
-        return f"__bfloat162float({expr})"
-    return expr
-
-
-def _store(dtype: str, expr: str) -> str:
-    if dtype == "f16":
-        return f"__float2half({expr})"
-    if dtype == "bf16":
-        return f"__float2bfloat16({expr})"
-    return f"({STORAGE[dtype]})({expr})"
-
-
 # ------------------------------------------------------------------------- expressions
 
 _FLOAT_FUNCS = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh", "erf",
@@ -95,24 +75,6 @@ _FLOAT_FUNCS = ("exp", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "
 def _fn(name: str, ctype: str) -> str:
     """The float (`expf`) or double (`exp`) form of a math function."""
     return name + "f" if ctype == "float" else name
-
-
-def _literal(value: Any, ctype: str) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int) and ctype not in ("float", "double"):
-        return f"({ctype})({value}LL)"
-    v = float(value)
-    if math.isnan(v) or math.isinf(v):
-        bits = {"float": ("__int_as_float", {1: "0x7f800000", -1: "0xff800000", 0: "0x7fc00000"}),
-                "double": ("__longlong_as_double", {1: "0x7ff0000000000000LL",
-                                                    -1: "0xfff0000000000000LL",
-                                                    0: "0x7ff8000000000000LL"})}
-        fn, table = bits.get(ctype, bits["float"])
-        sign = 0 if math.isnan(v) else (1 if v > 0 else -1)
-        return f"({ctype}){fn}({table[sign]})"
-    text = repr(v)
-    return f"{text}f" if ctype == "float" else f"({ctype}){text}"
 
 
 def _formula(op: str, a: list[str], attrs: dict[str, Any], t: str) -> str:
@@ -291,13 +253,6 @@ def _pointwise(call: Call) -> str:
     return _grid_stride(call["name"], params, call["n"], body)
 
 
-def _grid_stride(name: str, params: list[str], n: int, body: list[str]) -> str:
-    inner = "\n".join("    " + line for line in body)
-    return (f'extern "C" __global__ void {name}({", ".join(params)}) {{\n'
-            f"  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}LL;\n"
-            f"       i += (long long)gridDim.x * blockDim.x) {{\n{inner}\n  }}\n}}\n")
-
-
 def _softmax(call: Call) -> str:
     t, cols = STORAGE[call["dtype"]], call["cols"]
     dt = call["dtype"]
@@ -420,16 +375,20 @@ def _embedding(call: Call) -> str:
 def _nll_loss(call: Call) -> str:
     t, it = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]]
     dt, classes = call["dtype"], call["classes"]
+    weighted = call.get("weight") is not None
+    w = _load(dt, "weight[k]") if weighted else "1.0f"
+    weight_param = f"const {t}* weight, " if weighted else ""
     finish = "-s / n" if call["reduction"] == 1 else "-s"
     return f"""extern "C" __global__ void {call['name']}(const {t}* logp, const {it}* target,
-    {t}* loss, {t}* total_weight) {{
+    {weight_param}{t}* loss, {t}* total_weight) {{
   __shared__ float red[{BLOCK}];
   float s = 0.0f, c = 0.0f;
   for (long long i = threadIdx.x; i < {call['rows']}LL; i += blockDim.x) {{
     const long long k = (long long)target[i];
     if (k != {call['ignore_index']}LL) {{
-      s += {_load(dt, f'logp[i * {classes}LL + k]')};
-      c += 1.0f;
+      const float w = (float){w};
+      s += w * (float){_load(dt, f'logp[i * {classes}LL + k]')};
+      c += w;
     }}
   }}
   s = gp_block_sum(s, red);
@@ -445,15 +404,18 @@ def _nll_loss(call: Call) -> str:
 def _nll_loss_backward(call: Call) -> str:
     t, it, dt = STORAGE[call["dtype"]], STORAGE[call["target_dtype"]], call["dtype"]
     classes = call["classes"]
+    weighted = call.get("weight") is not None
     scale = f"-{_load(dt, 'grad[0]')}" + (f" / {_load(dt, 'total_weight[0]')}"
                                           if call["reduction"] == 1 else "")
+    if weighted:
+        scale = f"({scale}) * {_load(dt, 'weight[k]')}"
     ignore = call["ignore_index"]
     value = _store(dt, f"(k == col && k != {ignore}LL) ? {scale} : 0.0f")
     body = [f"const long long row = i / {classes}LL;", f"const long long col = i % {classes}LL;",
             "const long long k = (long long)target[row];", f"y[i] = {value};"]
-    return _grid_stride(call["name"], [f"const {t}* grad", f"const {it}* target",
-                                       f"const {t}* total_weight", f"{t}* y"],
-                        call["rows"] * classes, body)
+    params = [f"const {t}* grad", f"const {it}* target"] + (
+        [f"const {t}* weight"] if weighted else []) + [f"const {t}* total_weight", f"{t}* y"]
+    return _grid_stride(call["name"], params, call["rows"] * classes, body)
 
 
 def _arange(call: Call) -> str:
@@ -480,7 +442,8 @@ _GENERATORS = {"kernel.pointwise": _pointwise, "kernel.softmax": _softmax,
                "kernel.rms_norm": _norm, "kernel.reduce": _reduce,
                "kernel.embedding": _embedding, "kernel.nll_loss": _nll_loss,
                "kernel.nll_loss_backward": _nll_loss_backward, "kernel.arange": _arange,
-               "kernel.embedding_backward": _embedding_backward}
+               "kernel.embedding_backward": _embedding_backward,
+               **{kind: k.source for kind, k in INDEX_KERNELS.items()}}
 
 
 def kernel_source(call: Call) -> str:
@@ -504,6 +467,8 @@ def module_source(calls: Iterable[Call] | Listing) -> str:
 def kernel_arguments(call: Call) -> list[str]:
     """The parameters holding the launch's pointer arguments, in the kernel's order."""
     kind = call.kind
+    if kind in INDEX_KERNELS:
+        return list(INDEX_KERNELS[kind].arguments)
     if kind == "kernel.pointwise":
         return ["out", *_inputs(call)]
     if kind in ("kernel.softmax", "kernel.log_softmax"):
@@ -511,10 +476,11 @@ def kernel_arguments(call: Call) -> list[str]:
     if kind in ("kernel.layer_norm", "kernel.rms_norm"):
         return (["x"] + [k for k in ("w", "b") if call.get(k) is not None] + ["y"]
                 + [k for k in ("mean", "rstd") if call.get(k) is not None])
+    weight = ["weight"] if call.get("weight") is not None else []
     if kind == "kernel.nll_loss":
-        return ["logp", "target", "loss", "total_weight"]
+        return ["logp", "target", *weight, "loss", "total_weight"]
     if kind == "kernel.nll_loss_backward":
-        return ["grad", "target", "total_weight", "y"]
+        return ["grad", "target", *weight, "total_weight", "y"]
     if kind == "kernel.arange":
         return ["y"]
     if kind == "kernel.embedding_backward":
@@ -537,6 +503,8 @@ def launch_shape(call: Call) -> tuple[int, int]:
         n = call["n"]
     elif kind == "kernel.nll_loss_backward":
         n = call["rows"] * call["classes"]
+    elif kind in INDEX_KERNELS:
+        n = INDEX_KERNELS[kind].threads(call)
     elif kind == "kernel.reduce":
         n = math.prod(s for d, s in enumerate(call["shape"]) if d not in call["dims"])
     else:

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from graphpar.backends.cuda.cpu_index_kernels import run_index_kernel
 from graphpar.errors import BackendError
 from graphpar.ir import paged_reference
 from graphpar.ir.cuda_listing import ALIGNMENT, Addr, Call, Const, Leaf, Listing, parse_expr
@@ -28,6 +29,10 @@ from graphpar.ir.registry import dtype as torch_dtype
 from graphpar.ir.registry import get_op
 
 __all__ = ["CpuListingExecutor", "ListingComm", "evaluate_expr", "run_paged_call"]
+
+INDEX_KERNEL_KINDS = ("kernel.im2col", "kernel.col2im", "kernel.max_pool2d",
+                      "kernel.max_pool2d_backward", "kernel.cumsum", "kernel.topk",
+                      "kernel.scatter")
 
 POISON = 0xFF  # every float made of these bytes is a NaN
 
@@ -102,6 +107,8 @@ class CpuListingExecutor:
         base = region[addr.offset:].view(dt)
         return torch.as_strided(base, tuple(shape), tuple(strides))
 
+    torch_dtype = staticmethod(torch_dtype)
+
     def _wrote(self, addr: Addr, nbytes: int) -> None:
         if addr.region == "arena":
             end = -(-(addr.offset + nbytes) // ALIGNMENT) * ALIGNMENT
@@ -175,6 +182,8 @@ class CpuListingExecutor:
         elif kind in ("kernel.nll_loss", "kernel.nll_loss_backward", "kernel.arange",
                       "kernel.embedding_backward"):
             getattr(self, "_" + kind.split(".")[1])(call)
+        elif kind in INDEX_KERNEL_KINDS:
+            run_index_kernel(self, call)
         elif kind == "cuda.memsetAsync":
             self._bytes(call["dst"], call["count"]).fill_(call["value"])
             self._wrote(call["dst"], call["count"])
@@ -275,11 +284,16 @@ class CpuListingExecutor:
         idx = self.tensor(c["index"], c["index_dtype"], (rows,), (1,))
         self._write(c["y"], c["dtype"], (rows, cols), (cols, 1), w[idx.long()])
 
+    def _class_weight(self, c: Call) -> torch.Tensor | None:
+        return None if c.get("weight") is None else self._flat(c["weight"], c["dtype"],
+                                                                  c["classes"])
+
     def _nll_loss(self, c: Call) -> None:
         logp = self._flat(c["logp"], c["dtype"], c["rows"] * c["classes"])
         target = self._flat(c["target"], c["target_dtype"], c["rows"])
         loss, total = torch.ops.aten.nll_loss_forward(
-            logp.view(c["rows"], c["classes"]), target, None, c["reduction"], c["ignore_index"])
+            logp.view(c["rows"], c["classes"]), target, self._class_weight(c), c["reduction"],
+            c["ignore_index"])
         self._write(c["loss"], c["dtype"], (), (), loss)
         self._write(c["total_weight"], c["dtype"], (), (), total)
 
@@ -289,7 +303,8 @@ class CpuListingExecutor:
         target = self._flat(c["target"], c["target_dtype"], rows)
         total = self.tensor(c["total_weight"], c["dtype"], (), ())
         shape = torch.empty(rows, classes, dtype=torch_dtype(c["dtype"]))
-        y = torch.ops.aten.nll_loss_backward(grad, shape, target, None, c["reduction"],
+        y = torch.ops.aten.nll_loss_backward(grad, shape, target, self._class_weight(c),
+                                             c["reduction"],
                                              c["ignore_index"], total)
         self._write(c["y"], c["dtype"], (rows, classes), (classes, 1), y)
 

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 from graphpar.ir.cuda_listing import Listing
 from graphpar.ir.graph import Program
-from graphpar.passes.lower_cuda import comm_ops, compute_ops, shape_ops  # noqa: F401 (register)
+from graphpar.passes.lower_cuda import (  # noqa: F401 (register their ops)
+    attention_ops,
+    comm_ops,
+    compute_ops,
+    conv_ops,
+    index_ops,
+    shape_ops,
+)
 from graphpar.passes.lower_cuda.lowering import UnsupportedLowering, lower_to_listing
 from graphpar.passes.manager import Pass, PassContext, register_pass
 

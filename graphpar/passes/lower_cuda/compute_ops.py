@@ -1,5 +1,6 @@
-"""lower-cuda for compute: GEMMs, attention, row-wise kernels, reductions, index kernels and
-the paged-attention kernels."""
+"""lower-cuda for compute: GEMMs, row-wise kernels, reductions, index kernels and the
+paged-attention kernels (attention: attention_ops; convolutions, pooling, batch norm:
+conv_ops; top-k, cumsum, scatter: index_ops)."""
 
 from __future__ import annotations
 
@@ -128,109 +129,6 @@ def _linear(low: Lowering, node: Node) -> None:
     low.bind(node.output, Pending(expr, t.shape, t.dtype))
 
 
-def _attention_parts(low: Lowering, node: Node):
-    q, k, v = node.inputs[:3]
-    mask = node.inputs[3] if len(node.inputs) > 3 else None
-    if isinstance(mask, Value):
-        raise UnsupportedOpError("attention with a mask tensor (only causal masks lower)")
-    qt, kt = q.type, k.type
-    vq, vk, vv = low.view(q), low.view(k), low.view(v)
-    if kt.shape[-3] != qt.shape[-3]:  # grouped-query: each K/V head serves a query group
-        vk, vv = (_repeat_heads(low, x, qt.shape[-3]) for x in (vk, vv))
-    scale = node.attrs.get("scale")
-    scale = 1.0 / math.sqrt(qt.shape[-1]) if scale is None else scale
-    return vq, vk, vv, scale
-
-
-def _transposed(v: View) -> View:
-    rank = len(v.shape)
-    return permute_view(v, tuple(range(rank - 2)) + (rank - 1, rank - 2))
-
-
-def _probabilities(low: Lowering, node: Node, q: View, k: View, scale: float,
-                   lse: View | None = None) -> View:
-    """softmax(q k^T · scale) (causal if the node says so), and its log-sum-exp per row."""
-    batch, sq, sk = q.shape[:-2], q.shape[-2], k.shape[-2]
-    scores = emit_gemm(low, q, _transposed(k), batch + (sq, sk), q.dtype, alpha=scale)
-    probs = low.new_view(scores.shape, scores.dtype)
-    extra: list[tuple[str, Any]] = [("causal", bool(node.attrs.get("causal"))), ("sq", sq)]
-    if lse is not None:
-        extra.append(("lse", low.addr(lse)))
-    _rowwise(low, "softmax", scores, probs, rows=math.prod(batch) * sq, cols=sk, extra=extra,
-             more_writes=[lse] if lse is not None else [])
-    return probs
-
-
-def _attention(low: Lowering, node: Node) -> None:
-    """GEMM (scores, scaled) -> softmax kernel (causal mask; with_lse: the log-sum-exp too) ->
-    GEMM."""
-    q, k, v, scale = _attention_parts(low, node)
-    lse = None
-    if node.op == "attention_with_lse":
-        lt = node.outputs[1].type
-        lse = low.new_view(lt.shape, lt.dtype)
-    probs = _probabilities(low, node, q, k, scale, lse)
-    low.bind(node.outputs[0], emit_gemm(low, probs, v, node.outputs[0].type.shape, q.dtype))
-    if lse is not None:
-        low.bind(node.outputs[1], lse)
-
-
-def _attention_backward(low: Lowering, node: Node) -> None:
-    """dq, dk, dv from the recomputed probabilities P: dv = P^T do, dP = do v^T,
-    dS = P (dP - rowsum(do o)), dq = dS k · scale, dk = dS^T q · scale."""
-    q, k, v, scale = _attention_parts(low, _Shifted(node))
-    do, o = low.view(node.inputs[0]), low.view(node.inputs[4])
-    probs = _probabilities(low, node, q, k, scale)
-    shape = probs.shape
-    dv = emit_gemm(low, _transposed(probs), do, v.shape, q.dtype)
-    dp = emit_gemm(low, do, _transposed(v), shape, q.dtype)
-    rank = len(do.shape)
-    rows = emit_reduce(low, Pending(("apply", "mul", (("leaf", do), ("leaf", o)), ()), do.shape,
-                                    do.dtype), (rank - 1,), "sum")
-    rows = broadcast_view(_keepdim(rows, (rank - 1,), rank), shape)
-    ds = low.materialize(Pending(("apply", "mul", (("leaf", probs), ("apply", "sub", (
-        ("leaf", dp), ("leaf", rows)), ())), ()), shape, probs.dtype))
-    dq = emit_gemm(low, ds, k, node.outputs[0].type.shape, q.dtype, alpha=scale)
-    dk = emit_gemm(low, _transposed(ds), q, k.shape, q.dtype, alpha=scale)
-    kv_heads = node.outputs[1].type.shape[-3]
-    if kv_heads != k.shape[-3]:  # grouped-query: sum each K/V head's gradient over its group
-        dk, dv = (_sum_groups(low, x, kv_heads) for x in (dk, dv))
-    for value, view in zip(node.outputs, (dq, dk, dv)):
-        low.bind(value, view)
-
-
-def _sum_groups(low: Lowering, x: View, kv_heads: int) -> View:
-    """[.., heads, S, D] dense -> [.., kv_heads, S, D]: the sum over each head's group."""
-    *batch, heads, s, d = x.shape
-    grouped = (*batch, kv_heads, heads // kv_heads, s, d)
-    view = View(x.buf, x.offset, grouped, contiguous_strides(grouped), x.dtype)
-    out = emit_reduce(low, view, (len(batch) + 1,), "sum")
-    shape = (*batch, kv_heads, s, d)
-    return View(out.buf, 0, shape, contiguous_strides(shape), x.dtype)
-
-
-class _Shifted:
-    """attention_backward's operands seen as attention's (q, k, v first)."""
-
-    def __init__(self, node: Node):
-        self.op = "attention_backward"
-        self.inputs = node.inputs[1:4] + node.inputs[6:7]
-        self.attrs = node.attrs
-
-
-def _repeat_heads(low: Lowering, x: View, heads: int) -> View:
-    """K or V [.., kv_heads, S, D] with each head repeated for its query group: [.., heads,
-    S, D], made dense by one copy (grouped-query attention as plain batched GEMMs)."""
-    *batch, kv_heads, s, d = x.shape
-    group = heads // kv_heads
-    shape = (*batch, kv_heads, group, s, d)
-    strides = (*x.strides[:-3], x.strides[-3], 0, *x.strides[-2:])
-    dense = low.materialize(Pending(("leaf", View(x.buf, x.offset, shape, strides, x.dtype)),
-                                    shape, x.dtype))
-    out_shape = (*batch, heads, s, d)
-    return View(dense.buf, 0, out_shape, contiguous_strides(out_shape), x.dtype)
-
-
 # ------------------------------------------------------------------------- row-wise kernels
 
 def _rowwise(low: Lowering, template: str, x: View, out: View, rows: int, cols: int,
@@ -250,15 +148,22 @@ def _rowwise(low: Lowering, template: str, x: View, out: View, rows: int, cols: 
 
 
 def _softmax(low: Lowering, node: Node) -> None:
+    """A row-wise kernel over the last dim; another dim is first made last by one copy, and
+    the result is read back through the inverse permutation (no call)."""
     t = node.output.type
-    if node.attrs["dim"] % t.rank != t.rank - 1:
-        raise UnsupportedOpError("softmax over a dim other than the last")
-    x = low.contiguous(node.inputs[0])
-    out = low.new_view(t.shape, t.dtype)
+    dim = node.attrs["dim"] % t.rank
+    order = tuple(d for d in range(t.rank) if d != dim) + (dim,)
+    if dim == t.rank - 1:
+        x = low.contiguous(node.inputs[0])
+    else:
+        moved = permute_view(low.view(node.inputs[0]), order)
+        x = low.materialize(Pending(("leaf", moved), moved.shape, moved.dtype))
+    out = low.new_view(x.shape, t.dtype)
     template = "softmax" if node.op == "softmax" else "log_softmax"
-    _rowwise(low, template, x, out, rows=t.numel // t.shape[-1], cols=t.shape[-1],
+    _rowwise(low, template, x, out, rows=t.numel // t.shape[dim], cols=t.shape[dim],
              extra=[("causal", False), ("sq", 1)])
-    low.bind(node.output, out)
+    inverse = tuple(order.index(d) for d in range(t.rank))
+    low.bind(node.output, out if dim == t.rank - 1 else permute_view(out, inverse))
 
 
 def _norm(low: Lowering, node: Node) -> None:
@@ -389,39 +294,47 @@ def _index_kernel(low: Lowering, kind: str, params: list[tuple[str, Any]], reads
     low.emit(kind, params, reads, writes)
 
 
+def _class_weight(low: Lowering, node: Node, index: int) -> tuple[list, list]:
+    """The optional class-weight operand: its ("weight", address) parameter and read, or
+    nothing (an unweighted call's parameters stay as they were)."""
+    if len(node.inputs) > index and isinstance(node.inputs[index], Value):
+        w = low.contiguous(node.inputs[index])
+        return [("weight", low.addr(w))], [w]
+    return [], []
+
+
 def _nll_loss(low: Lowering, node: Node) -> None:
-    """-logp[i, target[i]] summed (reduction 2) or averaged (1) over rows whose target is not
-    ignore_index; total_weight is the number of such rows."""
+    """-w[t]·logp[i, t = target[i]] summed (reduction 2) or divided by Σ w[t] (1) over rows
+    whose target is not ignore_index; total_weight is Σ w[t] (w = 1 without class weights:
+    the number of such rows)."""
     logp, target = low.contiguous(node.inputs[0]), low.contiguous(node.inputs[1])
-    if len(node.inputs) > 2 and isinstance(node.inputs[2], Value):
-        raise UnsupportedOpError("nll_loss with class weights")
     if len(logp.shape) != 2:
         raise UnsupportedOpError("nll_loss over other than [rows, classes]")
+    weight, weight_read = _class_weight(low, node, 2)
     loss, total = (low.new_view(o.type.shape, o.type.dtype) for o in node.outputs)
     _index_kernel(low, "kernel.nll_loss", [
         ("rows", logp.shape[0]), ("classes", logp.shape[1]), ("dtype", dtype_name(logp.dtype)),
         ("target_dtype", dtype_name(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
         ("ignore_index", node.attrs.get("ignore_index", -100)), ("logp", low.addr(logp)),
-        ("target", low.addr(target)), ("loss", low.addr(loss)),
-        ("total_weight", low.addr(total))], [logp, target], [loss, total],
-        ("logp", "target", "loss", "total_weight"))
+        ("target", low.addr(target)), *weight, ("loss", low.addr(loss)),
+        ("total_weight", low.addr(total))], [logp, target, *weight_read], [loss, total],
+        ("logp", "target", "weight", "loss", "total_weight"))
     low.bind(node.outputs[0], loss)
     low.bind(node.outputs[1], total)
 
 
 def _nll_loss_backward(low: Lowering, node: Node) -> None:
     g, logp, target, total = (low.contiguous(x) for x in node.inputs[:4])
-    if len(node.inputs) > 4 and isinstance(node.inputs[4], Value):
-        raise UnsupportedOpError("nll_loss_backward with class weights")
+    weight, weight_read = _class_weight(low, node, 4)
     t = node.output.type
     out = low.new_view(t.shape, t.dtype)
     _index_kernel(low, "kernel.nll_loss_backward", [
         ("rows", t.shape[0]), ("classes", t.shape[1]), ("dtype", dtype_name(t.dtype)),
         ("target_dtype", dtype_name(target.dtype)), ("reduction", node.attrs.get("reduction", 1)),
         ("ignore_index", node.attrs.get("ignore_index", -100)), ("grad", low.addr(g)),
-        ("target", low.addr(target)), ("total_weight", low.addr(total)),
-        ("y", low.addr(out))], [g, target, total], [out],
-        ("grad", "target", "total_weight", "y"))
+        ("target", low.addr(target)), *weight, ("total_weight", low.addr(total)),
+        ("y", low.addr(out))], [g, target, total, *weight_read], [out],
+        ("grad", "target", "weight", "total_weight", "y"))
     low.bind(node.output, out)
 
 
@@ -501,9 +414,6 @@ HANDLERS.update({
     "paged_attention": _paged_attention,
     "matmul": _matmul,
     "linear": _linear,
-    "attention": _attention,
-    "attention_with_lse": _attention,
-    "attention_backward": _attention_backward,
     "layer_norm_with_stats": _norm,
     "layer_norm_backward": _layer_norm_backward,
     "log_softmax_backward": _log_softmax_backward,

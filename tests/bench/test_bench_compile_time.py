@@ -5,9 +5,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "compile_time.py"
 
 
+@pytest.mark.slow
 def test_compile_time_bench_writes_a_row_per_model_and_mesh(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_compile_time", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

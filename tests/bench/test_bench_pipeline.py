@@ -5,9 +5,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "pipeline.py"
 
 
+@pytest.mark.slow
 def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

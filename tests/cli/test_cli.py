@@ -161,6 +161,7 @@ def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
     assert "run-cpu    2 ranks" in out
 
 
+@pytest.mark.slow
 def test_run_cpu_in_train_mode_checks_every_gradient_update_and_state(tmp_path):
     """`--mode train --run-cpu` compares the loss, every gradient, updated parameter and Adam
     state with eager PyTorch + torch.optim, and names the worst tensor of each kind."""

@@ -4,9 +4,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "serve.py"
 
 
+@pytest.mark.slow
 def test_serve_bench_writes_rows(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
     bench = importlib.util.module_from_spec(spec)

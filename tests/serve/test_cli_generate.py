@@ -55,6 +55,7 @@ def test_generate_usage_errors(tmp_path, capsys):
     assert "needs a model file or --example" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_on_two_tensor_parallel_ranks(prompts_file, tmp_path, capsys):
     """The same greedy tokens as one rank, served by two (gloo) ranks."""
     outs = []

@@ -65,12 +65,18 @@ class PlaceReport:
 
 
 def _profiles(spec: PlaceSpec) -> dict[str, LayerProfile]:
+    from graphpar.errors import GraphparError, PlacementSpecError
+
     out = {}
-    for m in spec.models:
-        if m.example is not None:
-            out[m.name] = profile_example(m.example, spec.dtype, spec.preset)
-        else:
-            out[m.name] = profile_file(m.path, spec.dtype, spec.preset)
+    for i, m in enumerate(spec.models):
+        try:
+            if m.example is not None:
+                out[m.name] = profile_example(m.example, spec.dtype, spec.preset)
+            else:
+                out[m.name] = profile_file(m.path, spec.dtype, spec.preset)
+        except GraphparError as exc:
+            what = f"example {m.example!r}" if m.example else f"path {m.path}"
+            raise PlacementSpecError(f"models[{i}] ({m.name}, {what}): {exc}") from None
     return out
 
 

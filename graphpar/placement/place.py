@@ -300,15 +300,16 @@ def group_sizes(devices: int) -> list[int]:
 
 
 def place(problem: Problem, policy: str = "alpaserve", beam: int = 1,
-          window: float = 60.0) -> Placement:
-    """Place `problem`'s models with `policy` (one of POLICIES)."""
+          window: float = 60.0, fast: bool = False) -> Placement:
+    """Place `problem`'s models with `policy` (one of POLICIES). `fast` makes every policy's
+    model selection the paper's one-simulation-per-step heuristic (for sweeps)."""
     import time
 
     check(problem)
     start = time.process_time()
     models = list(problem.profiles)
     if policy in ("alpaserve", "alpaserve-fast"):
-        fast = policy == "alpaserve-fast"
+        fast = fast or policy == "alpaserve-fast"
         best, best_score = [], -1.0
         for buckets in _model_buckets(problem, models):
             for split in _device_buckets(problem, buckets):
@@ -318,12 +319,12 @@ def place(problem: Problem, policy: str = "alpaserve", beam: int = 1,
                     best, best_score = sel, score
         return _finish(policy, problem, best, time.process_time() - start)
     if policy == "selective-replication":
-        sel, _ = _search(problem, [models], [problem.devices], [1], False, beam, False)
+        sel, _ = _search(problem, [models], [problem.devices], [1], False, beam, fast)
         return _finish(policy, problem, sel, time.process_time() - start)
     if policy == "round-robin":
         return _round_robin(problem, start)
     if policy == "clockwork++":
-        return _clockwork(problem, window, start, beam)
+        return _clockwork(problem, window, start, beam, fast)
     raise PlacementError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
 
 
@@ -354,7 +355,8 @@ def _round_robin(problem: Problem, start: float) -> Placement:
     return _finish("round-robin", problem, best, time.process_time() - start)
 
 
-def _clockwork(problem: Problem, window: float, start: float, beam: int) -> Placement:
+def _clockwork(problem: Problem, window: float, start: float, beam: int, fast: bool
+               ) -> Placement:
     """Selective replication re-placed for every window on that window's requests (the
     placement knows the future window, swaps are free); each window is simulated from idle."""
     import time
@@ -368,7 +370,7 @@ def _clockwork(problem: Problem, window: float, start: float, beam: int) -> Plac
         shifted = Workload(part.models, part.arrivals - t, part.model_ids, window)
         sub = Problem(problem.profiles, problem.devices, problem.memory, shifted, problem.slo,
                       problem.cluster, max(problem.warmup - t, 0.0))
-        sel, _ = _search(sub, [models], [problem.devices], [1], False, beam, False)
+        sel, _ = _search(sub, [models], [problem.devices], [1], False, beam, fast)
         res = _score(sub, sel, shifted, sub.slo_array())
         mask = res.counted
         good += int(res.good[mask].sum())

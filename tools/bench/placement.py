@@ -139,15 +139,15 @@ def setting(name: str, steps: int) -> dict:
         start = time.process_time()
         att = _attainment(profiles, policy, devices, memory, rate, cv, scale)
         search = time.process_time() - start
-        max_rate = _bisect(lambda r: _attainment(profiles, policy, devices, memory, r, cv,
-                                                 scale) >= TARGET, rate / 16, rate * 4, steps)
-        max_cv = _bisect(lambda c: _attainment(profiles, policy, devices, memory, rate, c,
-                                               scale) >= TARGET, 0.25, 16.0, steps)
-        min_scale = _bisect(lambda s: _attainment(profiles, policy, devices, memory, rate, cv,
-                                                  1.0 / s) >= TARGET, 1 / 40.0, 1.0, steps)
-        min_devices = _bisect(lambda d: _attainment(profiles, policy, devices * 4 - d + 1,
-                                                    memory, rate, cv, scale) >= TARGET,
-                              1, devices * 4, steps + 3, integer=True)
+        def ok(policy=policy, rate=rate, cv=cv, scale=scale, devices=devices):
+            return _attainment(profiles, policy, devices, memory, rate, cv, scale) >= TARGET
+
+        max_rate = _bisect(lambda r: ok(rate=r), rate / 16, rate * 4, steps)
+        max_cv = _bisect(lambda c: ok(cv=c), 0.25, 16.0, steps)
+        min_scale = _bisect(lambda s: ok(scale=1.0 / s), 1 / 40.0, 1.0, steps)
+        # fewest devices: bisect on (4 * devices + 1 - d), which grows as d shrinks
+        min_devices = _bisect(lambda k: ok(devices=devices * 4 - k + 1), 1, devices * 4,
+                              steps + 3, integer=True)
         rows[policy] = {
             "attainment_at_default": att, "search_cpu_s": search,
             "max_rate_req_s": max_rate, "max_cv": max_cv,

@@ -40,8 +40,9 @@ SHAPES = {  # the paper's Table 1 shapes as graphpar configs (layers, width, hea
     "bert-1.3B": ("bert", dict(n_layers=24, d_model=2048, n_heads=32)),
     "bert-2.7B": ("bert", dict(n_layers=32, d_model=2560, n_heads=32)),
     "bert-6.7B": ("bert", dict(n_layers=32, d_model=4096, n_heads=32)),
-    "moe-1.3B": ("moe", {}),
-    "moe-2.4B": ("moe", {}),
+    # one 1024-token request routed in one expert group (the preset's group is 2048 tokens)
+    "moe-1.3B": ("moe", dict(expert_group_size=1024)),
+    "moe-2.4B": ("moe", dict(expert_group_size=1024)),
 }
 SETTINGS = {  # scaled 4x down: (models per shape, devices, memory per device)
     "S1": ({"bert-1.3B": 8}, 16, 13e9),

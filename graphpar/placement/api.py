@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from graphpar.errors import PlacementError
 from graphpar.placement.configs import LayerProfile, profile_example, profile_file
 from graphpar.placement.place import Placement, Problem
 from graphpar.placement.place import place as place_problem
@@ -122,7 +123,7 @@ def _sweeps(spec: PlaceSpec, profiles, policies) -> dict[str, dict[str, list[flo
                 try:
                     ys.append(place_problem(problem_of(spec, profiles, **over), policy,
                                             window=spec.window).attainment)
-                except Exception:  # an infeasible point (too few devices): nothing served
+                except PlacementError:  # an infeasible point (too few devices): none served
                     ys.append(0.0)
             out[axis][policy] = ys
     return out

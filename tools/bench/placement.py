@@ -163,12 +163,12 @@ def _fmt(x, digits=3):
     return "—" if x is None else f"{x:.{digits}g}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--settings", default="S1,S2,S3")
+    parser.add_argument("--settings", default="S1,S2,S3", help="comma-separated; '' for none")
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per quantity")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = {"machine": platform.node(), "note": "times are CPU seconds on a shared "
                "machine; latencies are estimates; attainment is simulated"}
     results["section_3_1"] = s31 = section_3_1()
@@ -186,7 +186,7 @@ def main() -> None:
     print(f"simulator: {speed['requests_per_cpu_second'] / 1e6:.1f} M requests per CPU second "
           f"({speed['requests']} requests, 8 models, 4 two-stage groups)")
     results["settings"] = {}
-    for name in args.settings.split(","):
+    for name in filter(None, args.settings.split(",")):
         start = time.process_time()
         r = results["settings"][name] = setting(name, args.steps)
         d = r["default"]
@@ -203,7 +203,8 @@ def main() -> None:
                   f"{p['search_cpu_s']:8.2f}")
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -17,7 +17,14 @@ from graphpar.placement.configs import LayerProfile, profile_example, profile_fi
 from graphpar.placement.place import Placement, Problem
 from graphpar.placement.place import place as place_problem
 from graphpar.placement.spec import PlaceSpec, parse_spec, read_spec
-from graphpar.placement.workload import Workload, gamma_workload, load_trace
+from graphpar.placement.workload import (
+    Workload,
+    fit_windows,
+    gamma_workload,
+    load_trace,
+    maf_like,
+    resample,
+)
 
 
 @dataclass
@@ -85,6 +92,11 @@ def _workload(spec: PlaceSpec, names: list[str], **over: Any) -> Workload:
     if spec.trace is not None:
         return load_trace(spec.trace, names)
     s = dataclasses.replace(spec, **over)
+    if s.arrival in ("maf1", "maf2"):
+        fitted = fit_windows(maf_like(s.arrival, names, s.total_rate, s.duration, s.window,
+                                      s.seed), s.window)
+        # the sweeps scale the fitted trace's rate and CV, as the paper does
+        return resample(fitted, names, s.total_rate / spec.total_rate, s.cv / spec.cv, s.seed)
     return gamma_workload(names, s.total_rate, s.cv, s.duration, s.power_law, s.seed)
 
 

@@ -164,8 +164,9 @@ def parse_spec(data: Any, base: str | Path = ".", where: str = "spec") -> PlaceS
         extra["trace"] = str(trace)
     else:
         arrival = wl.get("arrival", "gamma")
-        if arrival not in ("gamma", "poisson"):
-            raise _fail(f"{at}.arrival", f"{arrival!r}: use gamma or poisson")
+        if arrival not in ("gamma", "poisson", "maf1", "maf2"):
+            raise _fail(f"{at}.arrival", f"{arrival!r}: use gamma, poisson, maf1 (steady, "
+                                         f"dense) or maf2 (bursty, skewed)")
         extra.update(arrival=arrival, total_rate=float(_number(wl, "total_rate", at)),
                      cv=1.0 if arrival == "poisson" else float(_number(wl, "cv", at, 1.0)),
                      duration=float(_number(wl, "duration", at, 600.0)),

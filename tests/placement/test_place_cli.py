@@ -104,3 +104,12 @@ def test_the_issues_minimal_spec_works_as_written(tmp_path, capsys):
     data = json.loads((tmp_path / "out" / "placement.json").read_text())
     assert set(data["policies"]) == {"alpaserve", "selective-replication"}
     assert data["devices"] == 16 and data["memory_per_device_bytes"] == 13e9
+
+
+def test_a_maf2_like_workload_places(tmp_path):
+    spec = _small_spec(tmp_path, arrival="maf2", total_rate=40, duration=120, window=30)
+    spec["plots"] = False
+    report = graphpar.place(parse_spec(spec, base=tmp_path))
+    assert report.problem.workload.duration == 120.0
+    assert report.placements["alpaserve"].attainment >= \
+        report.placements["selective-replication"].attainment

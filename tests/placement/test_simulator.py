@@ -74,3 +74,28 @@ def test_traces_round_trip_and_name_the_bad_line(tmp_path):
         load_trace(bad)
     with pytest.raises(PlacementSpecError, match=r"bad.csv:2: unknown model 'x'"):
         load_trace(bad, models=["y"])
+
+
+def test_window_fits_recover_a_gamma_process_and_resample_it():
+    from graphpar.placement.workload import fit_windows, resample
+
+    w = gamma_workload(["x"], 40.0, 2.0, 600.0, seed=2)
+    fit = fit_windows(w, 300.0)
+    assert fit.rates.shape == (2, 1)
+    np.testing.assert_allclose(fit.rates[:, 0], 40.0, rtol=0.1)
+    np.testing.assert_allclose(fit.cvs[:, 0], 2.0, rtol=0.15)
+    doubled = resample(fit, ["x"], rate_scale=2.0, seed=1)
+    assert doubled.rate() == pytest.approx(80.0, rel=0.1)
+
+
+def test_maf2_like_traces_are_burstier_and_more_skewed_than_maf1():
+    from graphpar.placement.workload import fit_windows, maf_like
+
+    names = [f"f{i}" for i in range(6)]
+    steady = maf_like("maf1", names, 60.0, 1200.0, seed=0)
+    bursty = maf_like("maf2", names, 60.0, 1200.0, seed=0)
+    assert fit_windows(bursty, 60.0).cvs.mean() > 2 * fit_windows(steady, 60.0).cvs.mean()
+    share = lambda w: max(w.rate(m) for m in names) / w.rate()  # noqa: E731
+    assert share(bursty) > 1.5 * share(steady)
+    with pytest.raises(PlacementSpecError, match="maf3"):
+        maf_like("maf3", names, 1.0, 10.0)

@@ -111,7 +111,8 @@ def problem_of(spec: PlaceSpec, profiles: Mapping[str, LayerProfile] | None = No
     memory = s.memory_per_device or float(get_cluster(s.preset).device_memory)
     slo = {m: (s.slo_seconds if s.slo_seconds is not None else s.slo_scale * p.latency)
            for m, p in profiles.items()}
-    return Problem(profiles, s.devices, memory, _workload(s, names), slo, s.preset, s.warmup)
+    return Problem(profiles, s.devices, memory, _workload(s, names), slo, s.preset, s.warmup,
+                   s.max_batch, s.batch_growth)
 
 
 def _sweeps(spec: PlaceSpec, profiles, policies) -> dict[str, dict[str, list[float]]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -78,6 +78,11 @@ class Problem:
     slo: Mapping[str, float]
     cluster: str = "dgx-a100"
     warmup: float = 0.0
+    max_batch: int = 1  # requests per batch (1: no batching)
+    batch_growth: float = 0.5  # a batch of b takes 1 + growth·(b − 1) times one request
+
+    def batch_scale(self) -> np.ndarray:
+        return 1.0 + self.batch_growth * (np.arange(self.max_batch + 1) - 1.0)
 
     def slo_array(self, workload: Workload | None = None) -> np.ndarray:
         return np.array([self.slo[m] for m in (workload or self.workload).models])
@@ -119,7 +124,8 @@ def _sim_groups(problem: Problem, slots: Sequence[_Slot]) -> list[SimGroup]:
 
 def _score(problem: Problem, slots: Sequence[_Slot], workload: Workload, slo: np.ndarray
            ) -> SimResult:
-    finish = run_tables(tables(_sim_groups(problem, slots), workload.models), workload, slo)
+    finish = run_tables(tables(_sim_groups(problem, slots), workload.models), workload, slo,
+                        problem.max_batch, problem.batch_scale())
     return result(workload, finish, slo, problem.warmup)
 
 
@@ -368,8 +374,7 @@ def _clockwork(problem: Problem, window: float, start: float, beam: int, fast: b
     while t < problem.workload.duration:
         part = problem.workload.window(t, t + window)
         shifted = Workload(part.models, part.arrivals - t, part.model_ids, window)
-        sub = Problem(problem.profiles, problem.devices, problem.memory, shifted, problem.slo,
-                      problem.cluster, max(problem.warmup - t, 0.0))
+        sub = replace(problem, workload=shifted, warmup=max(problem.warmup - t, 0.0))
         sel, _ = _search(sub, [models], [problem.devices], [1], False, beam, fast)
         res = _score(sub, sel, shifted, sub.slo_array())
         mask = res.counted

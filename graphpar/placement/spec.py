@@ -42,6 +42,8 @@ class PlaceSpec:
     slo_seconds: float | None = None
     policies: tuple[str, ...] = ("alpaserve", "selective-replication")
     window: float = 60.0  # clockwork++ re-placement window
+    max_batch: int = 1
+    batch_growth: float = 0.5
     plots: bool = True
     plot_points: int = 4
     base: Path = field(default_factory=Path.cwd)  # relative paths are relative to the SPEC
@@ -102,7 +104,8 @@ def read_spec(path: str | Path) -> PlaceSpec:
 
 def parse_spec(data: Any, base: str | Path = ".", where: str = "spec") -> PlaceSpec:
     """Validate a SPEC given as plain data (what the YAML/JSON file holds)."""
-    top = _table(data, where, {"cluster", "models", "workload", "slo", "policies", "plots"})
+    top = _table(data, where, {"cluster", "models", "workload", "slo", "policies", "plots",
+                               "batching"})
     cluster = _table(top.get("cluster"), f"{where}.cluster",
                      {"preset", "devices", "memory_per_device", "dtype"})
     devices = _number(cluster, "devices", f"{where}.cluster", integer=True)
@@ -196,6 +199,12 @@ def parse_spec(data: Any, base: str | Path = ".", where: str = "spec") -> PlaceS
         if p not in POLICIES:
             raise _fail(f"{where}.policies[{i}]", f"unknown policy {p!r}: use one of "
                                                   f"{', '.join(POLICIES)}")
+    batching = _table(top.get("batching", {}), f"{where}.batching",
+                      {"max_batch", "growth"})
+    extra["max_batch"] = int(_number(batching, "max_batch", f"{where}.batching", 1,
+                                     integer=True))
+    extra["batch_growth"] = float(_number(batching, "growth", f"{where}.batching", 0.5,
+                                          positive=False))
     plots = top.get("plots", True)
     points = 4
     if isinstance(plots, Mapping):

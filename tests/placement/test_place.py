@@ -65,3 +65,12 @@ def test_a_single_device_per_model_pipeline_matches_section_3_1_attainment():
     p = _problem(models=2, devices=2, rate=3.0, cv=1.0, scale=100.0)
     assert place(p, "alpaserve").attainment == 1.0
     assert np.isfinite(place(p, "round-robin").mean_latency)
+
+
+def test_batching_in_the_problem_serves_bursts_better():
+    from dataclasses import replace
+
+    p = _problem(models=2, devices=2, rate=8.0, cv=4.0, scale=3.0)
+    single = place(p, "selective-replication").attainment
+    batched = place(replace(p, max_batch=4, batch_growth=0.25), "selective-replication")
+    assert batched.attainment > single

@@ -9,4 +9,8 @@ def __getattr__(name: str):
         from graphpar.api import compile
 
         return compile
+    if name == "place":
+        from graphpar.placement.api import place
+
+        return place
     raise AttributeError(f"module 'graphpar' has no attribute {name!r}")

@@ -79,3 +79,12 @@ class GenerationError(GraphparError):
 
 class BackendError(GraphparError):
     """A device backend that is unavailable or cannot run a program (no GPU, no nvcc)."""
+
+
+class PlacementSpecError(UsageError):
+    """A serving-placement SPEC, workload or trace that is malformed: names the field or line."""
+
+
+class PlacementError(GraphparError):
+    """A placement that cannot exist: a model that fits no device group, an SLO that no
+    parallel configuration can meet."""

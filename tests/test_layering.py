@@ -130,8 +130,20 @@ def test_layers_import_only_below_themselves():
         "graphpar.backends": ("graphpar.runtime", "graphpar.passes", "graphpar.capture"),
     }
     drivers = ("graphpar.compiler", "graphpar.api", "graphpar.serving_compile",
-               "graphpar.serve", "graphpar.cli", "graphpar.eager_check", "graphpar.pipelined")
+               "graphpar.serve", "graphpar.cli", "graphpar.eager_check", "graphpar.pipelined",
+               "graphpar.placement")
     wrong = [(a, b) for a, b in graph.edges
              for layer, banned in below.items()
              if a.startswith(layer) and b.startswith(banned + drivers)]
     assert not wrong, f"imports that go up the stack: {wrong}"
+
+
+def test_the_placement_simulator_and_workloads_use_no_compiler():
+    """The simulator, workloads and queueing formulas are plain numpy/numba: they import only
+    the errors (and each other), so benches and the runtime can use them without the compiler."""
+    graph = import_graph()
+    low = ("graphpar.placement.simulator", "graphpar.placement.workload",
+           "graphpar.placement.queueing")
+    wrong = [(a, b) for a in low for b in graph.successors(a)
+             if b not in low and b != "graphpar.errors"]
+    assert not wrong, f"the placement simulator imports {wrong}"

@@ -15,6 +15,7 @@ import graphpar.cli.show as show
 from graphpar.cli.common import DEFAULT_EXAMPLE, _Parser
 from graphpar.cli.compile import cmd_compile
 from graphpar.cli.generate import add_generate_parser
+from graphpar.cli.place import add_place_parser
 from graphpar.errors import GraphparError, UsageError
 
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=show.cmd_viz)
 
     add_generate_parser(sub)
+    add_place_parser(sub)
 
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=show.cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=show.cmd_passes)

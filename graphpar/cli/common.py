@@ -125,6 +125,18 @@ def _existing_parent(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
+def staging_dir(out: Path) -> Path:
+    """A fresh directory beside `out` where a command writes its files before `_publish`."""
+    import tempfile
+
+    from graphpar.errors import OutputError
+
+    try:
+        return Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
+
+
 def _publish(staging: Path, out: Path) -> None:
     """Move finished files into `out`: a failed compile leaves nothing half-written there."""
     if out.exists() and not out.is_dir():

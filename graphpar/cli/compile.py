@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 from graphpar.cli.common import (
@@ -14,6 +13,7 @@ from graphpar.cli.common import (
     _names,
     _publish,
     load_target,
+    staging_dir,
     step,
 )
 from graphpar.errors import GraphparError, OutputError, UsageError
@@ -60,10 +60,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
+    staging = staging_dir(out)
     try:
         dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
         with step(f"capturing {spec.name} ({args.mode})"):

@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from graphpar.cli.common import _existing_parent, _publish, load_target, step
-from graphpar.errors import OutputError, UsageError
+from graphpar.cli.common import _publish, load_target, staging_dir, step
+from graphpar.errors import UsageError
 
 if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
     from graphpar.compiler import CompileResult, ModelSpec
@@ -93,10 +92,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     from graphpar.ir.printer import print_program
 
     out = Path(args.out)
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
+    staging = staging_dir(out)
     try:
         compiled = compile_pipeline(args, passes)
         spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe

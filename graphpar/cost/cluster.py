@@ -17,7 +17,6 @@ and in each preset's `source`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -258,29 +257,10 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "<cluster>") -> Clus
 
 
 def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster file: JSON (`.json`), or YAML (`.yaml`/`.yml`) when PyYAML is installed."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ClusterSpecError(f"{path}: cannot read cluster file ({e.strerror or e})") from None
-    if path.suffix.lower() in (".yaml", ".yml"):
-        try:
-            import yaml  # type: ignore[import-untyped]
-        except ImportError:
-            raise ClusterSpecError(
-                f"{path}: reading YAML needs PyYAML, which is not installed; "
-                "install it (pip install pyyaml) or write the cluster as JSON") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ClusterSpecError(f"{path}: not valid YAML: {e}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ClusterSpecError(
-                f"{path}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    """Read a cluster file: JSON (`.json`), or YAML (`.yaml`/`.yml`)."""
+    from graphpar.datafile import read_data_file
+
+    data = read_data_file(path, ClusterSpecError, "cluster file")
     return cluster_from_dict(data, where=str(path))
 
 

@@ -4,12 +4,12 @@ write instead."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from graphpar.datafile import read_data_file
 from graphpar.errors import PlacementSpecError
 from graphpar.placement.place import POLICIES
 
@@ -85,20 +85,7 @@ def read_spec(path: str | Path) -> PlaceSpec:
     path = Path(path)
     if not path.is_file():
         raise PlacementSpecError(f"{path}: no such SPEC file")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise PlacementSpecError(f"{path}: not valid YAML: {exc}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlacementSpecError(f"{path}:{exc.lineno}: not valid JSON: {exc.msg}"
-                                     ) from None
+    data = read_data_file(path, PlacementSpecError, "SPEC file")
     return parse_spec(data, base=path.parent, where=str(path))
 
 

@@ -15,7 +15,7 @@ from test_sharded_execution import sharded
 
 from graphpar.capture import Adam, capture_inference, capture_training
 from graphpar.compiler import ModelSpec
-from graphpar.models import get_model
+from graphpar.models import MODEL_NAMES, get_model
 
 NCCL_KINDS = {"nccl.allReduce", "nccl.allGather", "nccl.reduceScatter", "nccl.send",
               "nccl.recv", "nccl.groupStart", "nccl.groupEnd"}
@@ -40,17 +40,19 @@ def test_mlp_inference_on_2_ranks_runs_every_collective():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt", "llama"])
-def test_inference_on_2x2_ranks(name):
+@pytest.mark.parametrize("mesh", ["2x2", "2x2x2"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_inference_on_many_ranks(name, mesh):
     ex = get_model(name, "tiny", batch_size=4)
     spec = ModelSpec(name, ex.module, ex.inputs)
-    compiled = sharded(capture_inference(ex.module, ex.inputs), "2x2",
+    compiled = sharded(capture_inference(ex.module, ex.inputs), mesh,
                        seed=zlib.crc32(name.encode()) % 1000, spec=spec)
     _check(compiled)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, mesh", [("mlp", "2x2"), ("mlp", "2x2x2"), ("gpt", "2x2")])
+@pytest.mark.parametrize("mesh", ["2x2", "2x2x2"])
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_adam_training_step_on_many_ranks(name, mesh):
     ex = get_model(name, "tiny", batch_size=4, train=True)
     spec = ModelSpec(name, ex.module, ex.inputs, ex.loss_fn, ex.targets)

@@ -158,3 +158,29 @@ graph @masked(%q: f32[1,2,4,8] input, %k: f32[1,2,5,8] input, %v: f32[1,2,5,8] i
     for i, (g, e) in enumerate(zip(got, Interpreter(graph).run(inputs))):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"out {i}: {m}")
     assert executor.peak_arena_bytes == listing.arena_bytes
+
+
+def test_batch_norm_of_a_channel_slice_keeps_its_dense_copy_until_its_last_step():
+    """A channel slice (as a sharded plan's local_slice gives) is not contiguous: the lowering
+    copies it dense, and later steps of the same node (the variance, the output, dx) read that
+    copy, so no step of the node may write over it in place."""
+    graph = parse("""
+graph @main(%x: f32[2,8,3,3] input, %gx: f32[2,8,3,3] input, %bw: f32[4] param,
+            %bb: f32[4] param, %rm: f32[4] buffer, %rv: f32[4] buffer) {
+  %0 = slice(%x) {dim=1, start=4, end=8} : f32[2,4,3,3]
+  %1, %2, %3, %4, %5 = batch_norm_train(%0, %bw, %bb, %rm, %rv) {momentum=0.1, eps=1e-05}
+      : f32[2,4,3,3], f32[4], f32[4], f32[4], f32[4]
+  %6 = slice(%gx) {dim=1, start=0, end=4} : f32[2,4,3,3]
+  %7, %8, %9 = batch_norm_backward(%6, %0, %bw, %rm, %rv, %2, %3) {eps=1e-05,
+      mask=[true, true, true]} : f32[2,4,3,3], f32[4], f32[4]
+  return %1 output, %2 output, %3 output, %4 output, %5 output, %7 output, %8 output, %9 output
+}
+""")
+    gen = torch.Generator().manual_seed(0)
+    inputs = {v.name: torch.randn(v.type.shape, generator=gen) for v in graph.inputs}
+    inputs["rv"] = inputs["rv"].abs() + 0.5
+    expected = Interpreter(graph).run(inputs)
+    listing = parse_listing(print_listing(lower_to_listing(graph)))
+    got = CpuListingExecutor(listing, poison=True).run(inputs)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, i=i: f"out {i}: {m}")

@@ -93,6 +93,9 @@ class Lowering:
         self.bufs: list[Buf] = []
         self.node_index = -1
         self.current_inputs: list[Value] = []
+        # dense copies of the current node's operands (`contiguous`): later steps of the node
+        # read them as they would the operands, so no step may write over them
+        self.operand_copies: set[Buf] = set()
         self.note = ""
 
     # --- buffers ------------------------------------------------------------------------------
@@ -140,7 +143,9 @@ class Lowering:
         v = self.view(value)
         if v.contiguous:
             return v
-        return self.materialize(Pending(("leaf", v), v.shape, v.dtype))
+        copy = self.materialize(Pending(("leaf", v), v.shape, v.dtype))
+        self.operand_copies.add(copy.buf)
+        return copy
 
     def dead_after_now(self, buf: Buf, own_input: bool = False,
                        computing: Pending | None = None) -> bool:
@@ -154,6 +159,8 @@ class Lowering:
             return False
         if not own_input and any(isinstance(self.env.get(v), View) and self.env[v].buf is buf
                                  for v in self.current_inputs):
+            return False
+        if not own_input and buf in self.operand_copies:
             return False
         return not any(isinstance(x, Pending) and x is not computing
                        and self.last_use.get(v, -1) > self.node_index
@@ -237,12 +244,14 @@ class Lowering:
                 raise UnsupportedLowering(f"lower-cuda: {describe(node, graph, i)}: {exc}") \
                     from None
             self.current_inputs = []  # the node's own expression may overwrite its operands
+            self.operand_copies = set()
             for out in node.outputs:  # a value several nodes read is computed once
                 x = self.env.get(out)
                 if isinstance(x, Pending) and self.users.get(out, 0) > 1:
                     self.view(out)
         self.node_index = end
         self.current_inputs = []
+        self.operand_copies = set()
         self.note = "outputs"
         outputs = []
         for o in graph.outputs:

@@ -18,7 +18,9 @@ from graphpar.passes.pipeline.token_slicing import (
     TokenSlicing,
     fit,
     pipeline_seconds,
+    solve_batch_and_tokens,
     solve_token_slices,
+    split_batch,
     transformer_latency,
 )
 
@@ -124,6 +126,40 @@ def test_fit_recovers_the_model_and_reports_its_error_on_held_back_points():
     rng = np.random.default_rng(3)
     noisy = [(length, c, t * (1 + rng.uniform(-0.01, 0.01))) for length, c, t in points]
     assert fit(noisy, seq_len=64).fit_error < 0.02  # 1 % noise: about 1 % error held back
+
+
+def partitions(n: int, most: int | None = None):
+    """Every multiset of positive sizes summing to n, sizes descending."""
+    most = n if most is None else most
+    if n == 0:
+        yield ()
+    for first in range(min(n, most), 0, -1):
+        for rest in partitions(n - first, first):
+            yield (first,) + rest
+
+
+def test_batch_split_is_the_best_partition():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        seconds = rng.uniform(0.1, 3.0, int(rng.integers(1, 9)))
+        got = split_batch(seconds)
+        assert sum(got) == len(seconds)
+        best = min(sum(seconds[b - 1] for b in p) for p in partitions(len(seconds)))
+        assert sum(seconds[b - 1] for b in got) == pytest.approx(best, rel=1e-12)
+
+
+def test_batch_and_tokens_run_the_token_dp_per_batch_slice_size():
+    # A fixed cost per slice favours whole batches; the token DP then slices each one.
+    def latency(b):
+        return TokenLatency(tuple([0.0] + [2.0 + 0.5 * b * length for length in range(1, 17)]),
+                            (0.0, 0.0, 0.0, 0.01 * b))
+    got = solve_batch_and_tokens(latency, batch=4, stages=4, granularity=4)
+    per_size = [solve_token_slices(latency(b), 4, 4).est_seconds for b in range(1, 5)]
+    best = min(sum(per_size[b - 1] for b in p) for p in partitions(4))
+    assert got.est_seconds == pytest.approx(best, rel=1e-12)
+    assert sum(got.batch_slices) == 4
+    for b, slices in zip(got.batch_slices, got.token_slices):
+        assert slices == solve_token_slices(latency(b), 4, 4).slices
 
 
 def test_bad_arguments_are_clear_errors():

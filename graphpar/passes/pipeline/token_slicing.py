@@ -7,15 +7,17 @@ is fed slices instead of whole sequences.
   model (FLOPs over the cluster's peak, plus sending the slice's activations to the next
   stage); `fit` fits it from measured points and reports its error on held-back ones.
 - `solve_token_slices`: the DP of Eq. 2.6-2.8, min over t_max of S*(L; t_max) + (K-1)*t_max,
-  t_max ascending with the early stop and an epsilon gap (optimal within K*epsilon).
+  t_max ascending with the early stop and an epsilon gap (optimal within K*epsilon);
+  `solve_batch_and_tokens` runs it per batch-slice size and splits the batch by a 1-D knapsack.
 - the `slice-tokens` pass: reads the sequence length, heads and layers off the graph's causal
   attention, solves, and records the slice lengths in the graph's attrs (`token_slices`).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -224,6 +226,52 @@ def _search(table, candidates, stages, epsilon):
             best_cost = cost
             best_slices = np.array(slices[::-1], dtype=np.int64)
     return best_slices, best_cost, evaluated
+
+
+@dataclass(frozen=True)
+class BatchTokenSlicing:
+    """Batch and token slicing together (TeraPipe 2.3.4): the batch cut into slices of
+    `batch_slices[d]` sequences, each sliced along its tokens as `token_slices[d]`; the estimate
+    is the sum of the batch slices' pipeline latencies (seconds)."""
+
+    batch_slices: tuple[int, ...]
+    token_slices: tuple[tuple[int, ...], ...]
+    est_seconds: float
+    dp_seconds: float
+
+
+def split_batch(seconds_per_size: Sequence[float]) -> tuple[int, ...]:
+    """The 1-D knapsack: sizes b_1 + ... + b_D = B (B = len(seconds_per_size)) minimizing the sum
+    of `seconds_per_size[b - 1]`; sizes in descending order."""
+    batch = len(seconds_per_size)
+    best = [0.0] + [math.inf] * batch
+    last = [0] * (batch + 1)
+    for total in range(1, batch + 1):
+        for size in range(1, total + 1):
+            cost = best[total - size] + seconds_per_size[size - 1]
+            if cost < best[total]:
+                best[total], last[total] = cost, size
+    sizes, at = [], batch
+    while at:
+        sizes.append(last[at])
+        at -= last[at]
+    return tuple(sorted(sizes, reverse=True))
+
+
+def solve_batch_and_tokens(latency_of_batch: Callable[[int], TokenLatency], batch: int,
+                           stages: int, granularity: int = 1,
+                           epsilon: float = 0.0) -> BatchTokenSlicing:
+    """Run the token DP for every batch-slice size b = 1..batch (`latency_of_batch(b)`: the
+    latency model of b sequences at once), then split the batch by `split_batch`."""
+    if batch < 1:
+        raise PassError(f"batch={batch}: give at least 1 sequence")
+    started = time.perf_counter()
+    per_size = [solve_token_slices(latency_of_batch(b), stages, granularity, epsilon)
+                for b in range(1, batch + 1)]
+    sizes = split_batch([r.est_seconds for r in per_size])
+    return BatchTokenSlicing(sizes, tuple(per_size[b - 1].slices for b in sizes),
+                             sum(per_size[b - 1].est_seconds for b in sizes),
+                             time.perf_counter() - started)
 
 
 # --- the pass ---------------------------------------------------------------------------------

@@ -20,7 +20,10 @@ from graphpar.passes.manager import (
     register_pass,
     run_pipeline,
 )
-from graphpar.passes.pipeline import slice_stages  # noqa: F401  (registers slice-stages)
+from graphpar.passes.pipeline import (
+    slice_stages,  # noqa: F401  (registers slice-stages)
+    token_slicing,  # noqa: F401  (registers slice-tokens)
+)
 
 __all__ = ["GraphPass", "Pass", "PassContext", "PassManager", "available_passes", "make_pass",
            "parse_pipeline", "register_alias", "register_pass", "run_pipeline"]

@@ -47,13 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],
                    help="also lower each device program to a CUDA listing (cuBLAS, NCCL and "
                         "generated-kernel calls): OUT/cuda/rank<R>.calls and kernels/")
-    c.add_argument("--pipeline", metavar="auto|S",
-                   help="slice the training step into pipeline stages on sub-meshes of --mesh "
-                        "(Alpa's inter-op DP over the ILP): 'auto' or a number of stages")
-    c.add_argument("--microbatches", type=int, default=4,
-                   help="microbatches per step with --pipeline (default 4)")
-    c.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
-                   help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
+    add_pipeline_options(c, "slice the training step into pipeline stages on sub-meshes of "
+                            "--mesh (Alpa's inter-op DP over the ILP): 'auto' or a number of "
+                            "stages")
     c.add_argument("--trace", metavar="FILE",
                    help="with --pipeline and --run-cpu: write each rank's measured timeline as "
                         "a Chrome trace")
@@ -77,13 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
     v.add_argument("--memory-limit", help="with --pipeline: per-device memory, as for compile")
     v.add_argument("--time-limit", type=float, help="with --pipeline: ILP time limit, seconds")
-    v.add_argument("--pipeline", metavar="auto|S",
-                   help="slice the training step into stages as `compile --pipeline` does and "
-                        "draw the MPMD program as bands, plus the global graph coloured by stage")
-    v.add_argument("--microbatches", type=int, default=4,
-                   help="microbatches per step with --pipeline (default 4)")
-    v.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
-                   help="pipeline schedule with --pipeline (default 1f1b)")
+    add_pipeline_options(v, "slice the training step into stages as `compile --pipeline` does "
+                            "and draw the MPMD program as bands, plus the global graph coloured "
+                            "by stage")
     v.set_defaults(fn=show.cmd_viz)
 
     add_generate_parser(sub)
@@ -92,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=show.cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=show.cmd_passes)
     return parser
+
+
+def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """--pipeline, --microbatches and --schedule, as compile and viz take them."""
+    parser.add_argument("--pipeline", metavar="auto|S", help=what)
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="microbatches per step with --pipeline (default 4)")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
+                        help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
 
 
 class Terminated(BaseException):

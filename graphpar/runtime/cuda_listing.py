@@ -10,7 +10,6 @@ the listings name, and runs the listing call for call with
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -98,13 +97,10 @@ class ListingWorker:
 
     def __init__(self, jobdir: Path, rank: int, world: int) -> None:
         from graphpar.runtime.gloo import GlooCommunicator
+        from graphpar.runtime.launch import read_job
 
         self.jobdir, self.rank = Path(jobdir), rank
-        job = json.loads((self.jobdir / "job.json").read_text())
-        mesh = Mesh(tuple(job["mesh"]), tuple(job["device_ids"]))
-        if world != mesh.size:
-            raise BackendError(f"WORLD_SIZE={world} but the job's mesh {mesh} has {mesh.size} "
-                               "devices")
+        job, mesh = read_job(self.jobdir, world)
         path = self.jobdir / f"rank{rank}.calls"
         listing = parse_listing(path.read_text(), str(path))
         self.comm = GlooCommunicator(mesh, rank, [tuple(a) for a in job["axes"]])
@@ -114,8 +110,8 @@ class ListingWorker:
         inputs = torch.load(self.jobdir / f"inputs{self.rank}.pt", weights_only=True)
         outputs = self.executor.run(inputs)
         self.comm.finish()
-        result = self.jobdir / f"result{self.rank}.pt"
-        torch.save({"outputs": outputs, "peak": self.executor.peak_arena_bytes,
-                    "records": [r.as_dict() for r in self.comm.records]},
-                   result.with_suffix(".tmp"))
-        os.replace(result.with_suffix(".tmp"), result)
+        from graphpar.runtime.launch import write_result
+
+        write_result(self.jobdir / f"result{self.rank}.pt",
+                     {"outputs": outputs, "peak": self.executor.peak_arena_bytes,
+                      "records": [r.as_dict() for r in self.comm.records]})

@@ -115,6 +115,23 @@ def run_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs], mesh: M
 
 # ------------------------------------------------------------------------- the worker
 
+def read_job(jobdir: Path, world: int) -> tuple[dict, Mesh]:
+    """A worker's view of its job: `job.json` and the mesh it declares, which must have one
+    device per process of the world."""
+    job = json.loads((Path(jobdir) / "job.json").read_text())
+    mesh = Mesh(tuple(job["mesh"]), tuple(job["device_ids"]))
+    if world != mesh.size:
+        raise BackendError(f"WORLD_SIZE={world} but the job's mesh {mesh} has {mesh.size} "
+                           "devices")
+    return job, mesh
+
+
+def write_result(path: Path, payload: dict) -> None:
+    """Save a rank's result whole or not at all: the parent reads it once it exists."""
+    torch.save(payload, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
 class SpmdWorker:
     """Rank ``rank`` of the job in ``jobdir``: its program prepared once over a
     ``GlooCommunicator`` (torch.distributed must be initialized)."""
@@ -123,11 +140,7 @@ class SpmdWorker:
         from graphpar.ir.parser import parse
 
         self.jobdir, self.rank = Path(jobdir), rank
-        job = json.loads((self.jobdir / "job.json").read_text())
-        mesh = Mesh(tuple(job["mesh"]), tuple(job["device_ids"]))
-        if world != mesh.size:
-            raise BackendError(f"WORLD_SIZE={world} but the job's mesh {mesh} has {mesh.size} "
-                               "devices")
+        job, mesh = read_job(self.jobdir, world)
         graph_name = job["graphs"][rank]
         graph = parse((self.jobdir / graph_name).read_text(), graph_name)
         self.comm = GlooCommunicator(mesh, rank, [tuple(a) for a in job["axes"]],
@@ -140,11 +153,9 @@ class SpmdWorker:
         self.comm.records.clear()
         outputs = self.interpreter.run(inputs)
         self.comm.finish()
-        result = self.jobdir / f"result{self.rank}.{number}.pt"
-        torch.save({"outputs": list(outputs),
-                    "records": [r.as_dict() for r in self.comm.records]},
-                   result.with_suffix(".tmp"))
-        os.replace(result.with_suffix(".tmp"), result)
+        write_result(self.jobdir / f"result{self.rank}.{number}.pt",
+                     {"outputs": list(outputs),
+                      "records": [r.as_dict() for r in self.comm.records]})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

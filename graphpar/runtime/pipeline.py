@@ -218,9 +218,15 @@ class StageRunner:
         self.env[action.microbatch].update(zip(names, tensors))
 
     def mean_loss(self) -> torch.Tensor | None:
-        if not self.losses:
-            return None
-        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+        return mean_loss(self.losses)
+
+
+def mean_loss(losses: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
+    """The step's loss: the mean of its microbatches' losses (None for a stage without the
+    loss)."""
+    if not losses:
+        return None
+    return torch.stack([losses[m] for m in sorted(losses)]).mean()
 
 
 @dataclass
@@ -424,9 +430,7 @@ class _Finished:
     spans: list
 
     def mean_loss(self) -> torch.Tensor | None:
-        if not self.losses:
-            return None
-        return torch.stack([self.losses[m] for m in sorted(self.losses)]).mean()
+        return mean_loss(self.losses)
 
 
 @dataclass
@@ -491,9 +495,9 @@ class PipelineWorker:
                                   tensors["inputs"], sharded)
 
     def run(self) -> None:
-        import os
-
         import torch.distributed as dist
+
+        from graphpar.runtime.launch import write_result
 
         runner, pending = self.runner, []
         spans = []
@@ -533,11 +537,10 @@ class PipelineWorker:
             spans.append((kind.value, m, start, time.time()))
         for work, _ in pending:
             work.wait()
-        result = self.jobdir / f"result{self.rank}.pt"
-        torch.save({"losses": runner.losses, "grad_outputs": runner.grad_outputs,
-                    "updates": runner.updates, "bytes_sent": runner.bytes_sent,
-                    "spans": spans}, result.with_suffix(".tmp"))
-        os.replace(result.with_suffix(".tmp"), result)
+        write_result(self.jobdir / f"result{self.rank}.pt",
+                     {"losses": runner.losses, "grad_outputs": runner.grad_outputs,
+                      "updates": runner.updates, "bytes_sent": runner.bytes_sent,
+                      "spans": spans})
 
     def _type(self, name: str, peer: int | None) -> TensorType:
         return self.types[name]

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_hf_models import assert_training_gradients_match_eager
 
 import graphpar
 from graphpar.api import lower
-from graphpar.capture import Captured, capture_inference, capture_training
+from graphpar.capture import Captured, capture_inference
 from graphpar.cost.cluster import mesh_for
-from graphpar.ir.graph import OutputRole
 from graphpar.ir.layout import Partial, Shard
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -212,23 +212,7 @@ def test_family_random_plans_on_two_ranks_match_eager(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINED)
 def test_family_training_gradients_match_eager(name):
-    module, ids = FAMILIES[name].build(), token_ids()
-    captured = capture_training(module, (ids,), loss_fn)
-    verify(captured.graph)
-    outputs = captured.run(ids)
-    module.zero_grad()
-    loss = loss_fn(module(ids))
-    loss.backward()
-    params = dict(module.named_parameters(remove_duplicate=False))
-    seen = set()
-    for out, tensor in zip(captured.graph.outputs, outputs):
-        if out.role is OutputRole.LOSS:
-            torch.testing.assert_close(tensor, loss.detach(), atol=1e-5, rtol=1e-5)
-        elif out.role is OutputRole.GRAD:
-            torch.testing.assert_close(tensor, params[out.target].grad, atol=1e-5, rtol=1e-5)
-            seen.add(out.target)
-    tied = dict(captured.graph.attrs.get("tied", ()))
-    assert {tied.get(n, n) for n, p in params.items() if p.grad is not None} == seen
+    assert_training_gradients_match_eager(FAMILIES[name].build(), token_ids())
 
 
 def expert_parallel_plan(graph, mesh) -> Plan:

@@ -1,20 +1,14 @@
 """The compile-time benchmark runs a row in a fresh process and writes its phases and peak
 memory (the numbers are measured, so only their consistency is asserted)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "compile_time.py"
-
 
 @pytest.mark.slow
-def test_compile_time_bench_writes_a_row_per_model_and_mesh(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_compile_time", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_compile_time_bench_writes_a_row_per_model_and_mesh(load_bench, tmp_path, capsys):
+    bench = load_bench("compile_time")
     out = tmp_path / "compile_time.json"
     assert bench.main(["--models", "gpt:tiny", "--meshes", "1x2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

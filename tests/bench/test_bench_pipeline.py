@@ -1,20 +1,14 @@
 """The pipeline benchmark runs end to end on a tiny model and keeps its promise: the two-level
 search with the hand plans as choices is never worse than any hand or one-level plan."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "pipeline.py"
-
 
 @pytest.mark.slow
-def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_pipeline", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(load_bench, tmp_path, capsys):
+    bench = load_bench("pipeline")
     out = tmp_path / "pipeline.json"
     assert bench.main(["--models", "mlp:tiny", "--meshes", "1x2", "--batch", "8",
                        "--microbatches", "4", "--out", str(out)]) == 0

@@ -1,18 +1,12 @@
 """The placement benchmark's fast part runs and writes the paper's §3.1 and Fig. 10 numbers."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "placement.py"
 
-
-def test_placement_bench_writes_section_3_1_and_fig10(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_placement", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_placement_bench_writes_section_3_1_and_fig10(load_bench, tmp_path, capsys):
+    bench = load_bench("placement")
     out = tmp_path / "placement.json"
     assert bench.main(["--settings", "", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -1,18 +1,12 @@
 """The schedule benchmark script runs and writes its JSON."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "schedules.py"
 
-
-def test_schedule_bench_writes_its_tables(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_schedules", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_schedule_bench_writes_its_tables(load_bench, tmp_path, capsys):
+    bench = load_bench("schedules")
     out = tmp_path / "schedules.json"
     assert bench.main(["--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

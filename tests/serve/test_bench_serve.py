@@ -1,19 +1,13 @@
 """The serving benchmark script runs and writes its JSON (numbers are not asserted here)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "tools" / "bench" / "serve.py"
-
 
 @pytest.mark.slow
-def test_serve_bench_writes_rows(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("bench_serve", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_serve_bench_writes_rows(load_bench, tmp_path, capsys):
+    bench = load_bench("serve")
     out = tmp_path / "serve.json"
     assert bench.main(["--models", "gpt:tiny", "--batch", "2", "--requests", "4",
                        "--repeat", "1", "--out", str(out)]) == 0

@@ -277,10 +277,8 @@ def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
     micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
                       spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
                       spec.source, spec.make_real)
-    limit = "" if memory_limit in ("", "device") else (
-        str(2**62) if memory_limit == "none" else memory_limit)
     slicer = SliceStages(mesh=mesh if "x" in str(mesh) else f"1x{mesh}", cluster=cluster,
-                         stages=str(stages), microbatches=microbatches, memory_limit=limit,
+                         stages=str(stages), microbatches=microbatches, memory_limit=memory_limit,
                          time_limit=time_limit)
     result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
                            keep_grads=keep_grads)

@@ -487,7 +487,8 @@ class SliceStages(GraphPass):
     layers: int = 0  # 0: the model's blocks plus one
     delta: float = DEFAULT_DELTA
     epsilon: float = 1e-6
-    memory_limit: str = ""  # default: the cluster's device memory
+    # as auto-shard's: "device" (the cluster's memory per device), "none" or a size
+    memory_limit: str = "device"
     dtype: str = "fp32"
     time_limit: float = 30.0  # per ILP solve
     power_of_two_hosts: bool = False  # multi-host sub-meshes of 2, 4, 8 ... hosts only
@@ -496,12 +497,19 @@ class SliceStages(GraphPass):
         _physical(self.mesh)
         get_cluster(self.cluster).peak_flops(self.dtype)
         self._stages()
-        if self.memory_limit:
-            parse_bytes(self.memory_limit)
+        self._memory_bytes()
         if self.microbatches < 1:
             raise PassError(f"microbatches={self.microbatches}: give at least 1")
         if self.layers < 0:
             raise PassError(f"layers={self.layers}: give a positive number, or 0 for auto")
+
+    def _memory_bytes(self) -> int | None:
+        """The per-device bound for `slice_stages` (None: the cluster's device memory)."""
+        if self.memory_limit in ("", "device"):
+            return None
+        if self.memory_limit == "none":
+            return 2**62  # more than any plan needs: the Eq. 5 check never binds
+        return parse_bytes(self.memory_limit)
 
     def _stages(self) -> int:
         if str(self.stages) == "auto":
@@ -518,7 +526,7 @@ class SliceStages(GraphPass):
         search = slice_stages(
             graph, self.mesh, self.cluster, self.microbatches, self._stages(), self.layers,
             self.delta, self.epsilon,
-            parse_bytes(self.memory_limit) if self.memory_limit else None, self.dtype,
+            self._memory_bytes(), self.dtype,
             self.time_limit, power_of_two_hosts=self.power_of_two_hosts)
         ctx.set_result(search.plan)
         return False

@@ -38,9 +38,18 @@ def compositions(n: int):
 
 
 def brute_force(latency: TokenLatency, stages: int, granularity: int = 1) -> float:
+    """The best of Eq. 2.5 over every slicing (2^(units-1) of them), from a table of t(k, c)."""
     units = latency.seq_len // granularity
-    return min(pipeline_seconds(latency, [k * granularity for k in parts], stages)
-               for parts in compositions(units))
+    t = [[latency(k * granularity, c * granularity) if k + c <= units else math.inf
+          for c in range(units + 1)] for k in range(units + 1)]
+    best = math.inf
+    for parts in compositions(units):
+        times, context = [], 0
+        for k in parts:
+            times.append(t[k][context])
+            context += k
+        best = min(best, sum(times) + (stages - 1) * max(times))
+    return best
 
 
 def random_latency(rng, seq_len: int, flat: bool) -> TokenLatency:
@@ -53,8 +62,10 @@ def random_latency(rng, seq_len: int, flat: bool) -> TokenLatency:
 
 def test_dp_equals_brute_force_over_all_slicings():
     rng = np.random.default_rng(0)
-    for case in range(300):
-        latency = random_latency(rng, int(rng.integers(1, 10)), flat=case % 3 == 0)
+    for case in range(312):
+        # up to 16 tokens (32768 slicings) for the last few cases, up to 10 before
+        seq_len = int(rng.integers(13, 17)) if case >= 300 else int(rng.integers(1, 11))
+        latency = random_latency(rng, seq_len, flat=case % 3 == 0)
         stages = int(rng.integers(1, 6))
         got = solve_token_slices(latency, stages)
         assert sum(got.slices) == latency.seq_len
@@ -66,8 +77,9 @@ def test_dp_equals_brute_force_over_all_slicings():
 def test_epsilon_gap_stays_within_stages_times_epsilon():
     rng = np.random.default_rng(1)
     evaluated_less = False
-    for case in range(150):
-        latency = random_latency(rng, int(rng.integers(2, 10)), flat=case % 3 == 0)
+    for case in range(156):
+        seq_len = int(rng.integers(13, 17)) if case >= 150 else int(rng.integers(2, 11))
+        latency = random_latency(rng, seq_len, flat=case % 3 == 0)
         stages = int(rng.integers(1, 6))
         epsilon = float(rng.uniform(0.05, 1.0))
         exact = brute_force(latency, stages)
@@ -87,6 +99,20 @@ def test_granularity_gives_multiples_and_the_optimum_over_them():
         assert all(length % 8 == 0 and length > 0 for length in got.slices)
         assert sum(got.slices) == latency.seq_len
         assert got.est_seconds == pytest.approx(brute_force(latency, stages, 8), rel=1e-12)
+
+
+def test_dp_slices_a_gpt3_13b_stage_of_8192_tokens_one_token_at_a_time():
+    # The issue's size: L = 8192 at granularity 1 with epsilon 0 (exact). The bounds search
+    # and the pushed DP keep it to a few hundred DP runs over short slices.
+    latency = transformer_latency(8192, 5120, 40, 20480, 1, 125e12, itemsize=2,
+                                  send_bandwidth=300e9, send_latency=10e-6, overhead=2e-4)
+    got = solve_token_slices(latency, stages=40)
+    assert sum(got.slices) == 8192 and got.gap_bound_seconds == 0.0
+    assert got.est_seconds == pytest.approx(pipeline_seconds(latency, got.slices, 40), rel=1e-12)
+    assert list(got.slices) == sorted(got.slices, reverse=True)  # long first, short last
+    coarse = solve_token_slices(latency, stages=40, granularity=8)
+    assert got.est_seconds <= coarse.est_seconds  # the unit grid holds every multiple of 8
+    assert got.est_seconds < pipeline_seconds(latency, [8192], 40) / 10
 
 
 def test_flat_cost_gives_equal_slices_and_context_cost_puts_long_slices_first():

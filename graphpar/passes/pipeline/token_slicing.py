@@ -51,17 +51,6 @@ class TokenLatency:
         extra = a0 + a1 * length + a2 * context + a3 * length * context if context else 0.0
         return self.base[length] + extra
 
-    def table(self, granularity: int = 1) -> np.ndarray:
-        """t[k, j]: seconds for a slice of k units after j units of context, a unit being
-        `granularity` tokens; inf where k + j exceeds the sequence or k = 0."""
-        units = self.seq_len // granularity
-        k = np.arange(units + 1)[:, None] * granularity
-        j = np.arange(units + 1)[None, :] * granularity
-        a0, a1, a2, a3 = self.ctx
-        ctx = np.where(j > 0, a0 + a1 * k + a2 * j + a3 * k * j, 0.0)
-        t = np.asarray(self.base)[k] + ctx
-        return np.where((k > 0) & (k + j <= units * granularity), t, np.inf)
-
 
 def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
                         layers_per_stage: int, peak_flops: float, itemsize: int = 4,
@@ -153,8 +142,8 @@ def solve_token_slices(latency: TokenLatency, stages: int, granularity: int = 1,
                        epsilon: float = 0.0) -> TokenSlicing:
     """The slicing of the whole sequence that minimizes Eq. 2.5 on `stages` stages, every slice a
     multiple of `granularity` tokens (the sequence length must be one too). With epsilon > 0,
-    bounds closer than epsilon are evaluated once, so the answer is within stages * epsilon
-    seconds of the optimum."""
+    bounds whose best possible latency is within stages * epsilon of the best found are not
+    evaluated, so the answer is within stages * epsilon seconds of the optimum."""
     seq_len = latency.seq_len
     if stages < 1:
         raise PassError(f"stages={stages}: give at least 1")
@@ -164,67 +153,174 @@ def solve_token_slices(latency: TokenLatency, stages: int, granularity: int = 1,
     if epsilon < 0:
         raise PassError(f"epsilon={epsilon}: give a number >= 0 (seconds)")
     started = time.perf_counter()
-    table = latency.table(granularity)
-    candidates = np.unique(table[np.isfinite(table)])  # every slice's time: the t_max to try
-    slices_units, seconds, evaluated = _search(table, candidates, stages, float(epsilon))
+    base = np.ascontiguousarray(np.asarray(latency.base, dtype=np.float64)[::granularity])
+    ctx = np.asarray(latency.ctx, dtype=np.float64)
+    slices_units, seconds, evaluated = _search(base, ctx, granularity, _grows_with_length(
+        base, ctx, granularity), stages, float(stages * epsilon))
     return TokenSlicing(tuple(int(k) * granularity for k in slices_units), float(seconds),
                         stages * epsilon, int(evaluated), time.perf_counter() - started)
 
 
+def _grows_with_length(base: np.ndarray, ctx: np.ndarray, granularity: int) -> bool:
+    """Whether t(l, c) never shrinks as l grows at any context c (every real model): then the
+    slices that fit under a bound are a prefix of lengths, found by a break or a bisection,
+    instead of a scan over all of them."""
+    units = len(base) - 1
+    if units < 2:
+        return True
+    step = float(np.min(np.diff(base[1:]))) if units > 1 else 0.0
+    a1, a3 = ctx[1], ctx[3]
+    # c runs over granularity .. (units - 1) * granularity; a1 + a3 c is linear, so its ends.
+    ctx_step = granularity * (a1 + min(a3 * granularity, a3 * (units - 1) * granularity))
+    return step >= 0 and step + min(0.0, ctx_step) >= 0
+
+
+@njit(cache=True, inline="always")
+def _t(base, ctx, granularity, k, c):
+    """t(k, c) in units of `granularity` tokens (Eq. 2.9): one formula for the DP, the bound
+    search and the pricing, so a bound equals the slice time it came from bit for bit."""
+    if c == 0:
+        return base[k]
+    length = k * granularity
+    context = c * granularity
+    return base[k] + ctx[0] + ctx[1] * length + ctx[2] * context + ctx[3] * length * context
+
+
 @njit(cache=True)
-def _best_under(table, bound, best, choice):
-    """S*(i; bound) for every i (Eq. 2.8) into `best`, the last slice's length into `choice`."""
-    units = table.shape[0] - 1
+def _best_under(base, ctx, granularity, monotone, bound, best, choice):
+    """S*(i; bound) for every i (Eq. 2.8) into `best`, the last slice's length into `choice`,
+    pushing from each start c the slices no slower than `bound`. When t grows with the length
+    the first slice over the bound ends the lengths from c, so the work is sum_c k_max(c)."""
+    units = base.shape[0] - 1
     best[0] = 0.0
     for i in range(1, units + 1):
         best[i] = np.inf
         choice[i] = 0
-        for k in range(1, i + 1):
-            t = table[k, i - k]
-            if t <= bound and best[i - k] + t < best[i]:
-                best[i] = best[i - k] + t
-                choice[i] = k
+    for c in range(units):
+        if best[c] == np.inf:
+            continue
+        for k in range(1, units - c + 1):
+            t = _t(base, ctx, granularity, k, c)
+            if t > bound:
+                if monotone:
+                    break
+                continue
+            if best[c] + t < best[c + k]:
+                best[c + k] = best[c] + t
+                choice[c + k] = k
 
 
 @njit(cache=True)
-def _search(table, candidates, stages, epsilon):
-    """min over bounds t_max of the pipeline latency of the slicing S*(L; t_max) finds (priced
-    with its actual slowest slice), bounds ascending; stops once K * t_max reaches the best
-    (every slice costs at least the slowest, so any slicing with a slower one costs more).
-    Bounds within epsilon of the window's first are evaluated once, at the window's last."""
-    units = table.shape[0] - 1
+def _largest_time_at_most(base, ctx, granularity, monotone, bound):
+    """The largest slice time t(k, c) <= bound, -inf if none: the next t_max below a covered
+    range. With t growing in the length, a bisection per context; else a scan of all."""
+    units = base.shape[0] - 1
+    found = -np.inf
+    for c in range(units):
+        if monotone:
+            lo, hi = 0, units - c  # largest k in [1, units - c] with t <= bound; 0 if none
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _t(base, ctx, granularity, mid, c) <= bound:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > 0:
+                found = max(found, _t(base, ctx, granularity, lo, c))
+        else:
+            for k in range(1, units - c + 1):
+                t = _t(base, ctx, granularity, k, c)
+                if t <= bound and t > found:
+                    found = t
+    return found
+
+
+@njit(cache=True)
+def _smallest_time(base, ctx, granularity, monotone):
+    units = base.shape[0] - 1
+    found = np.inf
+    for c in range(units):
+        for k in range(1, units - c + 1):
+            found = min(found, _t(base, ctx, granularity, k, c))
+            if monotone:
+                break
+    return found
+
+
+@njit(cache=True)
+def _search(base, ctx, granularity, monotone, stages, gap):
+    """min over bounds t_max of S*(L; t_max) + (K-1) t_max (Eq. 2.6), branch and bound over the
+    range of t_max. Evaluating the DP at a bound p gives a slicing of sum S = S*(L; p) whose
+    slowest slice is M <= p; S*(L; t) = S for every t in [M, p] (S* never grows with t and
+    that slicing fits under t), so the evaluation settles the whole range [M, p] at once, with
+    the slicing's own latency S + (K-1) M. A range (lo, hi] not settled yet holds slicings
+    whose slowest slice is in it; they cost at least S*(L; hi) + (K-1) lo and, times being
+    non-negative, at least K lo (the early stop), and S*(L; hi) is at least the S found at any
+    bound above hi. A range whose bound is within `gap` of the best found is dropped (gap 0:
+    exact); else it is split at the largest slice time below its middle, geometric when the
+    range spans many scales."""
+    units = base.shape[0] - 1
     best = np.empty(units + 1)
     choice = np.zeros(units + 1, dtype=np.int64)
     best_cost = np.inf
     best_slices = np.zeros(0, dtype=np.int64)
     evaluated = 0
-    n = candidates.shape[0]
-    i = 0
-    while i < n:
-        start = candidates[i]
-        if stages * start >= best_cost:
-            break
-        j = i
-        while j + 1 < n and candidates[j + 1] < start + epsilon:
-            j += 1
-        bound = candidates[j]
-        i = j + 1
-        evaluated += 1
-        _best_under(table, bound, best, choice)
-        if not np.isfinite(best[units]):
+    t_min = _smallest_time(base, ctx, granularity, monotone)
+    t_max = _largest_time_at_most(base, ctx, granularity, monotone, np.inf)
+    nonnegative = t_min >= 0
+    # ranges (lo, hi] to settle and a lower bound on S* inside: a stack of parallel arrays
+    los = [np.nextafter(t_min, -np.inf)]  # just below the fastest slice
+    his = [t_max]
+    sums = [-np.inf]
+    while len(los) > 0:
+        lo = los.pop()
+        hi = his.pop()
+        s_floor = sums.pop()
+        bound = s_floor + (stages - 1) * lo
+        if nonnegative:
+            bound = max(bound, stages * lo)
+        if bound >= best_cost - gap:
             continue
-        slices = []
-        slowest = 0.0
-        at = units
-        while at > 0:
-            k = choice[at]
-            slices.append(k)
-            slowest = max(slowest, table[k, at - k])
-            at -= k
-        cost = best[units] + (stages - 1) * slowest
-        if cost < best_cost:
-            best_cost = cost
-            best_slices = np.array(slices[::-1], dtype=np.int64)
+        if lo > 0 and hi > 4 * lo:
+            middle = math.sqrt(lo * hi)
+        else:
+            middle = lo + 0.5 * (hi - lo)
+        p = _largest_time_at_most(base, ctx, granularity, monotone, middle)
+        if p <= lo:
+            p = hi  # no slice time in (lo, middle]: hi is one
+        evaluated += 1
+        _best_under(base, ctx, granularity, monotone, p, best, choice)
+        total = best[units]
+        slowest = p
+        if total < np.inf:
+            slowest = -np.inf
+            at = units
+            while at > 0:
+                k = choice[at]
+                slowest = max(slowest, _t(base, ctx, granularity, k, at - k))
+                at -= k
+            cost = total + (stages - 1) * slowest
+            if cost < best_cost:
+                best_cost = cost
+                slices = []
+                at = units
+                while at > 0:
+                    slices.append(choice[at])
+                    at -= choice[at]
+                best_slices = np.array(slices[::-1], dtype=np.int64)
+        # (p, hi] keeps its floor; (lo, slowest) gets S*(L; p) as one
+        if hi > p:
+            los.append(p)
+            his.append(hi)
+            sums.append(s_floor)
+        if total == np.inf:
+            continue  # nothing fits under p, so nothing under anything below it
+        below = _largest_time_at_most(base, ctx, granularity, monotone,
+                                      np.nextafter(slowest, -np.inf))
+        if below > lo:
+            los.append(lo)
+            his.append(below)
+            sums.append(total)
     return best_slices, best_cost, evaluated
 
 

@@ -20,7 +20,6 @@ from graphpar.passes.pipeline.token_slicing import (
     pipeline_seconds,
     solve_batch_and_tokens,
     solve_token_slices,
-    split_batch,
     transformer_latency,
 )
 
@@ -37,7 +36,8 @@ def compositions(n: int):
         yield parts + [run]
 
 
-def brute_force(latency: TokenLatency, stages: int, granularity: int = 1) -> float:
+def brute_force(latency: TokenLatency, stages: int, granularity: int = 1,
+                repeats: int = 1) -> float:
     """The best of Eq. 2.5 over every slicing (2^(units-1) of them), from a table of t(k, c)."""
     units = latency.seq_len // granularity
     t = [[latency(k * granularity, c * granularity) if k + c <= units else math.inf
@@ -48,7 +48,7 @@ def brute_force(latency: TokenLatency, stages: int, granularity: int = 1) -> flo
         for k in parts:
             times.append(t[k][context])
             context += k
-        best = min(best, sum(times) + (stages - 1) * max(times))
+        best = min(best, repeats * sum(times) + (stages - 1) * max(times))
     return best
 
 
@@ -154,38 +154,31 @@ def test_fit_recovers_the_model_and_reports_its_error_on_held_back_points():
     assert fit(noisy, seq_len=64).fit_error < 0.02  # 1 % noise: about 1 % error held back
 
 
-def partitions(n: int, most: int | None = None):
-    """Every multiset of positive sizes summing to n, sizes descending."""
-    most = n if most is None else most
-    if n == 0:
-        yield ()
-    for first in range(min(n, most), 0, -1):
-        for rest in partitions(n - first, first):
-            yield (first,) + rest
-
-
-def test_batch_split_is_the_best_partition():
-    rng = np.random.default_rng(4)
-    for _ in range(100):
-        seconds = rng.uniform(0.1, 3.0, int(rng.integers(1, 9)))
-        got = split_batch(seconds)
-        assert sum(got) == len(seconds)
-        best = min(sum(seconds[b - 1] for b in p) for p in partitions(len(seconds)))
-        assert sum(seconds[b - 1] for b in got) == pytest.approx(best, rel=1e-12)
-
-
-def test_batch_and_tokens_run_the_token_dp_per_batch_slice_size():
-    # A fixed cost per slice favours whole batches; the token DP then slices each one.
+def test_batch_and_tokens_pick_the_best_equal_batch_split_against_brute_force():
+    # A fixed cost per slice favours big batch slices, the fill and drain small ones.
     def latency(b):
-        return TokenLatency(tuple([0.0] + [2.0 + 0.5 * b * length for length in range(1, 17)]),
-                            (0.0, 0.0, 0.0, 0.01 * b))
-    got = solve_batch_and_tokens(latency, batch=4, stages=4, granularity=4)
-    per_size = [solve_token_slices(latency(b), 4, 4).est_seconds for b in range(1, 5)]
-    best = min(sum(per_size[b - 1] for b in p) for p in partitions(4))
-    assert got.est_seconds == pytest.approx(best, rel=1e-12)
-    assert sum(got.batch_slices) == 4
-    for b, slices in zip(got.batch_slices, got.token_slices):
-        assert slices == solve_token_slices(latency(b), 4, 4).slices
+        return TokenLatency(tuple([0.0] + [2.0 + 0.5 * b * length for length in range(1, 9)]),
+                            (0.0, 0.0, 0.0, 0.05 * b))
+    for stages in (1, 3, 8):
+        got = solve_batch_and_tokens(latency, batch=4, stages=stages)
+        best = min(brute_force(latency(b), stages, repeats=4 // b) for b in (1, 2, 4))
+        assert got.est_seconds == pytest.approx(best, rel=1e-12)
+        (size,) = set(got.batch_slices)
+        assert size * len(got.batch_slices) == 4 and len(set(got.token_slices)) == 1
+        assert got.est_seconds == pytest.approx(pipeline_seconds(
+            latency(size), got.token_slices[0], stages, repeats=4 // size), rel=1e-12)
+    # many stages: small batch slices shorten the fill and drain
+    assert solve_batch_and_tokens(latency, batch=4, stages=8).batch_slices == (1, 1, 1, 1)
+
+
+def test_repeated_slicings_equal_brute_force():
+    rng = np.random.default_rng(5)
+    for case in range(40):
+        latency = random_latency(rng, int(rng.integers(1, 10)), flat=case % 2 == 0)
+        stages, repeats = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        got = solve_token_slices(latency, stages, repeats=repeats)
+        assert got.est_seconds == pytest.approx(brute_force(latency, stages, repeats=repeats),
+                                                rel=1e-12)
 
 
 def test_bad_arguments_are_clear_errors():

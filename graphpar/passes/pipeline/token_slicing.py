@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit
 
 from graphpar.cost.cluster import get_cluster
+from graphpar.cost.communication import collective_time
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -55,30 +56,47 @@ class TokenLatency:
 def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
                         layers_per_stage: int, peak_flops: float, itemsize: int = 4,
                         send_bandwidth: float = float("inf"), send_latency: float = 0.0,
-                        overhead: float = 0.0) -> TokenLatency:
-    """The latency model of a stage of `layers_per_stage` transformer layers, batch 1, from their
-    FLOPs at `peak_flops` (the cost model's roofline: dense matmuls at peak), forward and
-    backward (BACKWARD_FACTOR), plus sending the slice's activations [l, hidden] forward and
-    their gradients back (`send_latency` + bytes / `send_bandwidth`), plus `overhead` seconds
-    per layer per slice (kernel calls).
+                        overhead: float = 0.0, batch: int = 1, tensor_parallel: int = 1,
+                        memory_bandwidth: float = float("inf"),
+                        allreduce_bandwidth: float = float("inf"),
+                        allreduce_latency: float = 0.0) -> TokenLatency:
+    """The latency model of a stage of `layers_per_stage` transformer layers on `batch`
+    sequences at once, from their FLOPs at `peak_flops` (the cost model's roofline), forward and
+    backward (BACKWARD_FACTOR), plus sending the slice's activations [batch, l, hidden] forward
+    and their gradients back (`send_latency` + bytes / `send_bandwidth`), plus `overhead`
+    seconds per layer per slice (kernel calls).
 
     Per layer, a slice of l tokens after c tokens: the projections (q, k, v, out: 4 h^2) and the
-    MLP (2 h f) cost 2 l (4 h^2 + 2 h f) FLOPs; attention q k^T and p v cost 2 * 2 h per
-    (query, key) pair, and token i of the slice sees c + i + 1 keys, so 4 h (l c + l (l+1) / 2).
-    Only the 4 h l c term depends on the context: t_ctx = a3 l c with a3 = 4 h / peak per layer
+    MLP (2 h f) cost 2 b l (4 h^2 + 2 h f) FLOPs, but never less time than reading their weights
+    once per pass at `memory_bandwidth` (the roofline's memory side: why one token costs about
+    as much as a hundred on a GPU); attention q k^T and p v cost 2 * 2 h per (query, key) pair,
+    and token i of the slice sees c + i + 1 keys, so 4 h b (l c + l (l+1) / 2). Only the
+    4 h b l c term depends on the context: t_ctx = a3 l c with a3 = 4 h b / peak per layer
     (`heads` changes how attention is split, not its FLOPs; it is kept for the caller's record).
+
+    `tensor_parallel` = m splits every matmul's FLOPs and weights m ways inside a node
+    (Megatron-style) at the price of 4 all-reduces of the slice's activations per layer (two
+    forward, two backward) at `allreduce_bandwidth` / `allreduce_latency`, and each of the m
+    devices sends 1/m of the activations to the next stage.
     """
-    if min(seq_len, hidden, heads, ffn, layers_per_stage) < 1:
-        raise PassError("transformer_latency: seq_len, hidden, heads, ffn and layers_per_stage "
-                        "must be positive")
-    scale = BACKWARD_FACTOR * layers_per_stage / peak_flops
+    if min(seq_len, hidden, heads, ffn, layers_per_stage, batch, tensor_parallel) < 1:
+        raise PassError("transformer_latency: seq_len, hidden, heads, ffn, layers_per_stage, "
+                        "batch and tensor_parallel must be positive")
+    m = tensor_parallel
     lengths = np.arange(seq_len + 1, dtype=np.float64)
-    flops = 2 * lengths * (4 * hidden * hidden + 2 * hidden * ffn) \
-        + 4 * hidden * lengths * (lengths + 1) / 2
-    send = 2 * (send_latency + lengths * hidden * itemsize / send_bandwidth)
-    base = flops * scale + send + overhead * layers_per_stage
+    weights = (4 * hidden * hidden + 2 * hidden * ffn) / m
+    matmul = np.maximum(2 * batch * lengths * weights / peak_flops,
+                        weights * itemsize / memory_bandwidth)
+    attention = 4 * hidden / m * batch * lengths * (lengths + 1) / 2 / peak_flops
+    activation = batch * lengths * hidden * itemsize
+    allreduce = np.array([4 * collective_time("all_reduce", nbytes, m, allreduce_bandwidth,
+                                              allreduce_latency) for nbytes in activation])
+    per_layer = BACKWARD_FACTOR * (matmul + attention) + allreduce + overhead
+    send = 2 * (send_latency + activation / m / send_bandwidth)
+    base = per_layer * layers_per_stage + send
     base[0] = 0.0
-    return TokenLatency(tuple(float(x) for x in base), (0.0, 0.0, 0.0, 4.0 * hidden * scale))
+    a3 = BACKWARD_FACTOR * layers_per_stage * 4 * hidden / m * batch / peak_flops
+    return TokenLatency(tuple(float(x) for x in base), (0.0, 0.0, 0.0, a3))
 
 
 def fit(points: Sequence[tuple[int, int, float]], seq_len: int, holdout: float = 0.25,
@@ -129,21 +147,25 @@ class TokenSlicing:
     dp_seconds: float = 0.0
 
 
-def pipeline_seconds(latency: TokenLatency, slices: Sequence[int], stages: int) -> float:
-    """Eq. 2.5 for given slice lengths: sum of the slices' times + (K-1) * the slowest."""
+def pipeline_seconds(latency: TokenLatency, slices: Sequence[int], stages: int,
+                     repeats: int = 1) -> float:
+    """Eq. 2.5 for given slice lengths: sum of the slices' times + (K-1) * the slowest; with
+    `repeats` batch slices each sliced alike, back to back in one pipeline, the sum `repeats`
+    times over."""
     times, context = [], 0
     for length in slices:
         times.append(latency(length, context))
         context += length
-    return sum(times) + (stages - 1) * max(times)
+    return repeats * sum(times) + (stages - 1) * max(times)
 
 
 def solve_token_slices(latency: TokenLatency, stages: int, granularity: int = 1,
-                       epsilon: float = 0.0) -> TokenSlicing:
+                       epsilon: float = 0.0, repeats: int = 1) -> TokenSlicing:
     """The slicing of the whole sequence that minimizes Eq. 2.5 on `stages` stages, every slice a
-    multiple of `granularity` tokens (the sequence length must be one too). With epsilon > 0,
-    bounds whose best possible latency is within stages * epsilon of the best found are not
-    evaluated, so the answer is within stages * epsilon seconds of the optimum."""
+    multiple of `granularity` tokens (the sequence length must be one too); `repeats` batch
+    slices sliced alike go through the pipeline back to back (`pipeline_seconds`). With
+    epsilon > 0, bounds whose best possible latency is within stages * epsilon of the best
+    found are not evaluated, so the answer is within stages * epsilon seconds of the optimum."""
     seq_len = latency.seq_len
     if stages < 1:
         raise PassError(f"stages={stages}: give at least 1")
@@ -152,11 +174,13 @@ def solve_token_slices(latency: TokenLatency, stages: int, granularity: int = 1,
                         f"{seq_len}; choose a divisor of it (e.g. 1 or 8)")
     if epsilon < 0:
         raise PassError(f"epsilon={epsilon}: give a number >= 0 (seconds)")
+    if repeats < 1:
+        raise PassError(f"repeats={repeats}: give at least 1 batch slice")
     started = time.perf_counter()
     base = np.ascontiguousarray(np.asarray(latency.base, dtype=np.float64)[::granularity])
     ctx = np.asarray(latency.ctx, dtype=np.float64)
     slices_units, seconds, evaluated = _search(base, ctx, granularity, _grows_with_length(
-        base, ctx, granularity), stages, float(stages * epsilon))
+        base, ctx, granularity), stages, repeats, float(stages * epsilon))
     return TokenSlicing(tuple(int(k) * granularity for k in slices_units), float(seconds),
                         stages * epsilon, int(evaluated), time.perf_counter() - started)
 
@@ -248,17 +272,17 @@ def _smallest_time(base, ctx, granularity, monotone):
 
 
 @njit(cache=True)
-def _search(base, ctx, granularity, monotone, stages, gap):
-    """min over bounds t_max of S*(L; t_max) + (K-1) t_max (Eq. 2.6), branch and bound over the
-    range of t_max. Evaluating the DP at a bound p gives a slicing of sum S = S*(L; p) whose
-    slowest slice is M <= p; S*(L; t) = S for every t in [M, p] (S* never grows with t and
-    that slicing fits under t), so the evaluation settles the whole range [M, p] at once, with
-    the slicing's own latency S + (K-1) M. A range (lo, hi] not settled yet holds slicings
-    whose slowest slice is in it; they cost at least S*(L; hi) + (K-1) lo and, times being
-    non-negative, at least K lo (the early stop), and S*(L; hi) is at least the S found at any
-    bound above hi. A range whose bound is within `gap` of the best found is dropped (gap 0:
-    exact); else it is split at the largest slice time below its middle, geometric when the
-    range spans many scales."""
+def _search(base, ctx, granularity, monotone, stages, repeats, gap):
+    """min over bounds t_max of r S*(L; t_max) + (K-1) t_max (Eq. 2.6, r = `repeats` batch
+    slices alike), branch and bound over the range of t_max. Evaluating the DP at a bound p
+    gives a slicing of sum S = S*(L; p) whose slowest slice is M <= p; S*(L; t) = S for every
+    t in [M, p] (S* never grows with t and that slicing fits under t), so the evaluation
+    settles the whole range [M, p] at once, with the slicing's own latency r S + (K-1) M.
+    A range (lo, hi] not settled yet holds slicings whose slowest slice is in it; they cost at
+    least r S*(L; hi) + (K-1) lo and, times being non-negative, at least (r + K-1) lo (the
+    early stop), and S*(L; hi) is at least the S found at any bound above hi. A range whose
+    bound is within `gap` of the best found is dropped (gap 0: exact); else it is split at the
+    largest slice time below its middle, geometric when the range spans many scales."""
     units = base.shape[0] - 1
     best = np.empty(units + 1)
     choice = np.zeros(units + 1, dtype=np.int64)
@@ -276,9 +300,9 @@ def _search(base, ctx, granularity, monotone, stages, gap):
         lo = los.pop()
         hi = his.pop()
         s_floor = sums.pop()
-        bound = s_floor + (stages - 1) * lo
+        bound = repeats * s_floor + (stages - 1) * lo
         if nonnegative:
-            bound = max(bound, stages * lo)
+            bound = max(bound, (repeats + stages - 1) * lo)
         if bound >= best_cost - gap:
             continue
         if lo > 0 and hi > 4 * lo:
@@ -299,7 +323,7 @@ def _search(base, ctx, granularity, monotone, stages, gap):
                 k = choice[at]
                 slowest = max(slowest, _t(base, ctx, granularity, k, at - k))
                 at -= k
-            cost = total + (stages - 1) * slowest
+            cost = repeats * total + (stages - 1) * slowest
             if cost < best_cost:
                 best_cost = cost
                 slices = []
@@ -327,8 +351,9 @@ def _search(base, ctx, granularity, monotone, stages, gap):
 @dataclass(frozen=True)
 class BatchTokenSlicing:
     """Batch and token slicing together (TeraPipe 2.3.4): the batch cut into slices of
-    `batch_slices[d]` sequences, each sliced along its tokens as `token_slices[d]`; the estimate
-    is the sum of the batch slices' pipeline latencies (seconds)."""
+    `batch_slices[d]` sequences, each sliced along its tokens as `token_slices[d]`, all of them
+    back to back through one pipeline; the estimate is Eq. 2.5 over every (batch slice, token
+    slice) pair (seconds)."""
 
     batch_slices: tuple[int, ...]
     token_slices: tuple[tuple[int, ...], ...]
@@ -336,37 +361,26 @@ class BatchTokenSlicing:
     dp_seconds: float
 
 
-def split_batch(seconds_per_size: Sequence[float]) -> tuple[int, ...]:
-    """The 1-D knapsack: sizes b_1 + ... + b_D = B (B = len(seconds_per_size)) minimizing the sum
-    of `seconds_per_size[b - 1]`; sizes in descending order."""
-    batch = len(seconds_per_size)
-    best = [0.0] + [math.inf] * batch
-    last = [0] * (batch + 1)
-    for total in range(1, batch + 1):
-        for size in range(1, total + 1):
-            cost = best[total - size] + seconds_per_size[size - 1]
-            if cost < best[total]:
-                best[total], last[total] = cost, size
-    sizes, at = [], batch
-    while at:
-        sizes.append(last[at])
-        at -= last[at]
-    return tuple(sorted(sizes, reverse=True))
-
-
 def solve_batch_and_tokens(latency_of_batch: Callable[[int], TokenLatency], batch: int,
                            stages: int, granularity: int = 1,
                            epsilon: float = 0.0) -> BatchTokenSlicing:
-    """Run the token DP for every batch-slice size b = 1..batch (`latency_of_batch(b)`: the
-    latency model of b sequences at once), then split the batch by `split_batch`."""
+    """Run the token DP for every batch-slice size b dividing `batch` (`latency_of_batch(b)`: the
+    latency model of b sequences at once), the batch/b slices back to back in one pipeline,
+    and keep the fastest. Equal batch slices, not the paper's knapsack over unequal ones: the
+    knapsack adds up a whole pipeline latency per batch slice, fill and drain included, which
+    prices GPipe's microbatches as if they ran one after another."""
     if batch < 1:
         raise PassError(f"batch={batch}: give at least 1 sequence")
     started = time.perf_counter()
-    per_size = [solve_token_slices(latency_of_batch(b), stages, granularity, epsilon)
-                for b in range(1, batch + 1)]
-    sizes = split_batch([r.est_seconds for r in per_size])
-    return BatchTokenSlicing(sizes, tuple(per_size[b - 1].slices for b in sizes),
-                             sum(per_size[b - 1].est_seconds for b in sizes),
+    best = None
+    for size in (b for b in range(1, batch + 1) if batch % b == 0):
+        got = solve_token_slices(latency_of_batch(size), stages, granularity, epsilon,
+                                 repeats=batch // size)
+        if best is None or got.est_seconds < best[1].est_seconds:
+            best = (size, got)
+    size, got = best
+    count = batch // size
+    return BatchTokenSlicing((size,) * count, (got.slices,) * count, got.est_seconds,
                              time.perf_counter() - started)
 
 

@@ -22,7 +22,7 @@ from graphpar.passes.manager import (
 )
 from graphpar.passes.pipeline import (
     slice_stages,  # noqa: F401  (registers slice-stages)
-    token_slicing,  # noqa: F401  (registers slice-tokens)
+    slice_tokens,  # noqa: F401  (registers slice-tokens)
 )
 
 __all__ = ["GraphPass", "Pass", "PassContext", "PassManager", "available_passes", "make_pass",

@@ -9,6 +9,7 @@ import pytest
 from graphpar.capture import capture_inference
 from graphpar.cost.cluster import get_cluster
 from graphpar.errors import PassError, UsageError
+from graphpar.ir.parser import parse_program
 from graphpar.ir.printer import print_graph
 from graphpar.models import get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
@@ -210,19 +211,37 @@ def test_pass_records_the_dp_slices_in_the_graph(gpt):
     expected = solve_token_slices(
         transformer_latency(32, 64, 4, 256, 1, cpu.peak_flops("fp32"),
                             send_bandwidth=cpu.intra_node_bandwidth,
-                            send_latency=cpu.intra_node_latency), 2, granularity=4)
+                            send_latency=cpu.intra_node_latency, batch=2), 2, granularity=4)
     assert len(result.slices) > 1
     assert result.slices == expected.slices
     assert math.isclose(result.est_seconds, expected.est_seconds, rel_tol=1e-12)
+    assert result.batch_slices == (2,)  # the example's batch of 2, one microbatch
+    assert result.est_unsliced_seconds > result.est_seconds
     assert graph.attrs["token_slices"] == result.slices
-    header = f"attrs {{token_slices=[{', '.join(map(str, result.slices))}]}}"
-    assert header in print_graph(graph)
+    text = print_graph(graph)
+    slices = ", ".join(map(str, result.slices))
+    assert f"token_slices=[{slices}]" in text and "batch_slices=[2]" in text
+    (parsed,) = parse_program(text)
+    assert parsed.attrs["token_slices"] == result.slices
+
+
+def test_pass_with_a_slice_count_cuts_equal_slices(gpt):
+    graph = gpt.copy()
+    result = run(graph, "stages=2,slices=3,cluster=cpu")
+    assert result.slices == (11, 11, 10) and graph.attrs["token_slices"] == (11, 11, 10)
+    with pytest.raises(PassError, match="slices=40: the sequence has only 32 tokens"):
+        run(gpt.copy(), "slices=40")
 
 
 def test_pass_refuses_graphs_it_cannot_slice(gpt):
     mlp = get_model("mlp", "tiny")
     graph = capture_inference(mlp.module, mlp.inputs, name="mlp").graph
     with pytest.raises(PassError, match="no causal attention, so it has no sequence dimension"):
+        run(graph, "stages=2")
+    bert = get_model("bert", "tiny")
+    graph = capture_inference(bert.module, bert.inputs, name="bert").graph
+    with pytest.raises(PassError, match=r"graph @bert: node \d+ \(attention\) at .*\.py:\d+ in "
+                       r".* is not causal \(no is_causal=True\)"):
         run(graph, "stages=2")
     with pytest.raises(PassError, match="seq_len=30 but the causal attention"):
         run(gpt, "seq_len=30")

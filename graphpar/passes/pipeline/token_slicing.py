@@ -7,10 +7,10 @@ is fed slices instead of whole sequences.
   model (FLOPs over the cluster's peak, plus sending the slice's activations to the next
   stage); `fit` fits it from measured points and reports its error on held-back ones.
 - `solve_token_slices`: the DP of Eq. 2.6-2.8, min over t_max of S*(L; t_max) + (K-1)*t_max,
-  t_max ascending with the early stop and an epsilon gap (optimal within K*epsilon);
-  `solve_batch_and_tokens` runs it per batch-slice size and splits the batch by a 1-D knapsack.
-- the `slice-tokens` pass: reads the sequence length, heads and layers off the graph's causal
-  attention, solves, and records the slice lengths in the graph's attrs (`token_slices`).
+  a branch and bound over t_max with the early stop and an epsilon gap (optimal within
+  K*epsilon); `solve_batch_and_tokens` runs it per batch-slice size and keeps the best.
+
+The `slice-tokens` pass that applies them to a graph is in `slice_tokens.py`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from graphpar.cost.cluster import get_cluster
 from graphpar.cost.communication import collective_time
 from graphpar.errors import PassError
-from graphpar.ir.graph import Graph
-from graphpar.passes.manager import GraphPass, PassContext, register_pass
 
 # Backward of a matmul is two matmuls of the same size: forward + backward = 3x forward.
 BACKWARD_FACTOR = 3.0
@@ -145,6 +142,9 @@ class TokenSlicing:
     gap_bound_seconds: float = 0.0
     evaluated: int = 0
     dp_seconds: float = 0.0
+    # set by the slice-tokens pass: the microbatches' sizes and the same step unsliced
+    batch_slices: tuple[int, ...] = ()
+    est_unsliced_seconds: float = 0.0
 
 
 def pipeline_seconds(latency: TokenLatency, slices: Sequence[int], stages: int,
@@ -382,71 +382,3 @@ def solve_batch_and_tokens(latency_of_batch: Callable[[int], TokenLatency], batc
     count = batch // size
     return BatchTokenSlicing((size,) * count, (got.slices,) * count, got.est_seconds,
                              time.perf_counter() - started)
-
-
-# --- the pass ---------------------------------------------------------------------------------
-
-_ATTENTION = ("attention", "attention_with_lse")
-
-
-@register_pass("slice-tokens")
-@dataclass
-class SliceTokens(GraphPass):
-    """Slice a causal LM's sequence into token slices for a pipeline of `stages` identical stages
-    (TeraPipe). Records `token_slices=(...)` in the graph's attrs and sets a `TokenSlicing`
-    result. The latency model is `transformer_latency` on the cluster, with the hidden size,
-    heads and layers read off the graph's causal attention (the MLP's width is an option)."""
-
-    seq_len: int = 0  # 0: the causal attention's sequence length
-    stages: int = 2
-    granularity: int = 1
-    epsilon: float = 0.0  # seconds
-    cluster: str = "dgx-a100"
-    dtype: str = "fp32"
-    ffn: int = 0  # the MLP's width; 0: 4 x hidden (GPT)
-
-    def __post_init__(self) -> None:
-        if self.stages < 1:
-            raise PassError(f"stages={self.stages}: give at least 1")
-        if self.granularity < 1:
-            raise PassError(f"granularity={self.granularity}: give a positive number of tokens")
-        if self.epsilon < 0:
-            raise PassError(f"epsilon={self.epsilon}: give a number >= 0 (seconds)")
-        get_cluster(self.cluster).peak_flops(self.dtype)
-
-    def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
-        latency = self.latency_of(graph)
-        result = solve_token_slices(latency, self.stages, self.granularity, self.epsilon)
-        graph.attrs["token_slices"] = result.slices
-        ctx.set_result(result)
-        return True
-
-    def latency_of(self, graph: Graph) -> TokenLatency:
-        causal = [n for n in graph.nodes if n.op in _ATTENTION and n.attrs.get("causal")]
-        if not causal:
-            raise PassError(
-                f"graph @{graph.name} has no causal attention, so it has no sequence dimension "
-                "to slice: slice-tokens needs a causal language model (attention with "
-                "causal=True, e.g. is_causal=True in scaled_dot_product_attention)")
-        q = causal[0].input_values[0].type.shape  # [batch, heads, seq, head_dim]
-        _, heads, seq, head_dim = q
-        seq_len = self.seq_len or seq
-        if seq_len != seq:
-            raise PassError(f"seq_len={self.seq_len} but the causal attention of graph "
-                            f"@{graph.name} runs over {seq} tokens; leave seq_len out or give "
-                            f"{seq}")
-        if self.granularity > seq_len or seq_len % self.granularity:
-            raise PassError(f"granularity={self.granularity} does not divide the sequence "
-                            f"length {seq_len}; choose a divisor of it (e.g. 1 or 8)")
-        layers = len(causal)
-        if layers % self.stages:
-            raise PassError(f"stages={self.stages} does not divide the {layers} attention layers "
-                            f"of graph @{graph.name}; token slicing assumes identical stages")
-        hidden = heads * head_dim
-        ffn = self.ffn or 4 * hidden
-        cluster = get_cluster(self.cluster)
-        return transformer_latency(seq_len, hidden, heads, ffn, layers // self.stages,
-                                   cluster.peak_flops(self.dtype), itemsize=4,
-                                   send_bandwidth=cluster.intra_node_bandwidth,
-                                   send_latency=cluster.intra_node_latency)
-

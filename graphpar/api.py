@@ -128,18 +128,26 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
             cluster: str = "dgx-a100", memory_limit: str = "device", time_limit: float = 30.0,
             passes: str = "cleanup", keep_grads: bool = False,
             pipeline: str | int | None = None, microbatches: int = 4,
-            schedule: str = "1f1b") -> Compiled | PipelineCompiled:
+            schedule: str = "1f1b",
+            token_slices: str | int | None = None) -> Compiled | PipelineCompiled:
     """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
     `keep_grads`: a training step also returns its gradients (for `Compiled.check`).
 
     With `pipeline` ("auto" or a number of stages; training only) the step is instead sliced
     into pipeline stages on sub-meshes of `mesh` (Alpa's inter-op pass over the ILP) and run
     by `schedule` ("gpipe", "1f1b", "zb") over `microbatches`: a `PipelineCompiled`, whose
-    `.plan` is the stage plan and whose `check()` runs one step against eager."""
+    `.plan` is the stage plan and whose `check()` runs one step against eager. With
+    `token_slices` ("auto" or a number of slices; a causal LM, with `pipeline` only) each
+    sequence is also cut into token slices (TeraPipe), recorded in the step graph's attrs
+    `token_slices` and `batch_slices`."""
     from graphpar.compiler import ModelSpec, compile_model
 
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
+    if token_slices is not None and pipeline is None:
+        raise UsageError("token_slices= sends token slices through pipeline stages: pass "
+                         "pipeline= too")
     if pipeline is not None:
+        from graphpar.passes.pipeline.slice_tokens import slice_count
         from graphpar.pipelined import slice_and_build
 
         if mode != "train":
@@ -147,7 +155,8 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
         sliced = slice_and_build(spec, mesh, stages=pipeline, microbatches=microbatches,
                                  schedule=schedule, optimizer=optimizer, cluster=cluster,
                                  memory_limit=memory_limit, time_limit=time_limit,
-                                 passes=parse_pipeline(passes), keep_grads=keep_grads)
+                                 passes=parse_pipeline(passes), keep_grads=keep_grads,
+                                 token_slices=slice_count(token_slices))
         return sliced.pipe.sharded_as_planned(cluster)
     passes = [*parse_pipeline(passes),
               AutoShard(mesh=mesh, cluster=cluster, memory_limit=memory_limit,

@@ -261,11 +261,14 @@ def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
                     microbatches: int = 4, schedule: str = "1f1b",
                     optimizer: Optimizer | None = None, cluster: str = "dgx-a100",
                     memory_limit: str = "device", time_limit: float = 30.0,
-                    passes: Sequence = (), keep_grads: bool = False) -> SlicedPipeline:
+                    passes: Sequence = (), keep_grads: bool = False,
+                    token_slices: int | None = None) -> SlicedPipeline:
     """Capture `spec`'s training step at the microbatch size (its example batch cut into
     `microbatches` along dimension 0), run `passes` then `slice-stages` on the physical `mesh`
     ("HxD", or "D" for one host) and build the stages' programs and `schedule`.
-    `memory_limit`: "device" (the cluster's), "none" or a size."""
+    `memory_limit`: "device" (the cluster's), "none" or a size. `token_slices` (0: the DP
+    chooses, N: N equal slices; None: off) then runs `slice-tokens` for the stage plan, which
+    records `token_slices` and `batch_slices` in the step graph's attrs."""
     from graphpar.compiler import ModelSpec, compile_model
     from graphpar.passes.pipeline.plan import StagePlan
     from graphpar.passes.pipeline.slice_stages import SliceStages
@@ -280,7 +283,12 @@ def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
     slicer = SliceStages(mesh=mesh if "x" in str(mesh) else f"1x{mesh}", cluster=cluster,
                          stages=str(stages), microbatches=microbatches, memory_limit=memory_limit,
                          time_limit=time_limit)
-    result = compile_model(micro, "train", [*passes, slicer], optimizer=optimizer,
+    after = []
+    if token_slices is not None:
+        from graphpar.passes.pipeline.slice_tokens import SliceTokens
+
+        after.append(SliceTokens(slices=token_slices, cluster=cluster))
+    result = compile_model(micro, "train", [*passes, slicer, *after], optimizer=optimizer,
                            keep_grads=keep_grads)
     plan = result.context.result(StagePlan)
     pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, schedule,

@@ -87,12 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """--pipeline, --microbatches and --schedule, as compile and viz take them."""
+    """--pipeline, --microbatches, --schedule and --token-slices, as compile and viz take them."""
     parser.add_argument("--pipeline", metavar="auto|S", help=what)
     parser.add_argument("--microbatches", type=int, default=4,
                         help="microbatches per step with --pipeline (default 4)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
                         help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
+    parser.add_argument("--token-slices", metavar="auto|N",
+                        help="with --pipeline, a causal LM: cut each sequence into token slices "
+                             "that flow through the stages one after another (TeraPipe): 'auto' "
+                             "(the DP) or N equal slices")
 
 
 class Terminated(BaseException):

@@ -32,8 +32,20 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
     if args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
+    if args.token_slices is not None:
+        from graphpar.passes.pipeline.slice_tokens import slice_count
+
+        slice_count(args.token_slices, "--token-slices ")
     if args.trace and not args.run_cpu:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
+
+
+def check_token_slices_need_pipeline(args: argparse.Namespace) -> None:
+    """--token-slices pipelines token slices through stages: without --pipeline it is an
+    error, not silently ignored."""
+    if getattr(args, "token_slices", None) is not None and not args.pipeline:
+        raise UsageError("--token-slices sends token slices through pipeline stages: give "
+                         "--pipeline auto|S too (and --mode train)")
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.cost.cluster import mesh_for
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
+    from graphpar.passes.pipeline.slice_tokens import slice_count
     from graphpar.pipelined import slice_and_build
     from graphpar.runtime.pipeline import MicrobatchError
 
@@ -77,12 +90,17 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
                 schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
                 memory_limit=args.memory_limit or "device",
                 time_limit=args.time_limit if args.time_limit is not None else 30.0,
-                passes=passes, keep_grads=bool(run_cpu))
+                passes=passes, keep_grads=bool(run_cpu),
+                token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "))
         except MicrobatchError as exc:
             raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
     plan, pipe = sliced.plan, sliced.pipe
     program = lower_mpmd(pipe.programs, [s.devices or (i,) for i, s in
                                          enumerate(plan.stages)])
+    for key in ("token_slices", "batch_slices"):  # every stage graph carries the slicing
+        if key in sliced.result.graph.attrs:
+            for graph in program:
+                graph.attrs[key] = sliced.result.graph.attrs[key]
     size = len(spec.inputs[0]) // args.microbatches
     return CompiledPipeline(spec, sliced.result, plan, pipe, program, size)
 
@@ -101,6 +119,8 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         (staging / ir_name).write_text(print_program(compiled.program, show_source=True))
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
+        if args.token_slices is not None:
+            summary["pipeline"]["token_slicing"] = token_slicing_report(result)
         if args.lower == "cuda":
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
@@ -171,6 +191,19 @@ def pipeline_report(plan, pipe, schedule: str) -> dict:
     }
 
 
+def token_slicing_report(result) -> dict:
+    """The slice-tokens result as report data (times estimated by the cost model, the DP's
+    own time measured)."""
+    from graphpar.passes.pipeline.token_slicing import TokenSlicing
+
+    tokens = result.context.result(TokenSlicing)
+    return {"token_slices": list(tokens.slices), "batch_slices": list(tokens.batch_slices),
+            "step_seconds_estimated": tokens.est_seconds,
+            "step_seconds_unsliced_estimated": tokens.est_unsliced_seconds,
+            "gap_bound_seconds": tokens.gap_bound_seconds,
+            "dp_seconds_measured": tokens.dp_seconds, "dp_bounds_evaluated": tokens.evaluated}
+
+
 def run_pipeline_on_cpu(spec, pipe, args) -> dict:
     """One pipelined step on CPU processes, one per stage (a stage on several devices runs
     them in lockstep in its process), against eager PyTorch and torch.optim."""
@@ -216,6 +249,13 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               "(estimated)")
     print(f"  search     {p['search_seconds_measured']:.2f} s (measured), {p['ilp_solves']} "
           "ILP solves")
+    if "token_slicing" in p:
+        t = p["token_slicing"]
+        print(f"  tokens     {len(t['token_slices'])} slices {t['token_slices']} per sequence, "
+              f"microbatches of {t['batch_slices']} sequences: step "
+              f"{t['step_seconds_estimated'] * 1e3:.3f} ms with, "
+              f"{t['step_seconds_unsliced_estimated'] * 1e3:.3f} ms without token slicing "
+              f"(estimated); DP {t['dp_seconds_measured'] * 1e3:.1f} ms (measured)")
     if "run_cpu" in s:
         r = s["run_cpu"]
         print(f"  run-cpu    {r['ranks']} devices in {r['processes']} processes: max |error| vs "

@@ -39,6 +39,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     check_output_file(out, "-o")
+    from graphpar.cli.pipeline import check_token_slices_need_pipeline
+
+    check_token_slices_need_pipeline(args)
     if args.pipeline:
         page = _pipeline_page(args)
     elif args.target.endswith(".py") or args.example:

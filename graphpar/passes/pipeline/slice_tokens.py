@@ -4,8 +4,9 @@ through the pipeline stages one after another, and record them in the graph's at
 microbatches' sizes, summing to the batch).
 
 After `slice-stages` it slices for that stage plan: each stage's latency model counts the
-causal attention layers it holds, split over its logical mesh (tensor parallelism), and the
-pipeline is priced by its slowest stage (`token_slicing` assumes identical stages). Without a
+causal attention layers it holds, split over its logical mesh (tensor parallelism), scaled so
+that a whole sequence costs what the plan estimated for the stage, and the pipeline is priced
+by its slowest stage (`token_slicing` assumes identical stages). Without a
 stage plan it assumes `stages` identical stages of equal layers.
 """
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphpar.cost.cluster import get_cluster
-from graphpar.errors import PassError
+from graphpar.errors import PassError, UsageError
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.verify import describe
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -108,26 +109,47 @@ class SliceTokens(GraphPass):
                             f"length {seq_len}; choose a divisor of it (e.g. 1 or 8)")
         if plan.stages:
             per_stage = [(sum(1 for n in attention if plan.stage_of.get(n) == k),
-                          math.prod(stage.logical_mesh)) for k, stage in enumerate(plan.stages)]
+                          math.prod(stage.logical_mesh), stage.est_seconds)
+                         for k, stage in enumerate(plan.stages)]
         else:
             layers = len(attention)
             if layers % self.stages:
                 raise PassError(f"stages={self.stages} does not divide the {layers} attention "
                                 f"layers of graph @{graph.name}; token slicing assumes "
                                 "identical stages")
-            per_stage = [(layers // self.stages, 1)] * self.stages
+            per_stage = [(layers // self.stages, 1, None)] * self.stages
         hidden = heads * head_dim
         cluster = get_cluster(self.cluster)
         itemsize = 2 if self.dtype in ("fp16", "bf16") else 4
-        models = [transformer_latency(
-            seq_len, hidden, heads, self.ffn or 4 * hidden, layers, cluster.peak_flops(self.dtype),
-            itemsize=itemsize, send_bandwidth=cluster.intra_node_bandwidth,
-            send_latency=cluster.intra_node_latency, batch=batch, tensor_parallel=devices,
-            allreduce_bandwidth=cluster.intra_node_bandwidth,
-            allreduce_latency=cluster.intra_node_latency)
-            for layers, devices in per_stage if layers]
-        return TokenLatency(tuple(np.max([m.base for m in models], axis=0).tolist()),
-                            tuple(np.max([m.ctx for m in models], axis=0).tolist()))
+        models = []
+        for layers, devices, stage_seconds in per_stage:
+            if not layers:
+                continue
+            model = transformer_latency(
+                seq_len, hidden, heads, self.ffn or 4 * hidden, layers,
+                cluster.peak_flops(self.dtype), itemsize=itemsize,
+                send_bandwidth=cluster.intra_node_bandwidth,
+                send_latency=cluster.intra_node_latency, batch=batch, tensor_parallel=devices,
+                allreduce_bandwidth=cluster.intra_node_bandwidth,
+                allreduce_latency=cluster.intra_node_latency)
+            # The stage plan's estimate of the whole stage (every op, its sharding's
+            # communication) sets the scale; transformer_latency the shape over (l, c).
+            scale = stage_seconds / model(seq_len, 0) if stage_seconds else 1.0
+            models.append((np.asarray(model.base) * scale, np.asarray(model.ctx) * scale))
+        return TokenLatency(tuple(np.max([m[0] for m in models], axis=0).tolist()),
+                            tuple(np.max([m[1] for m in models], axis=0).tolist()))
+
+
+def slice_count(value: str | int | None, option: str = "token_slices=") -> int | None:
+    """The token slices option (`--token-slices`, `token_slices=`): None (off), "auto" -> 0
+    (the DP chooses), else a positive number of slices; a UsageError naming `option` if not."""
+    if value is None:
+        return None
+    if str(value) == "auto":
+        return 0
+    if not (str(value).isdigit() and int(value) >= 1):
+        raise UsageError(f"{option}{value}: give 'auto' or a number of slices")
+    return int(value)
 
 
 def causal_attention(graph: Graph) -> list[Node]:

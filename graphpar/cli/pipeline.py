@@ -120,7 +120,15 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
         if args.token_slices is not None:
-            summary["pipeline"]["token_slicing"] = token_slicing_report(result)
+            from graphpar.runtime.schedules import chrome_trace
+
+            tokens = token_slicing_report(result)
+            timeline = token_timeline(plan, result)
+            tokens["schedule_step_seconds_estimated"] = timeline.step_seconds
+            tokens["trace"] = "token_trace.json"
+            chrome_trace(timeline.spans, staging / tokens["trace"],
+                         slices=len(tokens["token_slices"]))
+            summary["pipeline"]["token_slicing"] = tokens
         if args.lower == "cuda":
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
@@ -204,6 +212,21 @@ def token_slicing_report(result) -> dict:
             "dp_seconds_measured": tokens.dp_seconds, "dp_bounds_evaluated": tokens.evaluated}
 
 
+def token_timeline(plan, result):
+    """The step as GPipe over (microbatch, token slice) units (`token_gpipe`), simulated on the
+    stage plan's estimates (forward : backward as 1 : 2), each unit's time the stage's per
+    microbatch time times its slice's share (`TokenSlicing.slice_shares`). Estimated."""
+    from graphpar.passes.pipeline.token_slicing import TokenSlicing
+    from graphpar.runtime.schedules import simulate, token_gpipe
+
+    tokens = result.context.result(TokenSlicing)
+    per_stage = [s.est_seconds for s in plan.stages]
+    schedule = token_gpipe(len(per_stage), len(tokens.batch_slices), len(tokens.slices))
+    shares = list(tokens.slice_shares) * len(tokens.batch_slices)
+    return simulate(schedule, [t / 3 for t in per_stage], [2 * t / 3 for t in per_stage],
+                    [0.0] * (len(per_stage) - 1), microbatch_scale=shares)
+
+
 def run_pipeline_on_cpu(spec, pipe, args) -> dict:
     """One pipelined step on CPU processes, one per stage (a stage on several devices runs
     them in lockstep in its process), against eager PyTorch and torch.optim."""
@@ -256,6 +279,9 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               f"{t['step_seconds_estimated'] * 1e3:.3f} ms with, "
               f"{t['step_seconds_unsliced_estimated'] * 1e3:.3f} ms without token slicing "
               f"(estimated); DP {t['dp_seconds_measured'] * 1e3:.1f} ms (measured)")
+        print(f"             GPipe over (microbatch, slice) units: step "
+              f"{t['schedule_step_seconds_estimated'] * 1e3:.3f} ms simulated (estimated), "
+              f"trace {ir_path.parent / t['trace']}")
     if "run_cpu" in s:
         r = s["run_cpu"]
         print(f"  run-cpu    {r['ranks']} devices in {r['processes']} processes: max |error| vs "

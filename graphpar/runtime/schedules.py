@@ -160,6 +160,29 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 
 
+def token_gpipe(stages: int, microbatches: int, slices: int) -> Schedule:
+    """GPipe over token slices (TeraPipe): the "microbatches" of the lists are the
+    (microbatch, slice) units, unit u = microbatch * slices + slice (`token_unit`). Every stage
+    runs all forwards in order (slice j after slice j-1: it attends to their keys and values),
+    then the backwards microbatch by microbatch, each one's slices last first (slice j's
+    keys and values get gradients from every later slice)."""
+    _check_sizes("token-gpipe", stages, microbatches * slices, needs_full_pipeline=False)
+    backward = [m * slices + j for m in range(microbatches) for j in reversed(range(slices))]
+    orders = {
+        s: [Action(ActionKind.F, s, u) for u in range(microbatches * slices)]
+        + [Action(ActionKind.B, s, u) for u in backward]
+        for s in range(stages)
+    }
+    schedule = _with_communication(orders)
+    validate(schedule)
+    return schedule
+
+
+def token_unit(unit: int, slices: int) -> tuple[int, int]:
+    """(microbatch, slice) of unit `unit` of `token_gpipe`."""
+    return divmod(unit, slices)
+
+
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """The schedule called `name` (a key of SCHEDULES), validated."""
     if name not in SCHEDULES:
@@ -580,6 +603,8 @@ def simulate(
     weight_grad_s: float | Sequence[float] | None = None,
     update_s: float | Sequence[float] = 0.0,
     blocking_sends: bool = True,
+    microbatch_scale: Sequence[float] | None = None,
+    comm_scale: Sequence[float] | None = None,
 ) -> Timeline:
     """Estimated timeline of one step of a valid `schedule` (validated here).
 
@@ -592,6 +617,9 @@ def simulate(
     `blocking_sends` (the default, what the lists are validated for) it holds both stages, else
     the sender posts it and goes on. Each action starts when the previous action of its stage
     and what it waits for have finished: the longest path through `happens_before`.
+
+    `microbatch_scale[m]` and `comm_scale[m]` (default 1) multiply microbatch m's compute and
+    transfer times: token slices (`token_gpipe`) are units of unequal cost.
 
     The bubble fraction is 1 - (compute time of all stages) / (stages x step time): with
     uniform stages and no transfer time it is (p-1)/(m+p-1) for GPipe and 1F1B."""
@@ -625,8 +653,11 @@ def simulate(
         if a.kind in SEND_KINDS and not blocking_sends:
             return 0.0  # posted; the transfer shows on the receiving side
         if a.peer is not None:
-            return comm[min(a.stage, a.peer)]
-        return compute_cost[a.kind][a.stage]
+            scale = comm_scale[a.microbatch] if comm_scale is not None else 1.0
+            return comm[min(a.stage, a.peer)] * scale
+        scale = (microbatch_scale[a.microbatch]
+                 if microbatch_scale is not None and a.microbatch is not None else 1.0)
+        return compute_cost[a.kind][a.stage] * scale
 
     graph = happens_before(schedule, blocking_sends)
     end: dict[tuple[int, int], float] = {}
@@ -714,10 +745,12 @@ def format_timeline(timeline: Timeline, slot_s: float) -> str:
 # Chrome trace
 
 
-def chrome_trace(spans: Iterable[Span], path: str | Path) -> dict:
+def chrome_trace(spans: Iterable[Span], path: str | Path, slices: int = 0) -> dict:
     """Write `spans` (simulated or measured) as a Chrome trace JSON file (chrome://tracing,
     Perfetto): one thread per stage, or per rank when spans say their rank; complete events
-    ("ph": "X") in microseconds. Returns the trace written."""
+    ("ph": "X") in microseconds. With `slices` > 0 the microbatches are `token_gpipe` units,
+    named and annotated as (microbatch, slice): "F1.2" is slice 2 of microbatch 1. Returns the
+    trace written."""
     events = []
     threads: dict[int, str] = {}
     for sp in spans:
@@ -735,16 +768,21 @@ def chrome_trace(spans: Iterable[Span], path: str | Path) -> dict:
             if a.kind in RECV_KINDS
             else "compute"
         )
+        name, args = str(a), {"stage": sp.stage, "microbatch": a.microbatch}
+        if slices and a.microbatch is not None:
+            mb, piece = token_unit(a.microbatch, slices)
+            name = f"{a.kind.value}{mb}.{piece}"
+            args.update(microbatch=mb, slice=piece)
         events.append(
             {
-                "name": str(a),
+                "name": name,
                 "cat": category,
                 "ph": "X",
                 "ts": sp.start_s * 1e6,
                 "dur": (sp.end_s - sp.start_s) * 1e6,
                 "pid": 0,
                 "tid": tid,
-                "args": {"stage": sp.stage, "microbatch": a.microbatch},
+                "args": args,
             }
         )
     events += [

@@ -1184,6 +1184,12 @@
     let html = `<p class="muted">${P.stages.length} stages on ${P.submeshes.length} sub-meshes · ` +
       `${P.transfers.length} send/recv pairs (${Object.entries(counts).map(([k, c]) => c + " " + k).join(", ")}) ` +
       `moving ${fmtBytes(sent)} per microbatch · click a graph to open it</p>`;
+    if (P.token_slices) {
+      html += `<p class="muted">token slices (TeraPipe): each sequence cut into ` +
+        `${P.token_slices.length} slices of [${P.token_slices.join(", ")}] tokens, ` +
+        `microbatches of [${(P.batch_slices || []).join(", ")}] sequences; ` +
+        `every stage runs the (microbatch, slice) units in order</p>`;
+    }
     if (P.unmatched.length) {
       html += `<p class="error-inline">${P.unmatched.length} unmatched: ` +
         esc(P.unmatched.map((u) => `${u.op} in stage ${u.stage} (%${u.node}, tag ${u.tag})`).join(", ")) + "</p>";

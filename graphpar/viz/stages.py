@@ -13,7 +13,9 @@ is read from the IR alone (names, meshes, `send`/`recv` attributes), so a `.gpir
 - `transfers`: matched pairs, a `send` in one stage's graph and the `recv` that takes it in
   another (same phase, the sender's lead device is the receiver's `src`, the receiver's lead
   device is the sender's `dst`, same tag and type), with type and bytes;
-- `unmatched`: sends or receives with no partner (a truncated or hand-edited program).
+- `unmatched`: sends or receives with no partner (a truncated or hand-edited program);
+- `token_slices`, `batch_slices`: the token slicing (TeraPipe) the stage graphs' attributes
+  record, when `slice-tokens` ran: tokens per slice and sequences per microbatch.
 """
 
 from __future__ import annotations
@@ -97,8 +99,14 @@ def pipeline_data(graphs: Sequence[Graph], summaries: Sequence[Mapping[str, Any]
         stages.append(band)
 
     transfers, unmatched = _match_transfers(members, lead)
-    return {"stages": stages, "submeshes": submeshes, "transfers": transfers,
+    data = {"stages": stages, "submeshes": submeshes, "transfers": transfers,
             "unmatched": unmatched}
+    for key in ("token_slices", "batch_slices"):  # slice-tokens' record, on every stage graph
+        value = next((g.attrs[key] for e in members.values() for _, g, _ in e
+                      if key in g.attrs), None)
+        if value is not None:
+            data[key] = list(value)
+    return data
 
 
 def _match_transfers(members: Mapping[int, list[tuple[int, Graph, str]]],

@@ -36,6 +36,11 @@ def test_gpt_pipeline_with_token_slices_records_them_and_reports_both_estimates(
     for graph in parse_program((tmp_path / "out" / ir_file).read_text()):
         assert list(graph.attrs["token_slices"]) == tokens["token_slices"]
         assert list(graph.attrs["batch_slices"]) == [1, 1]
+    assert 0 < tokens["schedule_step_seconds_estimated"]
+    trace = json.loads((tmp_path / "out" / tokens["trace"]).read_text())["traceEvents"]
+    units = {(e["args"]["microbatch"], e["args"]["slice"]) for e in trace
+             if e.get("cat") == "compute"}
+    assert units == {(m, j) for m in range(2) for j in range(len(tokens["token_slices"]))}
     assert "without token slicing (estimated)" in out
 
 

@@ -128,6 +128,16 @@ def test_other_programs_have_no_pipeline_view():
     assert "stage" not in str(program_data(single)["graphs"][0]["nodes"])
 
 
+def test_the_token_slicing_recorded_on_stage_graphs_is_in_the_pipeline_view():
+    program = parse_program(THREE_STAGES)
+    for graph in program:
+        graph.attrs["token_slices"] = (24, 8)
+        graph.attrs["batch_slices"] = (1, 1)
+    data = program_data(program)["pipeline"]
+    assert data["token_slices"] == [24, 8] and data["batch_slices"] == [1, 1]
+    assert "token_slices" not in program_data(parse_program(THREE_STAGES))["pipeline"]
+
+
 def viz(*argv) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -86,9 +86,12 @@ class SliceTokens(GraphPass):
             result = solve_token_slices(latency, stages, self.granularity, self.epsilon,
                                         repeats=microbatches)
         batch = attention[0].input_values[0].type.shape[0]
+        contexts = np.cumsum((0,) + result.slices[:-1])
+        shares = tuple(latency(length, int(context)) / latency(seq_len, 0)
+                       for length, context in zip(result.slices, contexts))
         result = TokenSlicing(result.slices, result.est_seconds, result.gap_bound_seconds,
                               result.evaluated, result.dp_seconds, (batch,) * microbatches,
-                              pipeline_seconds(latency, [seq_len], stages, microbatches))
+                              pipeline_seconds(latency, [seq_len], stages, microbatches), shares)
         graph.attrs["token_slices"] = result.slices
         graph.attrs["batch_slices"] = result.batch_slices
         ctx.set_result(result)

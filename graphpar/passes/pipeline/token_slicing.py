@@ -142,9 +142,11 @@ class TokenSlicing:
     gap_bound_seconds: float = 0.0
     evaluated: int = 0
     dp_seconds: float = 0.0
-    # set by the slice-tokens pass: the microbatches' sizes and the same step unsliced
+    # set by the slice-tokens pass: the microbatches' sizes, the same step unsliced, and each
+    # slice's time as a share of the whole sequence's on the slowest stage (for the timeline)
     batch_slices: tuple[int, ...] = ()
     est_unsliced_seconds: float = 0.0
+    slice_shares: tuple[float, ...] = ()
 
 
 def pipeline_seconds(latency: TokenLatency, slices: Sequence[int], stages: int,

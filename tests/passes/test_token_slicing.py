@@ -141,6 +141,28 @@ def test_transformer_latency_counts_the_layer_flops():
     assert model.ctx[:3] == (0.0, 0.0, 0.0)
 
 
+def test_transformer_latency_batch_tensor_parallel_roofline_and_all_reduces():
+    h, f, peak, bw = 64, 256, 1e12, 1e9
+    weights = 4 * h * h + 2 * h * f
+    plain = transformer_latency(64, h, 4, f, 1, peak)
+    # b sequences: b times the FLOPs, the context term too
+    double = transformer_latency(64, h, 4, f, 1, peak, batch=2)
+    assert double(8, 16) == pytest.approx(2 * plain(8, 16), rel=1e-12)
+    # m-way tensor parallel: 1/m of the FLOPs plus 4 ring all-reduces of the slice's activations
+    tp = transformer_latency(64, h, 4, f, 1, peak, tensor_parallel=4, allreduce_bandwidth=bw,
+                             allreduce_latency=1e-6)
+    ring = 4 * (2 * 3 * 1e-6 + 2 * 3 / 4 * 8 * h * 4 / bw)
+    assert tp(8, 16) == pytest.approx(plain(8, 16) / 4 + ring, rel=1e-12)
+    # the roofline: a slice never takes less than reading the weights, forward and backward
+    slow_memory = transformer_latency(64, h, 4, f, 1, peak, memory_bandwidth=1e9)
+    floor = BACKWARD_FACTOR * weights * 4 / 1e9
+    assert slow_memory(1, 0) == pytest.approx(floor + plain(1, 0) - BACKWARD_FACTOR * 2 *
+                                              weights / peak, rel=1e-12)
+    # 1 and 2 tokens both wait on memory: only attention's FLOPs tell them apart
+    assert slow_memory(2, 0) - slow_memory(1, 0) == pytest.approx(
+        BACKWARD_FACTOR * 4 * h * (3 - 1) / peak, rel=1e-9)
+
+
 def test_fit_recovers_the_model_and_reports_its_error_on_held_back_points():
     true = TokenLatency(tuple([0.0] + [0.5 + 0.01 * length for length in range(1, 65)]),
                         (0.02, 0.001, 0.003, 0.0005))

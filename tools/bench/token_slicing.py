@@ -89,8 +89,9 @@ SETTINGS = [  # Table 2.1 / 2.2 (L = 2048), Table 2.3 (uniform), Table 2.4 (long
 QUICK = ("(5)", "(9)", "(5) L=8192")
 
 
-def stage_latency(setting: Setting, batch: int) -> TokenLatency:
-    """The latency model of one of the row's stages on `batch` sequences at once."""
+def stage_latency(setting: Setting, batch: int, overhead: float = 0.0) -> TokenLatency:
+    """The latency model of one of the row's stages on `batch` sequences at once; `overhead`
+    seconds per layer per slice stand for kernel launches and framework time."""
     cluster = get_cluster(CLUSTER)
     return transformer_latency(
         setting.seq_len, setting.hidden, setting.hidden // HEAD_DIM, 4 * setting.hidden,
@@ -99,7 +100,7 @@ def stage_latency(setting: Setting, batch: int) -> TokenLatency:
         send_latency=cluster.inter_node_latency, batch=batch, tensor_parallel=setting.op,
         memory_bandwidth=V100_MEMORY_BANDWIDTH,
         allreduce_bandwidth=cluster.intra_node_bandwidth,
-        allreduce_latency=cluster.intra_node_latency)
+        allreduce_latency=cluster.intra_node_latency, overhead=overhead)
 
 
 def uniform_slices(seq_len: int, granularity: int) -> list[list[int]]:
@@ -139,11 +140,11 @@ def batch_and_tokens(batch_slices: tuple[int, ...], token_slices) -> str:
     return " ; ".join(f"{n}x b{b} {compact(s)}" for (b, s), n in groups.items())
 
 
-def row(setting: Setting, granularity: int, epsilon: float) -> dict:
+def row(setting: Setting, granularity: int, epsilon: float, overhead: float = 0.0) -> dict:
     batch = setting.batch // setting.data
     stages = setting.pipe
     sizes = [b for b in range(1, batch + 1) if batch % b == 0]
-    latencies = {b: stage_latency(setting, b) for b in sizes}
+    latencies = {b: stage_latency(setting, b, overhead) for b in sizes}
     without, without_size = min((pipeline_seconds(latencies[b], [setting.seq_len], stages,
                                                   batch // b), b) for b in sizes)
     best_uniform = min(pipeline_seconds(latencies[b], s, stages, batch // b)
@@ -191,14 +192,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="slice lengths are multiples of this many tokens (paper: 8)")
     parser.add_argument("--epsilon", type=float, default=0.0,
                         help="the DP's gap in seconds (0: exact; the paper: 1e-4)")
+    parser.add_argument("--overhead", type=float, default=0.0,
+                        help="seconds per layer per slice besides FLOPs and bytes (kernel "
+                             "launches; default 0: the cost model alone)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args(argv)
     settings = [s for s in SETTINGS if not args.quick or s.name in QUICK]
     solve_batch_and_tokens(lambda b: stage_latency(SETTINGS[0], b), 1, 2, 8)  # numba compile
-    rows = [row(s, args.granularity, args.epsilon) for s in settings]
+    rows = [row(s, args.granularity, args.epsilon, args.overhead) for s in settings]
     print_table(rows)
     result = {
         "cluster": CLUSTER, "granularity": args.granularity, "epsilon_s": args.epsilon,
+        "overhead_s_per_layer_per_slice": args.overhead,
         "units": {"est_*_s": "seconds per step, estimated", "paper_*_s": "seconds, measured "
                   "by the paper", "dp_wall_s": "seconds, measured", "dp_cpu_s": "CPU seconds, "
                   "measured"},

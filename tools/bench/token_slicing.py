@@ -17,7 +17,8 @@ B / #Data, three estimates, each with the best split of the batch into equal sli
 - best uniform: the best of 1, 2, 4, ... equal slices per batch-slice size (Table 2.3).
 
 All latencies are estimates (seconds per training step, forward and backward); DP seconds are
-measured (wall and CPU) for the whole batch-and-token search of the row.
+measured (wall and CPU) for the whole batch-and-token search of the row. A second table
+times the DP alone on one GPT3-13B-like stage up to L = 8192 at granularity 1 (`DP_CASES`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from graphpar.passes.pipeline.token_slicing import (
     TokenLatency,
     pipeline_seconds,
     solve_batch_and_tokens,
+    solve_token_slices,
     transformer_latency,
 )
 
@@ -171,6 +173,40 @@ def row(setting: Setting, granularity: int, epsilon: float, overhead: float = 0.
     }
 
 
+# The DP alone on a GPT3-13B-like stage (h 5120, f 20480, one layer, K = 40, 125 TFLOP/s,
+# fp16 sends at 300 GB/s + 10 us): (L, granularity, epsilon seconds, overhead seconds).
+DP_CASES = [(2048, 8, 0.0, 2e-4), (2048, 1, 0.0, 2e-4), (8192, 8, 0.0, 2e-4),
+            (8192, 1, 0.0, 2e-4), (8192, 1, 1e-4, 2e-4), (2048, 1, 0.0, 0.0),
+            (8192, 1, 0.0, 0.0)]
+DP_QUICK = [(8192, 1, 0.0, 2e-4)]
+
+
+def dp_rows(cases) -> list[dict]:
+    """The DP's time (measured: CPU and wall) and answer for each case of DP_CASES."""
+    rows = []
+    for seq_len, granularity, epsilon, overhead in cases:
+        latency = transformer_latency(seq_len, 5120, 40, 20480, 1, 125e12, itemsize=2,
+                                      send_bandwidth=300e9, send_latency=10e-6,
+                                      overhead=overhead)
+        cpu = time.process_time()
+        got = solve_token_slices(latency, 40, granularity, epsilon)
+        rows.append({"seq_len": seq_len, "granularity": granularity, "epsilon_s": epsilon,
+                     "overhead_s": overhead, "slices": list(got.slices),
+                     "est_seconds": got.est_seconds, "bounds_evaluated": got.evaluated,
+                     "dp_cpu_s": time.process_time() - cpu, "dp_wall_s": got.dp_seconds})
+    return rows
+
+
+def print_dp_table(rows: list[dict]) -> None:
+    print(f"{'L':>5}{'gran':>5}{'eps s':>8}{'ovh s':>8}{'slices':>7}  {'first..last':<12}"
+          f"{'est s':>9}{'bounds':>7}{'DP cpu s':>9}{'DP wall s':>10}")
+    for r in rows:
+        ends = f"{r['slices'][0]}..{r['slices'][-1]}"
+        print(f"{r['seq_len']:>5}{r['granularity']:>5}{r['epsilon_s']:>8.0e}"
+              f"{r['overhead_s']:>8.0e}{len(r['slices']):>7}  {ends:<12}{r['est_seconds']:>9.4f}"
+              f"{r['bounds_evaluated']:>7}{r['dp_cpu_s']:>9.3f}{r['dp_wall_s']:>10.3f}")
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'setting':<12}{'model':<10}{'L':>5}{'B':>4}{'DxPxO':>10}"
           f"{'est w/o s':>10}{'est w/ s':>9}{'uniform s':>10}{'speedup':>8}{'vs unif':>8}"
@@ -201,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     solve_batch_and_tokens(lambda b: stage_latency(SETTINGS[0], b), 1, 2, 8)  # numba compile
     rows = [row(s, args.granularity, args.epsilon, args.overhead) for s in settings]
     print_table(rows)
+    print()
+    dp = dp_rows(DP_QUICK if args.quick else DP_CASES)
+    print_dp_table(dp)
     result = {
         "cluster": CLUSTER, "granularity": args.granularity, "epsilon_s": args.epsilon,
         "overhead_s_per_layer_per_slice": args.overhead,
@@ -210,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "python": sys.version.split()[0]},
         "rows": rows,
+        "dp_timing": dp,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -12,6 +12,7 @@ stage plan it assumes `stages` identical stages of equal layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -89,9 +90,9 @@ class SliceTokens(GraphPass):
         contexts = np.cumsum((0,) + result.slices[:-1])
         shares = tuple(latency(length, int(context)) / latency(seq_len, 0)
                        for length, context in zip(result.slices, contexts))
-        result = TokenSlicing(result.slices, result.est_seconds, result.gap_bound_seconds,
-                              result.evaluated, result.dp_seconds, (batch,) * microbatches,
-                              pipeline_seconds(latency, [seq_len], stages, microbatches), shares)
+        result = dataclasses.replace(
+            result, batch_slices=(batch,) * microbatches, slice_shares=shares,
+            est_unsliced_seconds=pipeline_seconds(latency, [seq_len], stages, microbatches))
         graph.attrs["token_slices"] = result.slices
         graph.attrs["batch_slices"] = result.batch_slices
         ctx.set_result(result)

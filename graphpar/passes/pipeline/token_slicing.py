@@ -194,7 +194,7 @@ def _grows_with_length(base: np.ndarray, ctx: np.ndarray, granularity: int) -> b
     units = len(base) - 1
     if units < 2:
         return True
-    step = float(np.min(np.diff(base[1:]))) if units > 1 else 0.0
+    step = float(np.min(np.diff(base[1:])))
     a1, a3 = ctx[1], ctx[3]
     # c runs over granularity .. (units - 1) * granularity; a1 + a3 c is linear, so its ends.
     ctx_step = granularity * (a1 + min(a3 * granularity, a3 * (units - 1) * granularity))

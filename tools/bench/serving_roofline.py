@@ -71,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the tiny GPT, a quicker table")
     parser.add_argument("--cluster", default=str(HERE / "gloo_cluster.json"),
                         help="the cluster file whose links (and peak) to use")
+    parser.add_argument("--bandwidth", type=float,
+                        help="bytes/s to use instead of the measured add's (what-if)")
+    parser.add_argument("--flops", type=float,
+                        help="FLOP/s to use instead of the measured matmul's (what-if)")
     parser.add_argument("--out", default=str(HERE / "serving_roofline.json"))
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE))
@@ -84,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     example = "gpt:tiny" if args.quick else args.example
     wall, cpu = time.perf_counter(), time.process_time()
     rates = gloo_cluster.compute_rates(quick=args.quick)
+    for key in ("bandwidth", "flops"):
+        if getattr(args, key) is not None:
+            rates[key] = getattr(args, key)  # given, not measured
     links = get_cluster(args.cluster)
     cluster = dataclasses.replace(links, compute=gloo_cluster.compute_table(rates))
     mesh = mesh_for("2", cluster)
@@ -111,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
     from graphpar.serving_compile import DECODE_BASE
 
+    given = [k for k in ("bandwidth", "flops") if getattr(args, k) is not None]
+    note = f" (given, not measured: {', '.join(given)})" if given else ""
     print(f"{example} decode (batch {DECODE_BASE['N']}, the base size) on 2 ranks of "
-          f"{cluster.name}; compute table measured now: matmul {rates['flops'] / 1e9:.1f} "
+          f"{cluster.name}; compute table measured now{note}: matmul {rates['flops'] / 1e9:.1f} "
           f"GFLOP/s, add {rates['bandwidth'] / 1e9:.2f} GB/s, {1e6 * rates['overhead']:.1f} us "
           "per op")
     print(f"{'plan':<20} {'collectives':>11} {'MLP split':>9} {'roofline: compute':>18} "
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serving_roofline", "example": example, "mesh": "2",
         "units": {"*_ms": "ms (estimated)", "compute_rates": "FLOP/s, bytes/s, s (measured)"},
         "cluster_links": args.cluster, "compute_rates": rates,
+        "compute_rates_given_not_measured": given,
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "rows": rows, "benchmark_seconds": seconds}, indent=2) + "\n")
     print(f"wrote {args.out}")

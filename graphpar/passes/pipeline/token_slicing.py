@@ -350,8 +350,12 @@ class SliceTokens(GraphPass):
         hidden = heads * head_dim
         ffn = self.ffn or 4 * hidden
         cluster = get_cluster(self.cluster)
+        # a measured point-to-point rate inside a node where the cluster has one, else the link
+        send = cluster.collective_rate("send_recv")
         return transformer_latency(seq_len, hidden, heads, ffn, layers // self.stages,
                                    Roofline.of(cluster, self.dtype), itemsize=4,
-                                   send_bandwidth=cluster.intra_node_bandwidth,
-                                   send_latency=cluster.intra_node_latency)
+                                   send_bandwidth=send.bandwidth if send else
+                                   cluster.intra_node_bandwidth,
+                                   send_latency=send.latency if send else
+                                   cluster.intra_node_latency)
 

@@ -9,9 +9,10 @@ from 256 B to 16 MiB, and fits the cost model's alpha-beta formulas
     all_reduce  t = 2 a + M / B          M: the buffer's bytes
 
 by least squares on both at once (a: latency per ring step in s, B: bandwidth in bytes/s). It
-also times a single-thread fp32 matmul (1024^3) for the peak FLOP/s the ILP divides by. The
-result is the `cpu` preset with those three numbers replaced, written as a cluster file (the
-timings go to ``<out>.timings.json`` beside it):
+also times, on one thread, a fp32 matmul (1024^3: the peak FLOP/s), an elementwise add of
+2^24 floats (memory bandwidth) and a one-element add (per-op overhead): the compute table the
+roofline prices ops by. The result is the `cpu` preset with those numbers replaced, written as
+a cluster file (the timings go to ``<out>.timings.json`` beside it):
 
     python tools/bench/gloo_cluster.py                  # table; writes gloo_cluster.json here
     graphpar compile --example gpt:tiny --mesh 2 --cluster tools/bench/gloo_cluster.json
@@ -84,14 +85,41 @@ def fit(rows: list[dict]) -> tuple[float, float]:
 
 
 def matmul_flops() -> float:
+    return compute_rates(quick=True)["flops"]
+
+
+def compute_rates(quick: bool = False) -> dict[str, float]:
+    """One thread's achieved fp32 rates (measured medians): FLOP/s of a 1024^3 matmul, bytes/s
+    of an elementwise add of 2^24 floats (two read, one written), and seconds per call of a
+    one-element add (eager dispatch: the per-op overhead)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        seconds = _median_seconds(lambda: a @ b, 10)
+        flops = 2 * 1024**3 / _median_seconds(lambda: a @ b, 5 if quick else 10)
+        n = 2**22 if quick else 2**24
+        x, y, out = torch.randn(n), torch.randn(n), torch.empty(n)
+        bandwidth = 3 * 4 * n / _median_seconds(lambda: torch.add(x, y, out=out),
+                                                 5 if quick else 10)
+        one = torch.ones(1)
+        overhead = _median_seconds(lambda: one + one, 200)
     finally:
         torch.set_num_threads(threads)
-    return 2 * 1024**3 / seconds
+    return {"flops": flops, "bandwidth": bandwidth, "overhead": overhead}
+
+
+def compute_table(rates: dict[str, float]) -> dict:
+    """The cluster file's `compute` table from `compute_rates`: every op class at the matmul's
+    FLOP/s, the add's bandwidth and the one-element add's overhead (fp16/bf16 at half the
+    FLOP/s, as the peak rates are)."""
+    from graphpar.ir.cluster import COMPUTE_CLASSES
+
+    def row(flops: float) -> dict:
+        return {c: {"flops": flops, "bandwidth": rates["bandwidth"],
+                    "overhead": rates["overhead"]} for c in COMPUTE_CLASSES}
+
+    return {"fp32": row(rates["flops"]), "fp16": row(rates["flops"] / 2),
+            "bf16": row(rates["flops"] / 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         rows = json.loads(result.read_text())
     latency, bandwidth = fit(rows)
-    flops = matmul_flops()
+    rates = compute_rates()
+    flops = rates["flops"]
     print(f"{'bytes':>10} {'all_gather us':>14} {'model us':>9} {'all_reduce us':>14} "
           f"{'model us':>9}")
     for r in rows:
@@ -126,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{1e6 * r['all_gather_model_s']:>9.1f} {1e6 * r['all_reduce_s']:>14.1f} "
               f"{1e6 * r['all_reduce_model_s']:>9.1f}")
     print(f"fit: latency {1e6 * latency:.1f} us per ring step, bandwidth "
-          f"{bandwidth / 1e9:.2f} GB/s; single-thread fp32 matmul {flops / 1e9:.1f} GFLOP/s "
+          f"{bandwidth / 1e9:.2f} GB/s; single-thread fp32 matmul {flops / 1e9:.1f} GFLOP/s, "
+          f"add {rates['bandwidth'] / 1e9:.2f} GB/s, {1e6 * rates['overhead']:.1f} us per op "
           "(all measured)")
     base = get_cluster("cpu")
     measured = dataclasses.replace(
@@ -134,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         inter_node_latency=max(base.inter_node_latency, latency),
         inter_node_bandwidth=min(base.inter_node_bandwidth, bandwidth),
         peak_flops_fp32=flops, peak_flops_fp16=flops / 2, peak_flops_bf16=flops / 2,
+        compute=compute_table(rates),
         source=(f"Measured by tools/bench/gloo_cluster.py on {platform.node() or 'this host'} "
                 f"({platform.platform()}, {os.cpu_count()} CPUs): two gloo processes on "
-                "loopback, alpha-beta fit of all-gather and all-reduce, single-thread matmul. "
+                "loopback, alpha-beta fit of all-gather and all-reduce; compute: every op class "
+                "at a single-thread 1024^3 matmul's FLOP/s, a 2^24-float add's bandwidth and a "
+                "one-element add's overhead. "
                 "Inter-node: the cpu preset's placeholders, never better than intra-node."))
     out = Path(args.out)
     out.write_text(json.dumps(measured.to_dict(), indent=2) + "\n")
@@ -145,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gloo_cluster", "units": {"*_s": "s (measured medians; *_model_s: fit)",
                                                "bytes": "B"},
         "fit": {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth,
-                "matmul_flops_fp32": flops},
+                "matmul_flops_fp32": flops, "add_bandwidth_bytes_per_s": rates["bandwidth"],
+                "op_overhead_s": rates["overhead"]},
         "rows": rows}, indent=2) + "\n")
     print(f"wrote {out} (cluster file) and {timings}")
     return 0

@@ -218,7 +218,7 @@ def report(cal: Calibration) -> str:
                 hit = [(s, r) for s, r in zip(samples, f.residuals)
                        if s.ranks == n and s.nbytes == nbytes]
                 if hit:
-                    (sample, residual), = hit
+                    sample, residual = hit[0]
                     measured = 1e6 * sample.seconds
                     cells.append(f"{measured:9.0f} [{measured * (1 + residual):8.0f}]")
                 else:

@@ -79,7 +79,7 @@ class PipelineCompiled:
 
     def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
-        cluster file, e.g. one `tools/bench/gloo_cluster.py` measured): each phase's FLOPs at
+        cluster file, e.g. one `graphpar calibrate` measured): each phase's FLOPs at
         the cluster's peak, each boundary's bytes per microbatch as a point-to-point transfer
         between neighbouring devices. Estimated, not measured."""
         from graphpar.cost.cluster import get_cluster, mesh_for

@@ -91,13 +91,16 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
     cases = [ComputeCase("gemm", "matmul", (t(m, k), t(k, n))) for m, k, n in gemm]
     cases += [ComputeCase("gemm_skinny", "matmul", (t(m, k), t(k, n))) for m, k, n in skinny]
     for n in elements:
+        # not gelu: the registry counts one FLOP per element for it as for add, while its erf
+        # costs tens, so it would pass for a compute-bound op and hide the memory roof
         cases += [ComputeCase("elementwise", "add", (t(n), t(n))),
-                  ComputeCase("elementwise", "gelu", (t(n),)),
-                  ComputeCase("elementwise", "sum", (t(n // 64, 64),), (("dims", (-1,)),))]
-    for r, h in rows:
+                  ComputeCase("elementwise", "mul", (t(n), t(n))),
+                  ComputeCase("elementwise", "relu", (t(n),))]
+    for r, h in rows:  # reductions are priced as normalizations: both reduce over rows
         cases += [ComputeCase("normalization", "layer_norm", (t(r, h), t(h), t(h)),
                               (("shape", (h,)),)),
-                  ComputeCase("normalization", "softmax", (t(r, h),), (("dim", -1),))]
+                  ComputeCase("normalization", "softmax", (t(r, h),), (("dim", -1),)),
+                  ComputeCase("normalization", "sum", (t(r, h),), (("dims", (-1,)),))]
     cases += [ComputeCase("attention", "attention", (t(*s), t(*s), t(*s)),
                           (("causal", True),)) for s in attention]
     cases += [ComputeCase("gather", "embedding", (t(v, d), TensorType((n,), I64)))

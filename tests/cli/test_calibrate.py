@@ -165,3 +165,20 @@ def test_a_real_calibration_on_two_ranks(monkeypatch, tmp_path, capsys):
     code, stdout, _ = run(capsys, "compile", "--example", "gpt:tiny", "--mesh", 2,
                           "--cluster", out, "--out", tmp_path / "c", "--time-limit", 10)
     assert code == 0 and "mesh 2 on cpu-measured" in stdout
+
+
+def test_the_progress_bar_draws_on_a_terminal_only(capsys, monkeypatch):
+    from graphpar.cli.common import ProgressBar
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True)
+    bar = ProgressBar(4, "calibrating", width=8)
+    bar.advance("matmul")
+    bar.advance("add")
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\rcalibrating [##------] 1/4" in err and "matmul" in err
+    assert "\rcalibrating [####----] 2/4" in err and err.endswith("\n")
+    quiet = ProgressBar(4, "calibrating", enabled=False)
+    quiet.advance("matmul")
+    quiet.close()
+    assert capsys.readouterr().err == "" and quiet.done == 1

@@ -16,7 +16,7 @@ from graphpar.cost.fit import roofline_seconds
 from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.ir.registry import get_op
 from graphpar.runtime.calibrate import (
-    COLLECTIVE_KINDS,
+    MEASURED_COLLECTIVES,
     CollectiveSample,
     ComputeSample,
     compute_cases,
@@ -44,7 +44,7 @@ def fake_compute(cases, device="cpu", *, budget_s=0.0, progress=None):
 
 def fake_collectives(ranks, sizes, *, device="cpu", quick=False, progress=None, **_):
     return [CollectiveSample(kind, n, m, collective_time(kind, m, n, LINK, LATENCY[kind]))
-            for kind in COLLECTIVE_KINDS for n in sorted({2, ranks}) for m in sizes]
+            for kind in MEASURED_COLLECTIVES for n in sorted({2, ranks}) for m in sizes]
 
 
 @pytest.fixture
@@ -58,6 +58,16 @@ def run(capsys, *argv):
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     return code, out, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_cases_cover_every_class_the_cost_model_prices(dtype, quick):
+    """The classes are the cost model's own (cost.compute.op_class), each with at least three
+    shapes for its three-coefficient fit."""
+    classes = [c.op_class for c in compute_cases(dtype, quick=quick)]
+    assert set(classes) == set(COMPUTE_CLASSES)
+    assert min(classes.count(c) for c in COMPUTE_CLASSES) >= 3
 
 
 def test_the_cluster_carries_the_fitted_numbers(synthetic):
@@ -154,7 +164,7 @@ def test_a_real_calibration_on_two_ranks(monkeypatch, tmp_path, capsys):
     cal = calibration.calibrate(2, quick=True, progress=seen.append)
     assert len(seen) == calibration.planned_measurements(quick=True)
     assert {(s.kind, s.ranks, s.nbytes) for s in cal.collective_samples} == {
-        (k, 2, m) for k in COLLECTIVE_KINDS for m in (256, 65536)}
+        (k, 2, m) for k in MEASURED_COLLECTIVES for m in (256, 65536)}
     assert all(s.seconds > 0 for s in cal.collective_samples + cal.compute_samples)
     gemm = [s for s in cal.compute_samples if s.case.op_class == "gemm"]
     m, k = gemm[0].case.operands[0].shape

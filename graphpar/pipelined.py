@@ -80,7 +80,7 @@ class PipelineCompiled:
 
     def estimate(self, cluster: str | Cluster = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
-        cluster file, e.g. one `tools/bench/gloo_cluster.py` measured): each phase's ops priced
+        cluster file, e.g. one `graphpar calibrate` measured): each phase's ops priced
         by the roofline of `graphpar.cost.compute` on the cluster's achieved rates, each
         boundary's bytes per microbatch as a point-to-point transfer between neighbouring
         devices. Estimated, not measured."""

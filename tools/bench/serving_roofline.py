@@ -5,9 +5,9 @@ The case: GPT-125M decode at batch 8 on 2 CPU processes (docs/serving.md, sectio
 by FLOPs over peak on the measured gloo cluster (tools/bench/gloo_cluster.json), the ILP kept
 the MLP whole (fewer collectives), and the engine ran slower than under Megatron's layout
 (59 vs 68 tokens/s, measured): decode matmuls are bound by reading their weights, which only
-splitting them halves. This benchmark measures this machine's compute table quickly (one
-thread: a 1024^3 matmul, a 2^24-float add, a one-element add; `gloo_cluster.compute_rates`),
-adds it to the gloo cluster file's link numbers, and plans the decode program three ways:
+splitting them halves. This benchmark takes the cluster file's links and compute table (as
+`graphpar calibrate` measured them: tools/bench/gloo_cluster.py), optionally one FLOP/s or
+bandwidth for every op class instead (what-ifs), and plans the decode program three ways:
 
 - `auto, FLOP model`: the ILP with compute at the cluster's peak FLOP/s (what it did before);
 - `auto, roofline`: the ILP with the roofline (what auto-shard and shard-serving do now);
@@ -15,7 +15,7 @@ adds it to the gloo cluster file's link numbers, and plans the decode program th
 
 It prints, per plan, the collectives of one decode step (the lowered device program), and the
 plan's estimated compute, communication and step time under the roofline and under the FLOP
-model (all estimated, ms). Nothing here is measured except the compute table.
+model (all estimated, ms). Nothing here is measured: the rates are the cluster file's.
 
     python tools/bench/serving_roofline.py            # GPT-125M; writes serving_roofline.json
     python tools/bench/serving_roofline.py --quick    # the tiny GPT, seconds
@@ -70,16 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--example", default="gpt:125M")
     parser.add_argument("--quick", action="store_true", help="the tiny GPT, a quicker table")
     parser.add_argument("--cluster", default=str(HERE / "gloo_cluster.json"),
-                        help="the cluster file whose links (and peak) to use")
+                        help="the cluster file whose links and compute table to use")
     parser.add_argument("--bandwidth", type=float,
-                        help="bytes/s to use instead of the measured add's (what-if)")
+                        help="bytes/s for every op class instead of the file's (what-if)")
     parser.add_argument("--flops", type=float,
-                        help="FLOP/s to use instead of the measured matmul's (what-if)")
+                        help="FLOP/s for every op class instead of the file's (what-if)")
     parser.add_argument("--out", default=str(HERE / "serving_roofline.json"))
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    import gloo_cluster
-
     from graphpar.cost.cluster import get_cluster, mesh_for
     from graphpar.cost.compute import Roofline
     from graphpar.passes.autoshard.ilp import Problem
@@ -87,12 +84,15 @@ def main(argv: list[str] | None = None) -> int:
 
     example = "gpt:tiny" if args.quick else args.example
     wall, cpu = time.perf_counter(), time.process_time()
-    rates = gloo_cluster.compute_rates(quick=args.quick)
-    for key in ("bandwidth", "flops"):
-        if getattr(args, key) is not None:
-            rates[key] = getattr(args, key)  # given, not measured
-    links = get_cluster(args.cluster)
-    cluster = dataclasses.replace(links, compute=gloo_cluster.compute_table(rates))
+    cluster = get_cluster(args.cluster)
+    table = cluster.compute_table()
+    for classes in table.values():
+        for rate in classes.values():
+            for key in ("bandwidth", "flops"):
+                if getattr(args, key) is not None:
+                    rate[key] = getattr(args, key)  # given, not measured
+    cluster = dataclasses.replace(cluster, compute=table)
+    rates = dict(cluster.compute_rate("fp32", "gemm_skinny")._asdict())
     mesh = mesh_for("2", cluster)
     flop_model = Roofline.flops_only(cluster.peak_flops("fp32"))
     roofline = Roofline.of(cluster, "fp32")
@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     given = [k for k in ("bandwidth", "flops") if getattr(args, k) is not None]
     note = f" (given, not measured: {', '.join(given)})" if given else ""
     print(f"{example} decode (batch {DECODE_BASE['N']}, the base size) on 2 ranks of "
-          f"{cluster.name}; compute table measured now{note}: matmul {rates['flops'] / 1e9:.1f} "
-          f"GFLOP/s, add {rates['bandwidth'] / 1e9:.2f} GB/s, {1e6 * rates['overhead']:.1f} us "
-          "per op")
+          f"{cluster.name}; compute table of {args.cluster}{note}: gemm_skinny (decode "
+          f"matmuls) {rates['flops'] / 1e9:.1f} GFLOP/s, {rates['bandwidth'] / 1e9:.2f} GB/s, "
+          f"{1e6 * rates['overhead']:.1f} us per op")
     print(f"{'plan':<20} {'collectives':>11} {'MLP split':>9} {'roofline: compute':>18} "
           f"{'comm':>8} {'step ms':>8} {'FLOP model: step ms':>20}")
     for r in rows:
@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{seconds['cpu_s']:.1f} s CPU)")
     Path(args.out).write_text(json.dumps({
         "benchmark": "serving_roofline", "example": example, "mesh": "2",
-        "units": {"*_ms": "ms (estimated)", "compute_rates": "FLOP/s, bytes/s, s (measured)"},
-        "cluster_links": args.cluster, "compute_rates": rates,
+        "units": {"*_ms": "ms (estimated)",
+                  "compute_rates": "FLOP/s, bytes/s, s (fp32 gemm_skinny of the cluster file)"},
+        "cluster": args.cluster, "compute_rates": rates,
         "compute_rates_given_not_measured": given,
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "rows": rows, "benchmark_seconds": seconds}, indent=2) + "\n")

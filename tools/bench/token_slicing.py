@@ -6,8 +6,9 @@ beside the paper's Tables 2.1, 2.2 and 2.4.
 
 Each row is a GPT-3 model on AWS p3.16xlarge nodes (the `p3.16xlarge` cluster preset, 8 x V100)
 split as the paper does: #Data replicas x #Pipe stages x #Op-way operator partitioning inside a
-node. A stage's latency table comes from graphpar's cost model (`transformer_latency`: FLOPs at
-the V100's fp16 peak, no faster than reading the weights from HBM, Megatron all-reduces over
+node. A stage's latency table comes from graphpar's cost model (`transformer_latency`: the
+roofline of the preset's fp16 compute table — matmuls at the V100's achieved tensor-core rate,
+no faster than reading the weights from HBM, a per-call overhead — Megatron all-reduces over
 NVLink, activations sent between nodes at the node's network share per GPU). Per replica batch
 B / #Data, three estimates, each with the best split of the batch into equal slices, all
 (batch slice, token slice) pairs back to back through one pipeline (Eq. 2.5 over them):
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphpar.cost.cluster import get_cluster
+from graphpar.cost.compute import Roofline
 from graphpar.passes.pipeline.token_slicing import (
     TokenLatency,
     pipeline_seconds,
@@ -41,8 +43,6 @@ from graphpar.passes.pipeline.token_slicing import (
 )
 
 CLUSTER = "p3.16xlarge"
-# NVIDIA V100 SXM2 datasheet: 900 GB/s HBM2. Not a cluster field, so the bench gives it.
-V100_MEMORY_BANDWIDTH = 900e9
 HEAD_DIM = 128  # GPT-3's heads are 128 wide
 
 
@@ -97,10 +97,9 @@ def stage_latency(setting: Setting, batch: int, overhead: float = 0.0) -> TokenL
     cluster = get_cluster(CLUSTER)
     return transformer_latency(
         setting.seq_len, setting.hidden, setting.hidden // HEAD_DIM, 4 * setting.hidden,
-        setting.layers // setting.pipe, cluster.peak_flops("fp16"), itemsize=2,
+        setting.layers // setting.pipe, Roofline.of(cluster, "fp16"), itemsize=2,
         send_bandwidth=cluster.inter_node_bandwidth / cluster.devices_per_node,
         send_latency=cluster.inter_node_latency, batch=batch, tensor_parallel=setting.op,
-        memory_bandwidth=V100_MEMORY_BANDWIDTH,
         allreduce_bandwidth=cluster.intra_node_bandwidth,
         allreduce_latency=cluster.intra_node_latency, overhead=overhead)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphpar.cost.cluster import get_cluster
+from graphpar.cost.compute import Roofline
 from graphpar.errors import PassError, UsageError
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.verify import describe
@@ -131,7 +132,7 @@ class SliceTokens(GraphPass):
                 continue
             model = transformer_latency(
                 seq_len, hidden, heads, self.ffn or 4 * hidden, layers,
-                cluster.peak_flops(self.dtype), itemsize=itemsize,
+                Roofline.of(cluster, self.dtype), itemsize=itemsize,
                 send_bandwidth=cluster.intra_node_bandwidth,
                 send_latency=cluster.intra_node_latency, batch=batch, tensor_parallel=devices,
                 allreduce_bandwidth=cluster.intra_node_bandwidth,

@@ -24,10 +24,14 @@ import numpy as np
 from numba import njit
 
 from graphpar.cost.communication import collective_time
+from graphpar.cost.compute import SKINNY_ROWS, Roofline
 from graphpar.errors import PassError
+from graphpar.ir.cluster import ComputeRate
 
 # Backward of a matmul is two matmuls of the same size: forward + backward = 3x forward.
 BACKWARD_FACTOR = 3.0
+# A transformer layer's projection matmuls: q, k, v, out, MLP up and down (roofline calls).
+_MATMULS_PER_LAYER = 6
 
 
 @dataclass(frozen=True)
@@ -51,25 +55,27 @@ class TokenLatency:
 
 
 def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
-                        layers_per_stage: int, peak_flops: float, itemsize: int = 4,
+                        layers_per_stage: int, compute: Roofline | float, itemsize: int = 4,
                         send_bandwidth: float = float("inf"), send_latency: float = 0.0,
                         overhead: float = 0.0, batch: int = 1, tensor_parallel: int = 1,
-                        memory_bandwidth: float = float("inf"),
                         allreduce_bandwidth: float = float("inf"),
                         allreduce_latency: float = 0.0) -> TokenLatency:
     """The latency model of a stage of `layers_per_stage` transformer layers on `batch`
-    sequences at once, from their FLOPs at `peak_flops` (the cost model's roofline), forward and
-    backward (BACKWARD_FACTOR), plus sending the slice's activations [batch, l, hidden] forward
-    and their gradients back (`send_latency` + bytes / `send_bandwidth`), plus `overhead`
-    seconds per layer per slice (kernel calls).
+    sequences at once, priced by the cost model's roofline `compute` (`graphpar.cost.compute`;
+    a number: FLOPs at that peak, nothing else), forward and backward (BACKWARD_FACTOR), plus
+    sending the slice's activations [batch, l, hidden] forward and their gradients back
+    (`send_latency` + bytes / `send_bandwidth`), plus `overhead` seconds per layer per slice
+    (framework costs beyond the roofline's per-call overhead).
 
     Per layer, a slice of l tokens after c tokens: the projections (q, k, v, out: 4 h^2) and the
-    MLP (2 h f) cost 2 b l (4 h^2 + 2 h f) FLOPs, but never less time than reading their weights
-    once per pass at `memory_bandwidth` (the roofline's memory side: why one token costs about
-    as much as a hundred on a GPU); attention q k^T and p v cost 2 * 2 h per (query, key) pair,
-    and token i of the slice sees c + i + 1 keys, so 4 h b (l c + l (l+1) / 2). Only the
-    4 h b l c term depends on the context: t_ctx = a3 l c with a3 = 4 h b / peak per layer
-    (`heads` changes how attention is split, not its FLOPs; it is kept for the caller's record).
+    MLP (2 h f) cost 2 b l (4 h^2 + 2 h f) FLOPs at the gemm class's rate (`gemm_skinny` when
+    b l is at most SKINNY_ROWS rows), but never less time than reading their weights once per
+    pass at that class's bandwidth (the roofline's memory side: why one token costs about as
+    much as a hundred on a GPU), plus six calls' overhead; attention q k^T and p v cost 2 * 2 h
+    per (query, key) pair at the attention class's rate, and token i of the slice sees c + i + 1
+    keys, so 4 h b (l c + l (l+1) / 2). Only the 4 h b l c term depends on the context:
+    t_ctx = a3 l c with a3 = 4 h b / (attention FLOP/s) per layer (`heads` changes how
+    attention is split, not its FLOPs; it is kept for the caller's record).
 
     `tensor_parallel` = m splits every matmul's FLOPs and weights m ways inside a node
     (Megatron-style) at the price of 4 all-reduces of the slice's activations per layer (two
@@ -82,9 +88,17 @@ def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
     m = tensor_parallel
     lengths = np.arange(seq_len + 1, dtype=np.float64)
     weights = (4 * hidden * hidden + 2 * hidden * ffn) / m
-    matmul = np.maximum(2 * batch * lengths * weights / peak_flops,
-                        weights * itemsize / memory_bandwidth)
-    attention = 4 * hidden / m * batch * lengths * (lengths + 1) / 2 / peak_flops
+    roof = Roofline.coerce(compute)
+    big, skinny, attend = roof.rate("gemm"), roof.rate("gemm_skinny"), roof.rate("attention")
+
+    def projections(rate: ComputeRate) -> np.ndarray:
+        bound = np.maximum(2 * batch * lengths * weights / rate.flops,
+                           weights * itemsize / rate.bandwidth)
+        return bound + _MATMULS_PER_LAYER * rate.overhead
+
+    matmul = np.where(batch * lengths <= SKINNY_ROWS, projections(skinny), projections(big))
+    attention = (4 * hidden / m * batch * lengths * (lengths + 1) / 2 / attend.flops
+                 + attend.overhead)
     activation = batch * lengths * hidden * itemsize
     allreduce = np.array([4 * collective_time("all_reduce", nbytes, m, allreduce_bandwidth,
                                               allreduce_latency) for nbytes in activation])
@@ -92,7 +106,7 @@ def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
     send = 2 * (send_latency + activation / m / send_bandwidth)
     base = per_layer * layers_per_stage + send
     base[0] = 0.0
-    a3 = BACKWARD_FACTOR * layers_per_stage * 4 * hidden / m * batch / peak_flops
+    a3 = BACKWARD_FACTOR * layers_per_stage * 4 * hidden / m * batch / attend.flops
     return TokenLatency(tuple(float(x) for x in base), (0.0, 0.0, 0.0, a3))
 
 

@@ -171,6 +171,78 @@ def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     return schedule
 
 
+# ---------------------------------------------------------------------------------------------
+# Token-sliced schedules (TeraPipe): the work items are (microbatch, slice) pairs, numbered
+# item = microbatch * slices + slice, and each action's `microbatch` is an item. Within a
+# sequence the forwards run in slice order (slice j reads the keys and values of slices < j)
+# and the backwards in reverse (slice j's backward reads what later slices' backwards send
+# into its keys and values).
+
+TOKEN_SCHEDULES = ("gpipe", "1f1b")
+
+
+def token_item(item: int, slices: int) -> tuple[int, int]:
+    """(microbatch, slice) of work item `item`."""
+    return divmod(item, slices)
+
+
+def token_schedule(name: str, stages: int, microbatches: int, slices: int) -> Schedule:
+    """GPipe- or 1F1B-style lists over the (microbatch, slice) items, validated.
+
+    - gpipe: every forward in item order, then every backward, microbatch by microbatch,
+      slices in reverse.
+    - 1f1b: 1F1B over the items with stage s warming up with p-1-s+K-1 forwards (K slices):
+      the K-1 extra are the rest of a sequence, which must all have run forward before its
+      last slice's backward can start. A stage then holds about p-s items' activations plus
+      one sequence, instead of all of them."""
+    if name not in TOKEN_SCHEDULES:
+        raise ScheduleError(f"unknown token-sliced schedule {name!r}; choose one of "
+                            f"{', '.join(TOKEN_SCHEDULES)}")
+    _check_sizes(name, stages, microbatches, needs_full_pipeline=False)
+    if slices < 1:
+        raise ScheduleError(f"schedule {name!r}: needs at least one token slice, got {slices}")
+    items = microbatches * slices
+    backward = [m * slices + j for m in range(microbatches) for j in reversed(range(slices))]
+    orders = {}
+    for s in range(stages):
+        warmup = items if name == "gpipe" else min(stages - 1 - s + slices - 1, items)
+        order = [Action(ActionKind.F, s, w) for w in range(warmup)]
+        for k, w in enumerate(range(warmup, items)):
+            order += [Action(ActionKind.F, s, w), Action(ActionKind.B, s, backward[k])]
+        order += [Action(ActionKind.B, s, w) for w in backward[items - warmup:]]
+        orders[s] = order
+    schedule = _with_communication(orders)
+    validate(schedule)
+    validate_token_order(schedule, slices)
+    return schedule
+
+
+def validate_token_order(schedule: Schedule, slices: int) -> None:
+    """On every stage, a sequence's forwards in slice order and its backwards in reverse
+    (each a prerequisite `validate` cannot see: it travels inside the stage, as keys and
+    values and their gradients); ScheduleError naming the stage and actions otherwise."""
+    for s, order in schedule.items():
+        at = {(a.kind, a.microbatch): i for i, a in enumerate(order)}
+        for (kind, item), i in at.items():
+            if kind not in (ActionKind.F, ActionKind.B, ActionKind.I) or item is None:
+                continue
+            m, j = token_item(item, slices)
+            if kind is ActionKind.F and j > 0:
+                needed, why = (ActionKind.F, item - 1), "the keys and values of slice"
+            elif kind is not ActionKind.F and j + 1 < slices:
+                needed = (kind, item + 1)
+                why = "the gradients into its keys and values from slice"
+            else:
+                continue
+            before = at.get(needed)
+            if before is None or before > i:
+                raise ScheduleError(
+                    f"stage {s}: {kind.value}{item} (microbatch {m}, slice {j}) needs {why} "
+                    f"{token_item(needed[1], slices)[1]}, which {needed[0].value}{needed[1]} "
+                    + ("never computes" if before is None else f"computes later (action "
+                       f"#{before}, after #{i})"))
+
+
 def format_schedule(schedule: Schedule) -> str:
     """The lists as text, one line per stage: 'stage 1: RECV_F0 F0 SEND_F0 ... UPDATE'.
     `parse_schedule` reads it back."""

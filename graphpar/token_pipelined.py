@@ -12,6 +12,7 @@ items (`runtime.schedules.token_schedule`).
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,8 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphpar.capture.token_slice import capture_slice_step
-from graphpar.errors import UsageError
-from graphpar.ir.graph import Role
+from graphpar.errors import GenerationError, UsageError
 from graphpar.passes.manager import run_pipeline
 from graphpar.passes.pipeline.token_programs import TokenPrograms, split_token_slices
 from graphpar.runtime.pipeline import PipelineRun, split_microbatches
@@ -114,10 +114,11 @@ def parse_token_slices(text: str | int | Sequence[int], seq_len: int) -> list[in
     return lengths
 
 
-def token_pipeline(pipe: PipelineCompiled, token_slices: Sequence[int],
+def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],
                    schedule: str = "1f1b") -> TokenPipeline:
-    """`pipe`'s stages run token slice by token slice: `token_slices` lengths summing to the
-    sequence length, GPipe- or 1F1B-style over the (microbatch, slice) items."""
+    """`pipe`'s stages run token slice by token slice, GPipe- or 1F1B-style over the
+    (microbatch, slice) items. `token_slices`: lengths summing to the sequence length, or as
+    `parse_token_slices` reads them."""
     spec = pipe.spec
     if spec is None or len(spec.inputs) != 1 or len(spec.targets) != 1:
         raise UsageError("token slicing runs a causal LM's training step, one input (token "
@@ -128,13 +129,21 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: Sequence[int],
     first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
                                pipe.microbatches)[0]
     ids, target = (first[n] for n in names)
+    if ids.dim() != 2 or ids.is_floating_point():
+        raise UsageError(f"token slicing cuts a causal LM's token ids [batch, sequence]; the "
+                         f"step's input {names[0]!r} is {str(ids.dtype).removeprefix('torch.')}"
+                         f"{list(ids.shape)}")
     seq_len = ids.shape[1]
-    lengths = parse_token_slices(list(token_slices), seq_len)
+    lengths = parse_token_slices(token_slices, seq_len)
     graphs, offset = [], 0
     for j, length in enumerate(lengths):
-        captured = capture_slice_step(copy.deepcopy(spec.module), spec.loss_fn, ids, target,
-                                      seq_len, offset, length, last=j == len(lengths) - 1,
-                                      name=f"slice{j}")
+        try:
+            captured = capture_slice_step(copy.deepcopy(spec.module), spec.loss_fn, ids, target,
+                                          seq_len, offset, length,
+                                          last=j == len(lengths) - 1, name=f"slice{j}")
+        except GenerationError as exc:  # the decoder adapter's word on what it can drive
+            raise UsageError(f"token slicing drives the model with explicit keys and values: "
+                             f"{exc}") from None
         run_pipeline(captured.graph, "dce")  # the surrogate loss's forward (see token_slice)
         graphs.append(captured.graph)
         offset += length
@@ -143,18 +152,28 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: Sequence[int],
     return TokenPipeline(pipe, programs, plan, schedule)
 
 
-def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: Sequence[int],
-                              schedule: str = "1f1b", processes: bool = True) -> dict:
+def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],
+                              schedule: str = "1f1b", processes: bool = True,
+                              trace: str | None = None) -> dict:
     """What `--token-slices` with `--run-cpu` runs: one token-pipelined step (one process per
-    stage, or in this process), checked against eager PyTorch + torch.optim. Returns the
-    report section: the slices, the errors, bytes between stages measured and predicted."""
+    stage, or in this process), checked against eager PyTorch + torch.optim; `trace` writes
+    its measured timeline as a Chrome trace. Returns the report section: the slices, the
+    errors, bytes between stages measured and predicted, the measured step time."""
+    from graphpar.runtime.schedules import chrome_trace, timeline_of
+
     tokens = token_pipeline(pipe, token_slices, schedule)
     check = tokens.check(processes=processes)
     run = tokens.last_run
-    return {"token_slices": tokens.token_slices, "schedule": schedule,
-            "slice_graphs": len(tokens.programs.slices),
-            "errors": check.as_dict(), "lines": check.lines(),
-            "within_tolerance": check.within_tolerance,
-            "max_abs_error": check.max_abs_error,
-            "bytes_sent": sum(run.bytes_sent), "predicted_bytes": tokens.predicted_bytes,
-            "parameters": len(pipe.captured.graph.inputs_with_role(Role.PARAM))}
+    report = {"token_slices": tokens.token_slices, "schedule": schedule,
+              "processes": tokens.programs.stages if processes else 0,
+              "errors": check.as_dict(), "lines": check.lines(),
+              "within_tolerance": check.within_tolerance, "max_abs_error": check.max_abs_error,
+              "bytes_sent": sum(run.bytes_sent), "predicted_bytes": tokens.predicted_bytes,
+              "step_seconds_measured": timeline_of(run.spans).step_seconds}
+    if pipe.plan is not None:  # planned on several devices: this run does not shard them
+        report["unsharded_stages"] = [i for i, st in enumerate(pipe.plan.stages)
+                                      if math.prod(st.logical_mesh) > 1]
+    if trace:
+        chrome_trace(run.spans, trace)
+        report["trace"] = trace
+    return report

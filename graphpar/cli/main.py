@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--trace", metavar="FILE",
                    help="with --pipeline and --run-cpu: write each rank's measured timeline as "
                         "a Chrome trace")
+    c.add_argument("--token-slices", metavar="N|L1,L2,...",
+                   help="with --pipeline and --run-cpu: run the step token slice by token slice "
+                        "(TeraPipe), N slices as equal as can be or the lengths, e.g. 5,2,1")
     c.set_defaults(fn=cmd_compile)
 
     d = sub.add_parser("dump", help="validate and print an IR file (or a CUDA listing, *.calls)")

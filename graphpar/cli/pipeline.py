@@ -34,6 +34,15 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
     if args.trace and not args.run_cpu:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
+    if getattr(args, "token_slices", None):
+        from graphpar.runtime.schedules import TOKEN_SCHEDULES
+
+        if not args.run_cpu:
+            raise UsageError("--token-slices runs the step token slice by token slice: give "
+                             "--run-cpu too")
+        if args.schedule not in TOKEN_SCHEDULES:
+            raise UsageError(f"--schedule {args.schedule} with --token-slices: token-sliced "
+                             f"steps run {' or '.join(TOKEN_SCHEDULES)}")
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,15 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         if args.lower == "cuda":
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
-        if args.run_cpu:
+        if args.run_cpu and getattr(args, "token_slices", None):
+            from graphpar.token_pipelined import run_token_pipeline_on_cpu
+
+            with step("running the pipeline token slice by token slice on CPU ranks (gloo, "
+                      "one process per stage)"):
+                spec.real_module()  # weights are made only now, to run
+                summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
+                    pipe, args.token_slices, args.schedule, trace=args.trace)
+        elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
@@ -225,6 +242,20 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               f"{r['step_seconds_measured'] * 1e3:.1f} ms, bubble "
               f"{r['bubble_fraction_measured']:.1%} (measured)")
         for line in r["error_lines"]:
+            print(f"             {line}")
+        if "trace" in r:
+            print(f"  trace      {r['trace']}")
+    if "run_cpu_tokens" in s:
+        r = s["run_cpu_tokens"]
+        unsharded = r.get("unsharded_stages")
+        note = (f" (stages {', '.join(map(str, unsharded))} run unsharded: token slicing does "
+                "not shard a stage yet)" if unsharded else "")
+        print(f"  run-cpu    token slices {r['token_slices']} ({r['schedule']}) on "
+              f"{r['processes']} processes, one per stage{note}: max "
+              f"|error| vs eager {r['max_abs_error']:.2e}; bytes between stages "
+              f"{r['bytes_sent']} measured, {r['predicted_bytes']} predicted; step "
+              f"{r['step_seconds_measured'] * 1e3:.1f} ms (measured)")
+        for line in r["lines"]:
             print(f"             {line}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")

@@ -12,8 +12,9 @@ items (`runtime.schedules.token_schedule`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ class TokenPipeline:
     schedule: Schedule
     schedule_name: str
     last_run: PipelineRun | None = field(default=None, repr=False)
+    # stage -> {"slices": per slice phase -> ShardedPhase, "U": ShardedPhase}: on a sub-mesh
+    sharded: dict = field(default_factory=dict, repr=False)
 
     @property
     def token_slices(self) -> list[int]:
@@ -65,8 +68,15 @@ class TokenPipeline:
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
         inputs = split_microbatches(dict(zip(names, args)), self.pipe.microbatches)
-        runner = run_tokens_multiprocess if processes else run_tokens_in_process
-        self.last_run = runner(self.programs, self.schedule, self.pipe.captured.state, inputs)
+        if processes and self.sharded:
+            raise UsageError("a token pipeline with a stage sharded on a sub-mesh runs in this "
+                             "process only (processes=False)")
+        if processes:
+            self.last_run = run_tokens_multiprocess(self.programs, self.schedule,
+                                                    self.pipe.captured.state, inputs)
+        else:
+            self.last_run = run_tokens_in_process(self.programs, self.schedule,
+                                                  self.pipe.captured.state, inputs, self.sharded)
         return self.last_run.outputs
 
     def check(self, processes: bool = False) -> EagerCheck:
@@ -85,7 +95,32 @@ class TokenPipeline:
         """The same programs run by the token schedule `name` ("gpipe" or "1f1b")."""
         schedule = token_schedule(name, self.programs.stages, self.pipe.microbatches,
                                   len(self.token_slices))
-        return TokenPipeline(self.pipe, self.programs, schedule, name)
+        return dataclasses.replace(self, schedule=schedule, schedule_name=name, last_run=None)
+
+    def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu"
+                     ) -> TokenPipeline:
+        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
+        the auto-shard ILP on their sub-mesh: every slice's F and B and the update, phase by
+        phase (`lower_mpmd.shard_stages`), run as SPMD programs there in this process."""
+        from graphpar.passes.pipeline.lower_mpmd import shard_stages
+
+        per_slice = [shard_stages(sl.programs, submeshes, cluster=cluster)
+                     for sl in self.programs.slices]
+        updates = _UpdatesOnly([dataclasses.replace(
+            st, forward=None, backward=None, input_grad=None, weight_grad=None)
+            for st in self.programs.whole.stages])
+        sharded_updates = shard_stages(updates, submeshes, cluster=cluster)
+        sharded = {s: {"slices": [phases[s] for phases in per_slice],
+                       **({"U": sharded_updates[s]["U"]} if "U" in sharded_updates[s] else {})}
+                   for s in submeshes}
+        return dataclasses.replace(self, sharded=sharded, last_run=None)
+
+
+@dataclass
+class _UpdatesOnly:
+    """The whole pipeline's stages with their update programs alone, for `shard_stages`."""
+
+    stages: list
 
 
 def parse_token_slices(text: str | int | Sequence[int], seq_len: int) -> list[int]:

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from graphpar.backends.interpreter import Interpreter
 from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.runtime.pipeline import (
@@ -88,15 +87,24 @@ class TokenStage:
     def __init__(self, stage: int, slices: Sequence[StageProgramLike], update: Graph | None,
                  grad_param: Mapping[str, str], microbatches: int,
                  state: Mapping[str, torch.Tensor],
-                 inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> None:
+                 inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+                 sharded: Mapping[str, Any] | None = None) -> None:
+        """`sharded`: for a stage on a sub-mesh of several devices, "slices" (per slice, phase
+        -> `lower_mpmd.ShardedPhase`) and "U" (the update's), run as SPMD programs there."""
         self.stage, self.microbatches, self.slices = stage, microbatches, len(slices)
+        sharded = dict(sharded or {})
+        per_slice = sharded.get("slices") or [None] * len(slices)
         # each slice's runner reads its own copy of the per-microbatch dicts: caches land there
-        self.runners = [SliceRunner(p, microbatches, state, [dict(mb) for mb in inputs[j]])
+        self.runners = [SliceRunner(p, microbatches, state, [dict(mb) for mb in inputs[j]],
+                                    per_slice[j])
                         for j, p in enumerate(slices)]
-        self.update_program = Interpreter(update) if update is not None else None
-        needed = {v.name for v in update.inputs} if update is not None else set()
-        self.update_state = {k: t for k, t in state.items() if k in needed}
-        self.grad_param = dict(grad_param)
+        # U runs as a microbatch pipeline's stage runs it (on its sub-mesh when sharded)
+        self.update_runner = (StageRunner(_LoadedSlice(stage, {"U": update}), microbatches,
+                                          state, [], {"U": sharded["U"]} if "U" in sharded
+                                          else None)
+                              if update is not None else None)
+        self.grad_param_of = {v.name: grad_param[v.name] for v in
+                              (update.inputs if update is not None else ()) if v.name in grad_param}
         self.updates: dict[str, torch.Tensor] = {}
         self.items_backward = 0  # backward items done: received gradients wait for all
         self.spans: list[tuple[Action, float, float]] = []
@@ -138,24 +146,18 @@ class TokenStage:
         """U on the mean gradients: this stage's sums over slices and microbatches plus those
         `received` (by parameter) from stages whose backward made them."""
         start = time.perf_counter()
-        if self.update_program is not None:
+        if self.update_runner is not None:
             sums = dict(self.grad_outputs)
             for name, t in (received or {}).items():
                 sums[name] = sums[name] + t if name in sums else t
-            graph = self.update_program.graph
-            args = {}
-            for v in graph.inputs:
-                if v.name in self.grad_param:
-                    param = self.grad_param[v.name]
-                    if param not in sums:
-                        raise GraphparError(f"token pipeline stage {self.stage}: no gradient of "
-                                            f"{param} reached its update")
-                    args[v.name] = sums[param] / self.microbatches
-                else:
-                    args[v.name] = self.update_state[v.name]
-            for out, t in zip(graph.outputs, self.update_program.run(args)):
-                if out.role is OutputRole.UPDATE:
-                    self.updates[out.target] = t
+            missing = sorted({p for p in self.grad_param_of.values() if p not in sums})
+            if missing:
+                raise GraphparError(f"token pipeline stage {self.stage}: no gradient of "
+                                    f"{missing[0]} reached its update")
+            # the update runner divides by the microbatches, as for a microbatch pipeline
+            self.update_runner.grad_sums = {n: sums[p] for n, p in self.grad_param_of.items()}
+            self.update_runner.update()
+            self.updates = self.update_runner.updates
         self.spans.append((Action(ActionKind.UPDATE, self.stage, None), start,
                            time.perf_counter()))
 
@@ -180,6 +182,12 @@ class TokenStage:
         return mean_loss(self.losses)
 
     @property
+    def intra_stage_bytes(self) -> int:
+        """What the sub-mesh's collectives sent, measured (0 unless sharded)."""
+        runners = [*self.runners, *([self.update_runner] if self.update_runner else [])]
+        return sum(r.intra_stage_bytes for r in runners)
+
+    @property
     def bytes_sent(self) -> int:
         return sum(r.bytes_sent for r in self.runners) + self.extra_bytes
 
@@ -196,26 +204,30 @@ def _names(programs, stage: int, j: int, kind: ActionKind) -> tuple[str, ...]:
     return peer.send_forward if kind is ActionKind.SEND_F else peer.send_backward
 
 
-def _stages(programs, state, inputs, names) -> list[TokenStage]:
+def _stages(programs, state, inputs, names, sharded) -> list[TokenStage]:
     per_slice = slice_inputs(inputs, names, programs.token_slices)
     return [TokenStage(s, [sl.programs.stages[s] for sl in programs.slices], programs.update(s),
-                       programs.grad_param, len(inputs), state, per_slice)
+                       programs.grad_param, len(inputs), state, per_slice,
+                       (sharded or {}).get(s))
             for s in range(programs.stages)]
 
 
 def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
-                          inputs: Sequence[Mapping[str, torch.Tensor]]) -> PipelineRun:
+                          inputs: Sequence[Mapping[str, torch.Tensor]],
+                          sharded: Mapping[int, Mapping[str, Any]] | None = None
+                          ) -> PipelineRun:
     """One token-pipelined step with every stage in this process: the stages take turns, each
     running actions until it waits for a transfer that has not been sent (as
     `pipeline.run_in_process` does for microbatches). `programs`: a
     `passes.pipeline.token_programs.TokenPrograms`; `inputs`: per microbatch, the whole step's
-    user tensors by name."""
+    user tensors by name; `sharded`: stage -> what `TokenStage` takes, for stages on a
+    sub-mesh of several devices (run in lockstep in this process)."""
     validate(schedule)
     if len(schedule) != programs.stages:
         raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
                             f"{programs.stages}")
     names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
-    stages = _stages(programs, state, inputs, names)
+    stages = _stages(programs, state, inputs, names, sharded)
     slices = len(programs.slices)
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
     position = dict.fromkeys(schedule, 0)
@@ -257,7 +269,8 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
              for st in stages for a, t0, t1 in st.spans]
     return PipelineRun(assemble_outputs(programs.whole.graph, stages, len(inputs)),
                        [st.bytes_sent for st in stages], spans,
-                       tensors_left=sum(st.tensors_left for st in stages))
+                       [st.intra_stage_bytes for st in stages],
+                       sum(st.tensors_left for st in stages))
 
 
 # ------------------------------------------------------------------ one process per stage
@@ -343,14 +356,15 @@ class _Finished:
 
 @dataclass
 class _LoadedSlice:
-    """One slice's programs on one stage, read back from a job directory (StageProgramLike)."""
+    """Programs of one stage by phase (StageProgramLike): a slice's F and B read back from a
+    job directory, or the update alone."""
 
     stage: int
     graphs: dict[str, Graph]
-    send_forward: tuple[str, ...]
-    send_backward: tuple[str, ...]
-    keep_after_forward: frozenset[str]
-    grads: tuple[str, ...]
+    send_forward: tuple[str, ...] = ()
+    send_backward: tuple[str, ...] = ()
+    keep_after_forward: frozenset[str] = frozenset()
+    grads: tuple[str, ...] = ()
 
     def program(self, phase: str) -> Graph | None:
         return self.graphs.get(phase)
@@ -432,7 +446,8 @@ class TokenPipelineWorker:
                     stage.extra_bytes += buf.numel() * buf.element_size()
                 received: dict[str, torch.Tensor] = {}
                 for src, param in self.spec["grads_in"]:
-                    like = stage.update_state.get(param)
+                    held = stage.update_runner.state if stage.update_runner else {}
+                    like = held.get(param)
                     if like is None:
                         raise GraphparError(f"token pipeline stage {self.rank}: receives the "
                                             f"gradient of {param} but does not hold it")

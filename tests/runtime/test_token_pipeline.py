@@ -175,6 +175,18 @@ def test_gpt_token_pipeline_equals_eager(gpt_sliced, schedule):
     assert len(items) == 2 * 2 * MICROBATCHES * 3  # stages x (F, B) x items
 
 
+def test_a_stage_sharded_on_two_devices_equals_eager(gpt_sliced):
+    sharded = gpt_sliced.with_schedule("1f1b").on_submeshes({1: "1x2"})  # 3 devices in all
+    phases = sharded.sharded[1]
+    assert [sorted(p) for p in phases["slices"]] == [["B", "F"]] * 3 and "U" in phases
+    layouts = {str(v.layout) for n in phases["U"].global_graph.nodes for v in n.outputs}
+    assert layouts - {"{R,R}"}, "the ILP shards some of the update on the sub-mesh"
+    assert_matches_eager(sharded)
+    with pytest.raises(UsageError, match="runs in this process only"):
+        sharded.run(*gpt_sliced.pipe.spec.inputs, *gpt_sliced.pipe.spec.targets,
+                    processes=True)
+
+
 def test_a_lost_key_value_gradient_is_caught(gpt_sliced, monkeypatch):
     compute = runtime.TokenStage.compute
 

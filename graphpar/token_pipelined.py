@@ -68,12 +68,10 @@ class TokenPipeline:
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
         inputs = split_microbatches(dict(zip(names, args)), self.pipe.microbatches)
-        if processes and self.sharded:
-            raise UsageError("a token pipeline with a stage sharded on a sub-mesh runs in this "
-                             "process only (processes=False)")
         if processes:
             self.last_run = run_tokens_multiprocess(self.programs, self.schedule,
-                                                    self.pipe.captured.state, inputs)
+                                                    self.pipe.captured.state, inputs,
+                                                    sharded=self.sharded)
         else:
             self.last_run = run_tokens_in_process(self.programs, self.schedule,
                                                   self.pipe.captured.state, inputs, self.sharded)
@@ -101,7 +99,8 @@ class TokenPipeline:
                      ) -> TokenPipeline:
         """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
         the auto-shard ILP on their sub-mesh: every slice's F and B and the update, phase by
-        phase (`lower_mpmd.shard_stages`), run as SPMD programs there in this process."""
+        phase (`lower_mpmd.shard_stages`), run as SPMD programs there (in lockstep, in this
+        process or in the stage's gloo process)."""
         from graphpar.passes.pipeline.lower_mpmd import shard_stages
 
         per_slice = [shard_stages(sl.programs, submeshes, cluster=cluster)
@@ -189,14 +188,21 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
 
 def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],
                               schedule: str = "1f1b", processes: bool = True,
-                              trace: str | None = None) -> dict:
+                              trace: str | None = None, cluster: str = "cpu") -> dict:
     """What `--token-slices` with `--run-cpu` runs: one token-pipelined step (one process per
     stage, or in this process), checked against eager PyTorch + torch.optim; `trace` writes
-    its measured timeline as a Chrome trace. Returns the report section: the slices, the
-    errors, bytes between stages measured and predicted, the measured step time."""
+    its measured timeline as a Chrome trace. A stage the pipeline's plan puts on several
+    devices is sharded by the ILP on its logical mesh (`TokenPipeline.on_submeshes`, planned
+    for `cluster`). Returns the report section: the slices, the errors, bytes between stages
+    measured and predicted, the measured step time."""
     from graphpar.runtime.schedules import chrome_trace, timeline_of
 
     tokens = token_pipeline(pipe, token_slices, schedule)
+    submeshes = {i: "x".join(map(str, st.logical_mesh)) for i, st in
+                 enumerate(pipe.plan.stages if pipe.plan is not None else ())
+                 if math.prod(st.logical_mesh) > 1}
+    if submeshes:
+        tokens = tokens.on_submeshes(submeshes, cluster)
     check = tokens.check(processes=processes)
     run = tokens.last_run
     report = {"token_slices": tokens.token_slices, "schedule": schedule,
@@ -205,9 +211,7 @@ def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | 
               "within_tolerance": check.within_tolerance, "max_abs_error": check.max_abs_error,
               "bytes_sent": sum(run.bytes_sent), "predicted_bytes": tokens.predicted_bytes,
               "step_seconds_measured": timeline_of(run.spans).step_seconds}
-    if pipe.plan is not None:  # planned on several devices: this run does not shard them
-        report["unsharded_stages"] = [i for i, st in enumerate(pipe.plan.stages)
-                                      if math.prod(st.logical_mesh) > 1]
+    report["sharded_stages"] = {str(i): mesh for i, mesh in submeshes.items()}
     if trace:
         chrome_trace(run.spans, trace)
         report["trace"] = trace

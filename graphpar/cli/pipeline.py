@@ -120,7 +120,8 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                       "one process per stage)"):
                 spec.real_module()  # weights are made only now, to run
                 summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
-                    pipe, args.token_slices, args.schedule, trace=args.trace)
+                    pipe, args.token_slices, args.schedule, trace=args.trace,
+                    cluster=args.cluster)
         elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
@@ -247,9 +248,9 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
             print(f"  trace      {r['trace']}")
     if "run_cpu_tokens" in s:
         r = s["run_cpu_tokens"]
-        unsharded = r.get("unsharded_stages")
-        note = (f" (stages {', '.join(map(str, unsharded))} run unsharded: token slicing does "
-                "not shard a stage yet)" if unsharded else "")
+        sharded = r.get("sharded_stages")
+        note = ("; " + ", ".join(f"stage {s} sharded on {m} in lockstep" for s, m in
+                                 sharded.items()) if sharded else "")
         print(f"  run-cpu    token slices {r['token_slices']} ({r['schedule']}) on "
               f"{r['processes']} processes, one per stage{note}: max "
               f"|error| vs eager {r['max_abs_error']:.2e}; bytes between stages "

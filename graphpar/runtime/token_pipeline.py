@@ -33,6 +33,7 @@ from graphpar.runtime.pipeline import (
     PipelineRun,
     StageProgramLike,
     StageRunner,
+    _DeviceProgram,
     assemble_outputs,
     mean_loss,
 )
@@ -277,10 +278,16 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
 
 def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
                             inputs: Sequence[Mapping[str, torch.Tensor]],
-                            timeout: float = 120.0) -> PipelineRun:
+                            timeout: float = 120.0,
+                            sharded: Mapping[int, Mapping[str, Any]] | None = None
+                            ) -> PipelineRun:
     """One token-pipelined step with each stage in its own process over gloo, started by
     `runtime.workers.WorkerGroup`; the programs travel as IR text, transfers are
-    point-to-point, one message per named tensor of the item's slice."""
+    point-to-point, one message per named tensor of the item's slice.
+
+    A stage in `sharded` (as `run_tokens_in_process` takes it) ships its phases' SPMD device
+    programs as IR text too and runs them for every device of its sub-mesh in lockstep inside
+    the stage's process (as the microbatch pipeline does: not yet one process per device)."""
     import json
     import shutil
     import tempfile
@@ -302,7 +309,12 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
         (jobdir / f"{stem}.gpir").write_text(print_graph(graph, show_cost=False))
         return [o.target for o in graph.outputs]  # targets do not print
 
+    def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
+        return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
+                for phase, planned in (phases or {}).items()}
+
     try:
+        sharded = sharded or {}
         job = {"microbatches": len(inputs), "names": names,
                "token_slices": programs.token_slices, "grad_param": programs.grad_param,
                "slices": [], "stages": []}
@@ -315,10 +327,14 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
                     "B": write(p.backward, f"slice{j}_stage{p.stage}_B"),
                     "send_forward": list(p.send_forward), "send_backward": list(p.send_backward),
                     "keep_after_forward": sorted(p.keep_after_forward),
-                    "grads": list(p.grads)})
+                    "grads": list(p.grads),
+                    "spmd": write_spmd(_sharded_slice(sharded, p.stage, j),
+                                       f"slice{j}_stage{p.stage}")})
         for s in range(stages):
             job["stages"].append({
                 "U": write(programs.update(s), f"stage{s}_U"),
+                "U_spmd": write_spmd({"U": sharded[s]["U"]} if "U" in sharded.get(s, {})
+                                     else None, f"stage{s}"),
                 "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
                 "grads_out": [[dst, p] for src, dst, p in programs.grad_transfers if src == s],
                 "grads_in": [[src, p] for src, dst, p in programs.grad_transfers if dst == s]})
@@ -340,6 +356,12 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
              for s, r in enumerate(results) for kind, item, t0, t1 in r["spans"]]
     return PipelineRun(assemble_outputs(programs.whole.graph, runners, len(inputs)),
                        [r["bytes_sent"] for r in results], spans)
+
+
+def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int) -> dict:
+    """Slice j's sharded phases on `stage` (empty for a stage on one device)."""
+    slices = sharded.get(stage, {}).get("slices")
+    return dict(slices[j]) if slices else {}
 
 
 @dataclass
@@ -393,8 +415,12 @@ class TokenPipelineWorker:
                 out.target = target
             return graph
 
+        def read_spmd(spmd: dict, stem: str) -> dict:
+            return {phase: _DeviceProgram(g, g.mesh) for phase, targets in spmd.items()
+                    if (g := read(f"{stem}_{phase}_spmd", targets)) is not None}
+
         self.slices = job["slices"]
-        loaded = []
+        loaded, sharded_slices = [], []
         for j, sl in enumerate(self.slices):
             spec = sl["stages"][rank]
             graphs = {phase: g for phase in ("F", "B")
@@ -403,15 +429,17 @@ class TokenPipelineWorker:
                                        tuple(spec["send_backward"]),
                                        frozenset(spec["keep_after_forward"]),
                                        tuple(spec["grads"])))
+            sharded_slices.append(read_spmd(spec["spmd"], f"slice{j}_stage{rank}"))
         self.types = [{n: TensorType(tuple(shape), getattr(torch, dtype))
                        for n, (shape, dtype) in sl["types"].items()} for sl in self.slices]
         self.spec = job["stages"][rank]
         self.actions = [Action(ActionKind(k), rank, w) for k, w in self.spec["actions"]]
         tensors = torch.load(self.jobdir / "tensors.pt", weights_only=True)
         per_slice = slice_inputs(tensors["inputs"], job["names"], job["token_slices"])
+        sharded = {"slices": sharded_slices, **read_spmd(self.spec["U_spmd"], f"stage{rank}")}
         self.stage = TokenStage(rank, loaded, read(f"stage{rank}_U", self.spec["U"]),
                                 job["grad_param"], job["microbatches"], tensors["state"],
-                                per_slice)
+                                per_slice, sharded)
 
     def run(self) -> None:
         import torch.distributed as dist

@@ -182,9 +182,13 @@ def test_a_stage_sharded_on_two_devices_equals_eager(gpt_sliced):
     layouts = {str(v.layout) for n in phases["U"].global_graph.nodes for v in n.outputs}
     assert layouts - {"{R,R}"}, "the ILP shards some of the update on the sub-mesh"
     assert_matches_eager(sharded)
-    with pytest.raises(UsageError, match="runs in this process only"):
-        sharded.run(*gpt_sliced.pipe.spec.inputs, *gpt_sliced.pipe.spec.targets,
-                    processes=True)
+
+
+@pytest.mark.slow
+def test_a_sharded_stage_on_gloo_ranks(gpt_sliced):
+    sharded = gpt_sliced.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    run = assert_matches_eager(sharded, processes=True)
+    assert {s.rank for s in run.spans} == {0, 1}  # the sub-mesh runs in its stage's process
 
 
 def test_a_lost_key_value_gradient_is_caught(gpt_sliced, monkeypatch):

@@ -20,6 +20,7 @@ between stages are per item, by the names of that slice's programs.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,9 +61,12 @@ class SliceRunner(StageRunner):
             super()._keep(role, target, t, env, m)
 
 
+_CACHE = re.compile(r"(past_)?(key|value)\.\d+")
+
+
 def _is_cache(name: str | None) -> bool:
     """key.i / value.i (a slice's cache), or past_key.i / past_value.i (its gradient)."""
-    return name is not None and name.removeprefix("past_").split(".")[0] in ("key", "value")
+    return name is not None and _CACHE.fullmatch(name) is not None
 
 
 def slice_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str],
@@ -100,7 +104,7 @@ class TokenStage:
                                     per_slice[j])
                         for j, p in enumerate(slices)]
         # U runs as a microbatch pipeline's stage runs it (on its sub-mesh when sharded)
-        self.update_runner = (StageRunner(_LoadedSlice(stage, {"U": update}), microbatches,
+        self.update_runner = (StageRunner(_PhasePrograms(stage, {"U": update}), microbatches,
                                           state, [], {"U": sharded["U"]} if "U" in sharded
                                           else None)
                               if update is not None else None)
@@ -377,7 +381,7 @@ class _Finished:
 
 
 @dataclass
-class _LoadedSlice:
+class _PhasePrograms:
     """Programs of one stage by phase (StageProgramLike): a slice's F and B read back from a
     job directory, or the update alone."""
 
@@ -425,7 +429,7 @@ class TokenPipelineWorker:
             spec = sl["stages"][rank]
             graphs = {phase: g for phase in ("F", "B")
                       if (g := read(f"slice{j}_stage{rank}_{phase}", spec[phase])) is not None}
-            loaded.append(_LoadedSlice(rank, graphs, tuple(spec["send_forward"]),
+            loaded.append(_PhasePrograms(rank, graphs, tuple(spec["send_forward"]),
                                        tuple(spec["send_backward"]),
                                        frozenset(spec["keep_after_forward"]),
                                        tuple(spec["grads"])))

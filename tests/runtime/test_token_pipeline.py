@@ -175,6 +175,7 @@ def test_gpt_token_pipeline_equals_eager(gpt_sliced, schedule):
     assert len(items) == 2 * 2 * MICROBATCHES * 3  # stages x (F, B) x items
 
 
+@pytest.mark.slow  # the ILP plans 7 phases
 def test_a_stage_sharded_on_two_devices_equals_eager(gpt_sliced):
     sharded = gpt_sliced.with_schedule("1f1b").on_submeshes({1: "1x2"})  # 3 devices in all
     phases = sharded.sharded[1]

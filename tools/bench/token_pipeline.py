@@ -62,15 +62,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--slicings", default="32;16,16;11,11,10;8,8,8,8",
-                        help="';'-separated slicings, each a comma list of lengths")
+    parser.add_argument("--slicings", help="';'-separated slicings, each a comma list of "
+                                           "lengths (default 32;16,16;11,11,10;8,8,8,8)")
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--processes", action="store_true", help="one gloo process per stage")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args(argv)
     if args.quick:
-        args.seq_len, args.batch, args.slicings, args.repeat = 8, 4, "8;4,4;5,2,1", 1
+        args.seq_len, args.batch, args.repeat = 8, 4, 1
+    args.slicings = args.slicings or ("8;4,4;5,2,1" if args.quick
+                                      else "32;16,16;11,11,10;8,8,8,8")
     ex = get_model("gpt", "tiny", train=True, batch_size=args.batch, seq_len=args.seq_len)
     config = ex.config
     pipe = compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,

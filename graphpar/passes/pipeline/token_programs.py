@@ -119,9 +119,10 @@ def split_token_slices(whole: PipelinePrograms, slice_graphs: Sequence[Graph],
                             f"{', '.join(sorted(own - params)[:3])}")
         programs = split_stages(graph, slice_stage_of(graph, whole.graph, whole.stage_of),
                                 zero_bubble=False)
-        if len(programs.stages) > len(whole.stages):
+        if len(programs.stages) != len(whole.stages):
             raise PassError(f"the slice step @{graph.name} spans {len(programs.stages)} stages, "
-                            f"the pipeline {len(whole.stages)}")
+                            f"the pipeline {len(whole.stages)}: its modules do not reach every "
+                            "stage (is a stage's forward made of ops no module owns?)")
         for stage in programs.stages:
             for out in stage.backward.outputs if stage.backward is not None else ():
                 if out.role is OutputRole.GRAD and out.target in params:

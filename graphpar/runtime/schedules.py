@@ -181,9 +181,9 @@ def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
 TOKEN_SCHEDULES = ("gpipe", "1f1b")
 
 
-def token_item(item: int, slices: int) -> tuple[int, int]:
-    """(microbatch, slice) of work item `item`."""
-    return divmod(item, slices)
+def token_unit(unit: int, slices: int) -> tuple[int, int]:
+    """(microbatch, slice) of work item (unit) `unit`."""
+    return divmod(unit, slices)
 
 
 def token_schedule(name: str, stages: int, microbatches: int, slices: int) -> Schedule:
@@ -226,7 +226,7 @@ def validate_token_order(schedule: Schedule, slices: int) -> None:
         for (kind, item), i in at.items():
             if kind not in (ActionKind.F, ActionKind.B, ActionKind.I) or item is None:
                 continue
-            m, j = token_item(item, slices)
+            m, j = token_unit(item, slices)
             if kind is ActionKind.F and j > 0:
                 needed, why = (ActionKind.F, item - 1), "the keys and values of slice"
             elif kind is not ActionKind.F and j + 1 < slices:
@@ -238,7 +238,7 @@ def validate_token_order(schedule: Schedule, slices: int) -> None:
             if before is None or before > i:
                 raise ScheduleError(
                     f"stage {s}: {kind.value}{item} (microbatch {m}, slice {j}) needs {why} "
-                    f"{token_item(needed[1], slices)[1]}, which {needed[0].value}{needed[1]} "
+                    f"{token_unit(needed[1], slices)[1]}, which {needed[0].value}{needed[1]} "
                     + ("never computes" if before is None else f"computes later (action "
                        f"#{before}, after #{i})"))
 

@@ -3,7 +3,7 @@ slice) pairs, each stage keeping the keys and values of a sequence's earlier sli
 
 A :class:`TokenStage` is one stage: a `SliceRunner` (a `StageRunner` over one slice's F and B
 programs) per token slice, and the whole pipeline's update program. An action's `microbatch`
-is a work item (`schedules.token_item`); the stage hands it to the runner of its slice, for
+is a work item (`schedules.token_unit`); the stage hands it to the runner of its slice, for
 that microbatch. Between the slices of one stage, nothing crosses a process boundary:
 
 - F of slice j returns, per attention layer of the stage, the cache `key.i` / `value.i` over
@@ -38,7 +38,7 @@ from graphpar.runtime.pipeline import (
     assemble_outputs,
     mean_loss,
 )
-from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, token_item, validate
+from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, token_unit, validate
 
 __all__ = ["SliceRunner", "TokenStage", "run_tokens_in_process", "run_tokens_multiprocess",
            "slice_inputs"]
@@ -116,7 +116,7 @@ class TokenStage:
         self.extra_bytes = 0  # summed gradients sent to another stage's update
 
     def _runner(self, action: Action) -> tuple[SliceRunner, Action, int, int]:
-        m, j = token_item(action.microbatch, self.slices)
+        m, j = token_unit(action.microbatch, self.slices)
         return self.runners[j], Action(action.kind, action.stage, m), m, j
 
     def compute(self, action: Action) -> None:
@@ -248,7 +248,7 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
                     sent = ActionKind.SEND_F if a.kind is ActionKind.RECV_F else ActionKind.SEND_B
                     if (sent, a.microbatch, s) not in mailbox:
                         break
-                    j = token_item(a.microbatch, slices)[1]
+                    j = token_unit(a.microbatch, slices)[1]
                     stages[s].incoming(a, _names(programs, a.peer, j, sent),
                                        mailbox.pop((sent, a.microbatch, s)))
                 elif a.kind is ActionKind.UPDATE:
@@ -460,7 +460,7 @@ class TokenPipelineWorker:
                     buf = t.contiguous()
                     pending.append((dist.isend(buf, dst=action.peer, tag=tag), buf))
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                j = token_item(item, slices)[1]
+                j = token_unit(item, slices)[1]
                 key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
                 names = self.slices[j]["stages"][action.peer][key]
                 tensors = []

@@ -120,7 +120,7 @@ def import_exported(ep: ExportedProgram, name: str, input_names: dict[str, str] 
         elif fx_node.op == "call_function":
             env[fx_node] = _import_call(fx_node, env, emitter)
         elif fx_node.op == "output":
-            _import_outputs(ep, fx_node, env, graph)
+            _import_outputs(ep, fx_node, env, graph, input_names or {})
         else:
             raise UnsupportedOpError(f"fx node kind {fx_node.op!r} ({fx_node.name}) is not "
                                      "supported")
@@ -180,10 +180,14 @@ _OUTPUT_ROLES = {
     OutputKind.LOSS_OUTPUT: (OutputRole.LOSS, False),
     OutputKind.BUFFER_MUTATION: (OutputRole.UPDATE, True),
     OutputKind.GRADIENT_TO_PARAMETER: (OutputRole.GRAD, True),
+    # a user input exported with requires_grad (token slicing: the keys and values of earlier
+    # slices); the target is the input's name
+    OutputKind.GRADIENT_TO_USER_INPUT: (OutputRole.GRAD, True),
 }
 
 
-def _import_outputs(ep: ExportedProgram, fx_node: torch.fx.Node, env: dict, graph: Graph) -> None:
+def _import_outputs(ep: ExportedProgram, fx_node: torch.fx.Node, env: dict, graph: Graph,
+                    input_names: dict[str, str]) -> None:
     results = fx_node.args[0]
     for spec, result in zip(ep.graph_signature.output_specs, results):
         if spec.kind not in _OUTPUT_ROLES:
@@ -196,4 +200,21 @@ def _import_outputs(ep: ExportedProgram, fx_node: torch.fx.Node, env: dict, grap
             raise UnsupportedOpError(f"output {spec.arg.name} is a constant {value!r}, not a "
                                      "tensor computed by the model")
         role, has_target = _OUTPUT_ROLES[spec.kind]
-        graph.add_output(value, role, spec.target if has_target else None)
+        target = spec.target
+        if spec.kind is OutputKind.GRADIENT_TO_USER_INPUT:
+            target = _user_input_of_gradient(ep, target, input_names)
+        graph.add_output(value, role, target if has_target else None)
+
+
+def _user_input_of_gradient(ep: ExportedProgram, target: str, input_names: dict[str, str]
+                            ) -> str:
+    """The user input a GRADIENT_TO_USER_INPUT output belongs to. torch names it by the joint
+    graph's flat argument (`arg<i>_1`: the i-th input spec), not by the input's own name."""
+    specs = ep.graph_signature.input_specs
+    match = re.fullmatch(r"arg(\d+)_1", target)
+    if match is None or int(match.group(1)) >= len(specs) or (
+            specs[int(match.group(1))].kind is not InputKind.USER_INPUT):
+        raise UnsupportedOpError(f"cannot tell which input the gradient output {target!r} "
+                                 "belongs to")
+    name = specs[int(match.group(1))].arg.name
+    return input_names.get(name, name)

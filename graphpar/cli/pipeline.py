@@ -38,6 +38,12 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         slice_count(args.token_slices, "--token-slices ")
     if args.trace and not args.run_cpu:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
+    if getattr(args, "token_slices", None):
+        from graphpar.runtime.schedules import TOKEN_SCHEDULES
+
+        if args.schedule not in TOKEN_SCHEDULES:
+            raise UsageError(f"--schedule {args.schedule} with --token-slices: token-sliced "
+                             f"steps run {' or '.join(TOKEN_SCHEDULES)}")
 
 
 def check_token_slices_need_pipeline(args: argparse.Namespace) -> None:
@@ -132,7 +138,16 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         if args.lower == "cuda":
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
-        if args.run_cpu:
+        if args.run_cpu and getattr(args, "token_slices", None):
+            from graphpar.token_pipelined import run_token_pipeline_on_cpu
+
+            with step("running the pipeline token slice by token slice on CPU ranks (gloo, "
+                      "one process per stage)"):
+                spec.real_module()  # weights are made only now, to run
+                summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
+                    pipe, list(result.graph.attrs["token_slices"]), args.schedule, trace=args.trace,
+                    cluster=args.cluster)
+        elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
@@ -213,15 +228,15 @@ def token_slicing_report(result) -> dict:
 
 
 def token_timeline(plan, result):
-    """The step as GPipe over (microbatch, token slice) units (`token_gpipe`), simulated on the
+    """The step as GPipe over (microbatch, token slice) units (`token_schedule`), simulated on the
     stage plan's estimates (forward : backward as 1 : 2), each unit's time the stage's per
     microbatch time times its slice's share (`TokenSlicing.slice_shares`). Estimated."""
     from graphpar.passes.pipeline.token_slicing import TokenSlicing
-    from graphpar.runtime.schedules import simulate, token_gpipe
+    from graphpar.runtime.schedules import simulate, token_schedule
 
     tokens = result.context.result(TokenSlicing)
     per_stage = [s.est_seconds for s in plan.stages]
-    schedule = token_gpipe(len(per_stage), len(tokens.batch_slices), len(tokens.slices))
+    schedule = token_schedule("gpipe", len(per_stage), len(tokens.batch_slices), len(tokens.slices))
     shares = list(tokens.slice_shares) * len(tokens.batch_slices)
     return simulate(schedule, [t / 3 for t in per_stage], [2 * t / 3 for t in per_stage],
                     [0.0] * (len(per_stage) - 1), microbatch_scale=shares)
@@ -291,6 +306,20 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               f"{r['step_seconds_measured'] * 1e3:.1f} ms, bubble "
               f"{r['bubble_fraction_measured']:.1%} (measured)")
         for line in r["error_lines"]:
+            print(f"             {line}")
+        if "trace" in r:
+            print(f"  trace      {r['trace']}")
+    if "run_cpu_tokens" in s:
+        r = s["run_cpu_tokens"]
+        sharded = r.get("sharded_stages")
+        note = ("; " + ", ".join(f"stage {s} sharded on {m} in lockstep" for s, m in
+                                 sharded.items()) if sharded else "")
+        print(f"  run-cpu    token slices {r['token_slices']} ({r['schedule']}) on "
+              f"{r['processes']} processes, one per stage{note}: max "
+              f"|error| vs eager {r['max_abs_error']:.2e}; bytes between stages "
+              f"{r['bytes_sent']} measured, {r['predicted_bytes']} predicted; step "
+              f"{r['step_seconds_measured'] * 1e3:.1f} ms (measured)")
+        for line in r["lines"]:
             print(f"             {line}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")

@@ -145,16 +145,23 @@ def _check_outputs(graph: Graph, defined: set[Value]) -> None:
                                 "return a tensor or a tuple of tensors", graph)
     updatable = {v.name: v for v in graph.inputs
                  if v.role in (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)}
+    differentiable = {v.name: v for v in graph.inputs
+                      if v.role is Role.INPUT and v.type.dtype.is_floating_point}
     for out in graph.outputs:
         if out.value not in defined:
             raise VerificationError(f"graph @{graph.name}: output {out.value!r} is not defined",
                                     graph)
         if out.role in (OutputRole.GRAD, OutputRole.UPDATE):
             target = updatable.get(out.target)
+            if target is None and out.role is OutputRole.GRAD:
+                # a gradient into a user input: token slicing's keys and values of earlier slices
+                target = differentiable.get(out.target)
             if target is None:
                 raise VerificationError(
                     f"graph @{graph.name}: output {out.role.value}(%{out.target}) names no "
-                    "param, buffer or optimizer-state input", graph)
+                    "param, buffer or optimizer-state input"
+                    + (" (or, for a gradient, a floating-point user input)"
+                       if out.role is OutputRole.GRAD else ""), graph)
             if target.type.shape != out.value.type.shape:
                 raise VerificationError(
                     f"graph @{graph.name}: output {out.role.value}(%{out.target}) has type "

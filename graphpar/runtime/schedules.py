@@ -160,29 +160,6 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
 }
 
 
-def token_gpipe(stages: int, microbatches: int, slices: int) -> Schedule:
-    """GPipe over token slices (TeraPipe): the "microbatches" of the lists are the
-    (microbatch, slice) units, unit u = microbatch * slices + slice (`token_unit`). Every stage
-    runs all forwards in order (slice j after slice j-1: it attends to their keys and values),
-    then the backwards microbatch by microbatch, each one's slices last first (slice j's
-    keys and values get gradients from every later slice)."""
-    _check_sizes("token-gpipe", stages, microbatches * slices, needs_full_pipeline=False)
-    backward = [m * slices + j for m in range(microbatches) for j in reversed(range(slices))]
-    orders = {
-        s: [Action(ActionKind.F, s, u) for u in range(microbatches * slices)]
-        + [Action(ActionKind.B, s, u) for u in backward]
-        for s in range(stages)
-    }
-    schedule = _with_communication(orders)
-    validate(schedule)
-    return schedule
-
-
-def token_unit(unit: int, slices: int) -> tuple[int, int]:
-    """(microbatch, slice) of unit `unit` of `token_gpipe`."""
-    return divmod(unit, slices)
-
-
 def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     """The schedule called `name` (a key of SCHEDULES), validated."""
     if name not in SCHEDULES:
@@ -192,6 +169,78 @@ def make_schedule(name: str, stages: int, microbatches: int) -> Schedule:
     schedule = SCHEDULES[name](stages, microbatches)
     validate(schedule)
     return schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# Token-sliced schedules (TeraPipe): the work items are (microbatch, slice) pairs, numbered
+# item = microbatch * slices + slice, and each action's `microbatch` is an item. Within a
+# sequence the forwards run in slice order (slice j reads the keys and values of slices < j)
+# and the backwards in reverse (slice j's backward reads what later slices' backwards send
+# into its keys and values).
+
+TOKEN_SCHEDULES = ("gpipe", "1f1b")
+
+
+def token_unit(unit: int, slices: int) -> tuple[int, int]:
+    """(microbatch, slice) of work item (unit) `unit`."""
+    return divmod(unit, slices)
+
+
+def token_schedule(name: str, stages: int, microbatches: int, slices: int) -> Schedule:
+    """GPipe- or 1F1B-style lists over the (microbatch, slice) items, validated.
+
+    - gpipe: every forward in item order, then every backward, microbatch by microbatch,
+      slices in reverse.
+    - 1f1b: 1F1B over the items with stage s warming up with p-1-s+K-1 forwards (K slices):
+      the K-1 extra are the rest of a sequence, which must all have run forward before its
+      last slice's backward can start. A stage then holds about p-s items' activations plus
+      one sequence, instead of all of them."""
+    if name not in TOKEN_SCHEDULES:
+        raise ScheduleError(f"unknown token-sliced schedule {name!r}; choose one of "
+                            f"{', '.join(TOKEN_SCHEDULES)}")
+    _check_sizes(name, stages, microbatches, needs_full_pipeline=False)
+    if slices < 1:
+        raise ScheduleError(f"schedule {name!r}: needs at least one token slice, got {slices}")
+    items = microbatches * slices
+    backward = [m * slices + j for m in range(microbatches) for j in reversed(range(slices))]
+    orders = {}
+    for s in range(stages):
+        warmup = items if name == "gpipe" else min(stages - 1 - s + slices - 1, items)
+        order = [Action(ActionKind.F, s, w) for w in range(warmup)]
+        for k, w in enumerate(range(warmup, items)):
+            order += [Action(ActionKind.F, s, w), Action(ActionKind.B, s, backward[k])]
+        order += [Action(ActionKind.B, s, w) for w in backward[items - warmup:]]
+        orders[s] = order
+    schedule = _with_communication(orders)
+    validate(schedule)
+    validate_token_order(schedule, slices)
+    return schedule
+
+
+def validate_token_order(schedule: Schedule, slices: int) -> None:
+    """On every stage, a sequence's forwards in slice order and its backwards in reverse
+    (each a prerequisite `validate` cannot see: it travels inside the stage, as keys and
+    values and their gradients); ScheduleError naming the stage and actions otherwise."""
+    for s, order in schedule.items():
+        at = {(a.kind, a.microbatch): i for i, a in enumerate(order)}
+        for (kind, item), i in at.items():
+            if kind not in (ActionKind.F, ActionKind.B, ActionKind.I) or item is None:
+                continue
+            m, j = token_unit(item, slices)
+            if kind is ActionKind.F and j > 0:
+                needed, why = (ActionKind.F, item - 1), "the keys and values of slice"
+            elif kind is not ActionKind.F and j + 1 < slices:
+                needed = (kind, item + 1)
+                why = "the gradients into its keys and values from slice"
+            else:
+                continue
+            before = at.get(needed)
+            if before is None or before > i:
+                raise ScheduleError(
+                    f"stage {s}: {kind.value}{item} (microbatch {m}, slice {j}) needs {why} "
+                    f"{token_unit(needed[1], slices)[1]}, which {needed[0].value}{needed[1]} "
+                    + ("never computes" if before is None else f"computes later (action "
+                       f"#{before}, after #{i})"))
 
 
 def format_schedule(schedule: Schedule) -> str:
@@ -619,7 +668,7 @@ def simulate(
     and what it waits for have finished: the longest path through `happens_before`.
 
     `microbatch_scale[m]` and `comm_scale[m]` (default 1) multiply microbatch m's compute and
-    transfer times: token slices (`token_gpipe`) are units of unequal cost.
+    transfer times: token slices (`token_schedule`) are units of unequal cost.
 
     The bubble fraction is 1 - (compute time of all stages) / (stages x step time): with
     uniform stages and no transfer time it is (p-1)/(m+p-1) for GPipe and 1F1B."""
@@ -748,7 +797,7 @@ def format_timeline(timeline: Timeline, slot_s: float) -> str:
 def chrome_trace(spans: Iterable[Span], path: str | Path, slices: int = 0) -> dict:
     """Write `spans` (simulated or measured) as a Chrome trace JSON file (chrome://tracing,
     Perfetto): one thread per stage, or per rank when spans say their rank; complete events
-    ("ph": "X") in microseconds. With `slices` > 0 the microbatches are `token_gpipe` units,
+    ("ph": "X") in microseconds. With `slices` > 0 the microbatches are `token_schedule` units,
     named and annotated as (microbatch, slice): "F1.2" is slice 2 of microbatch 1. Returns the
     trace written."""
     events = []

@@ -64,6 +64,19 @@ def test_update_output_must_name_a_param():
         verify(g)
 
 
+def test_a_gradient_may_name_a_floating_point_user_input():
+    g, node = graph_with_linear()
+    x = g.input("x")
+    g.add_output(x, OutputRole.GRAD, "x")  # token slicing: the keys and values of earlier slices
+    verify(g)
+    ids = g.add_input("ids", TensorType((4, 16), torch.int64))
+    g.add_output(ids, OutputRole.GRAD, "ids")
+    with pytest.raises(VerificationError, match=r"grad\(%ids\) names no param, buffer or "
+                                                r"optimizer-state input \(or, for a gradient, a "
+                                                r"floating-point user input\)"):
+        verify(g)
+
+
 def sharded_graph(mesh: str = "2x2"):
     from graphpar.ir.layout import Layout
 

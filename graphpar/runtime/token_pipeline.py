@@ -1,0 +1,498 @@
+"""Token-pipelined training (TeraPipe) on the pipeline runtime: work items are (microbatch,
+slice) pairs, each stage keeping the keys and values of a sequence's earlier slices.
+
+A :class:`TokenStage` is one stage: a `SliceRunner` (a `StageRunner` over one slice's F and B
+programs) per token slice, and the whole pipeline's update program. An action's `microbatch`
+is a work item (`schedules.token_unit`); the stage hands it to the runner of its slice, for
+that microbatch. Between the slices of one stage, nothing crosses a process boundary:
+
+- F of slice j returns, per attention layer of the stage, the cache `key.i` / `value.i` over
+  [0, c_j + l_j); it becomes the `past_key.i` / `past_value.i` input of slice j + 1's F and B;
+- B of slice j returns the gradient of the step's loss into its `past_key.i` / `past_value.i`,
+  i.e. into the cache slice j - 1 returned: it becomes slice j - 1's `grad_key.i` input, which
+  its B adds to what its own attention contributes (the gradient of an earlier slice's keys
+  and values accumulates over every later slice, through each cache in turn).
+
+Parameter gradients are summed over slices and microbatches; UPDATE divides by the number of
+microbatches (the slices' losses are already weighted by length) and runs U once. Transfers
+between stages are per item, by the names of that slice's programs.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphpar.errors import GraphparError, ScheduleError
+from graphpar.ir.graph import Graph, OutputRole
+from graphpar.runtime.pipeline import (
+    PipelineRun,
+    StageProgramLike,
+    StageRunner,
+    _DeviceProgram,
+    assemble_outputs,
+    mean_loss,
+)
+from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, token_unit, validate
+
+__all__ = ["SliceRunner", "TokenStage", "run_tokens_in_process", "run_tokens_multiprocess",
+           "slice_inputs"]
+
+
+class SliceRunner(StageRunner):
+    """A StageRunner for one token slice: the caches its F returns and the gradients its B
+    returns into earlier slices' caches are kept per microbatch for the neighbouring slices,
+    not reported as the step's outputs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv: list[dict[str, torch.Tensor]] = [{} for _ in range(self.microbatches)]
+
+    def _keep(self, role: OutputRole, target: str | None, t: torch.Tensor, env: dict,
+              m: int) -> None:
+        if role in (OutputRole.OUTPUT, OutputRole.GRAD) and _is_cache(target):
+            self.kv[m][target] = t
+        else:
+            super()._keep(role, target, t, env, m)
+
+
+_CACHE = re.compile(r"(past_)?(key|value)\.\d+")
+
+
+def _is_cache(name: str | None) -> bool:
+    """key.i / value.i (a slice's cache), or past_key.i / past_value.i (its gradient)."""
+    return name is not None and _CACHE.fullmatch(name) is not None
+
+
+def slice_inputs(inputs: Sequence[Mapping[str, torch.Tensor]], names: Sequence[str],
+                 token_slices: Sequence[int]) -> list[list[dict[str, torch.Tensor]]]:
+    """Per slice, per microbatch, the slice's `input_ids` and `target`: the whole step's two
+    user inputs `names` (token ids, then targets) cut along the sequence (dimension 1)."""
+    if len(names) != 2:
+        raise GraphparError(f"token slicing runs a causal LM's step on token ids and targets; "
+                            f"this step takes {len(names)} inputs ({', '.join(names)})")
+    out, offset = [], 0
+    for length in token_slices:
+        span = slice(offset, offset + length)
+        out.append([{"input_ids": mb[names[0]][:, span].contiguous(),
+                     "target": mb[names[1]][:, span].contiguous()} for mb in inputs])
+        offset += length
+    return out
+
+
+class TokenStage:
+    """One stage of a token-pipelined step (see the module docstring). Offers what the
+    drivers and `assemble_outputs` read of a StageRunner."""
+
+    def __init__(self, stage: int, slices: Sequence[StageProgramLike], update: Graph | None,
+                 grad_param: Mapping[str, str], microbatches: int,
+                 state: Mapping[str, torch.Tensor],
+                 inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]],
+                 sharded: Mapping[str, Any] | None = None) -> None:
+        """`sharded`: for a stage on a sub-mesh of several devices, "slices" (per slice, phase
+        -> `lower_mpmd.ShardedPhase`) and "U" (the update's), run as SPMD programs there."""
+        self.stage, self.microbatches, self.slices = stage, microbatches, len(slices)
+        sharded = dict(sharded or {})
+        per_slice = sharded.get("slices") or [None] * len(slices)
+        # each slice's runner reads its own copy of the per-microbatch dicts: caches land there
+        self.runners = [SliceRunner(p, microbatches, state, [dict(mb) for mb in inputs[j]],
+                                    per_slice[j])
+                        for j, p in enumerate(slices)]
+        # U runs as a microbatch pipeline's stage runs it (on its sub-mesh when sharded)
+        self.update_runner = (StageRunner(_PhasePrograms(stage, {"U": update}), microbatches,
+                                          state, [], {"U": sharded["U"]} if "U" in sharded
+                                          else None)
+                              if update is not None else None)
+        self.grad_param_of = {v.name: grad_param[v.name] for v in
+                              (update.inputs if update is not None else ()) if v.name in grad_param}
+        self.updates: dict[str, torch.Tensor] = {}
+        self.items_backward = 0  # backward items done: received gradients wait for all
+        self.spans: list[tuple[Action, float, float]] = []
+        self.extra_bytes = 0  # summed gradients sent to another stage's update
+
+    def _runner(self, action: Action) -> tuple[SliceRunner, Action, int, int]:
+        m, j = token_unit(action.microbatch, self.slices)
+        return self.runners[j], Action(action.kind, action.stage, m), m, j
+
+    def compute(self, action: Action) -> None:
+        start = time.perf_counter()
+        runner, local, m, j = self._runner(action)
+        runner.compute(local)
+        made = runner.kv[m]
+        if action.kind is ActionKind.F and j + 1 < self.slices:
+            # this slice's cache is the next slice's past; its F and B read it
+            self.runners[j + 1].inputs[m].update({f"past_{n}": t for n, t in made.items()})
+        elif action.kind is ActionKind.B:
+            self.items_backward += 1
+            if j > 0:  # the gradient into the past is the previous slice's cache gradient
+                self.runners[j - 1].inputs[m].update(
+                    {f"grad_{n.removeprefix('past_')}": t for n, t in made.items()})
+            mine = runner.inputs[m]  # this slice is done: drop its caches and their gradients
+            for name in [n for n in mine if n.startswith(("past_", "grad_"))]:
+                del mine[name]
+        runner.kv[m] = {}
+        self.spans.append((action, start, time.perf_counter()))
+
+    def outgoing(self, action: Action) -> list[torch.Tensor]:
+        runner, local, _, _ = self._runner(action)
+        return runner.outgoing(local)
+
+    def incoming(self, action: Action, names: Sequence[str],
+                 tensors: Sequence[torch.Tensor]) -> None:
+        runner, local, _, _ = self._runner(action)
+        runner.incoming(local, names, tensors)
+
+    def update(self, received: Mapping[str, torch.Tensor] | None = None) -> None:
+        """U on the mean gradients: this stage's sums over slices and microbatches plus those
+        `received` (by parameter) from stages whose backward made them."""
+        start = time.perf_counter()
+        if self.update_runner is not None:
+            sums = dict(self.grad_outputs)
+            for name, t in (received or {}).items():
+                sums[name] = sums[name] + t if name in sums else t
+            missing = sorted({p for p in self.grad_param_of.values() if p not in sums})
+            if missing:
+                raise GraphparError(f"token pipeline stage {self.stage}: no gradient of "
+                                    f"{missing[0]} reached its update")
+            # the update runner divides by the microbatches, as for a microbatch pipeline
+            self.update_runner.grad_sums = {n: sums[p] for n, p in self.grad_param_of.items()}
+            self.update_runner.update()
+            self.updates = self.update_runner.updates
+        self.spans.append((Action(ActionKind.UPDATE, self.stage, None), start,
+                           time.perf_counter()))
+
+    # what assemble_outputs and PipelineRun read
+    @property
+    def grad_outputs(self) -> dict[str, torch.Tensor]:
+        sums: dict[str, torch.Tensor] = {}
+        for runner in self.runners:
+            for name, t in runner.grad_outputs.items():
+                sums[name] = sums[name] + t if name in sums else t
+        return sums
+
+    @property
+    def losses(self) -> dict[int, torch.Tensor]:
+        """Per microbatch, the sum of its slices' losses (each weighted by its length)."""
+        per_slice = [r.losses for r in self.runners]
+        if not any(per_slice):
+            return {}
+        return {m: sum(losses[m] for losses in per_slice) for m in range(self.microbatches)}
+
+    def mean_loss(self) -> torch.Tensor | None:
+        return mean_loss(self.losses)
+
+    @property
+    def intra_stage_bytes(self) -> int:
+        """What the sub-mesh's collectives sent, measured (0 unless sharded)."""
+        runners = [*self.runners, *([self.update_runner] if self.update_runner else [])]
+        return sum(r.intra_stage_bytes for r in runners)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.runners) + self.extra_bytes
+
+    @property
+    def tensors_left(self) -> int:
+        return sum(len(env) for r in self.runners for env in r.env) + sum(
+            1 for r in self.runners for mb in r.inputs for n in mb
+            if n.startswith(("past_", "grad_")))
+
+
+def _names(programs, stage: int, j: int, kind: ActionKind) -> tuple[str, ...]:
+    """What stage `stage` sends for slice j: forward activations or backward gradients."""
+    peer = programs.slices[j].programs.stages[stage]
+    return peer.send_forward if kind is ActionKind.SEND_F else peer.send_backward
+
+
+def _stages(programs, state, inputs, names, sharded) -> list[TokenStage]:
+    per_slice = slice_inputs(inputs, names, programs.token_slices)
+    return [TokenStage(s, [sl.programs.stages[s] for sl in programs.slices], programs.update(s),
+                       programs.grad_param, len(inputs), state, per_slice,
+                       (sharded or {}).get(s))
+            for s in range(programs.stages)]
+
+
+def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
+                          inputs: Sequence[Mapping[str, torch.Tensor]],
+                          sharded: Mapping[int, Mapping[str, Any]] | None = None
+                          ) -> PipelineRun:
+    """One token-pipelined step with every stage in this process: the stages take turns, each
+    running actions until it waits for a transfer that has not been sent (as
+    `pipeline.run_in_process` does for microbatches). `programs`: a
+    `passes.pipeline.token_programs.TokenPrograms`; `inputs`: per microbatch, the whole step's
+    user tensors by name; `sharded`: stage -> what `TokenStage` takes, for stages on a
+    sub-mesh of several devices (run in lockstep in this process)."""
+    validate(schedule)
+    if len(schedule) != programs.stages:
+        raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
+                            f"{programs.stages}")
+    names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
+    stages = _stages(programs, state, inputs, names, sharded)
+    slices = len(programs.slices)
+    mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
+    position = dict.fromkeys(schedule, 0)
+    start = time.perf_counter()
+    while any(position[s] < len(schedule[s]) for s in schedule):
+        moved = False
+        for s, actions in schedule.items():
+            while position[s] < len(actions):
+                a = actions[position[s]]
+                if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    mailbox[a.kind, a.microbatch, a.peer] = stages[s].outgoing(a)
+                elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                    sent = ActionKind.SEND_F if a.kind is ActionKind.RECV_F else ActionKind.SEND_B
+                    if (sent, a.microbatch, s) not in mailbox:
+                        break
+                    j = token_unit(a.microbatch, slices)[1]
+                    stages[s].incoming(a, _names(programs, a.peer, j, sent),
+                                       mailbox.pop((sent, a.microbatch, s)))
+                elif a.kind is ActionKind.UPDATE:
+                    pending = [(src, p) for src, dst, p in programs.grad_transfers if dst == s]
+                    if any(stages[src].items_backward < len(inputs) * slices
+                           for src, _ in pending):
+                        break
+                    received: dict[str, torch.Tensor] = {}
+                    for src, p in pending:
+                        t = stages[src].grad_outputs[p]
+                        received[p] = received[p] + t if p in received else t
+                        stages[src].extra_bytes += t.numel() * t.element_size()
+                    stages[s].update(received)
+                else:
+                    stages[s].compute(a)
+                position[s] += 1
+                moved = True
+        if not moved:
+            stuck = [str(schedule[s][position[s]]) for s in schedule
+                     if position[s] < len(schedule[s])]
+            raise ScheduleError(f"the token pipeline is stuck waiting at {', '.join(stuck)}")
+    spans = [Span(st.stage, a, t0 - start, t1 - start, rank=st.stage)
+             for st in stages for a, t0, t1 in st.spans]
+    return PipelineRun(assemble_outputs(programs.whole.graph, stages, len(inputs)),
+                       [st.bytes_sent for st in stages], spans,
+                       [st.intra_stage_bytes for st in stages],
+                       sum(st.tensors_left for st in stages))
+
+
+# ------------------------------------------------------------------ one process per stage
+
+def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
+                            inputs: Sequence[Mapping[str, torch.Tensor]],
+                            timeout: float = 120.0,
+                            sharded: Mapping[int, Mapping[str, Any]] | None = None
+                            ) -> PipelineRun:
+    """One token-pipelined step with each stage in its own process over gloo, started by
+    `runtime.workers.WorkerGroup`; the programs travel as IR text, transfers are
+    point-to-point, one message per named tensor of the item's slice.
+
+    A stage in `sharded` (as `run_tokens_in_process` takes it) ships its phases' SPMD device
+    programs as IR text too and runs them for every device of its sub-mesh in lockstep inside
+    the stage's process (as the microbatch pipeline does: not yet one process per device)."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from graphpar.ir.printer import print_graph
+    from graphpar.runtime.workers import WorkerGroup
+
+    validate(schedule)
+    stages = programs.stages
+    names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
+    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-tokens-"))
+    group = WorkerGroup(stages, "graphpar.runtime.token_pipeline:TokenPipelineWorker", jobdir,
+                        timeout=timeout, name="token pipeline stage")
+
+    def write(graph: Graph | None, stem: str) -> list | None:
+        if graph is None:
+            return None
+        (jobdir / f"{stem}.gpir").write_text(print_graph(graph, show_cost=False))
+        return [o.target for o in graph.outputs]  # targets do not print
+
+    def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
+        return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
+                for phase, planned in (phases or {}).items()}
+
+    try:
+        sharded = sharded or {}
+        job = {"microbatches": len(inputs), "names": names,
+               "token_slices": programs.token_slices, "grad_param": programs.grad_param,
+               "slices": [], "stages": []}
+        for j, sl in enumerate(programs.slices):
+            job["slices"].append({"types": {n: [list(t.shape), str(t.dtype).removeprefix(
+                "torch.")] for n, t in sl.programs.types.items()}, "stages": []})
+            for p in sl.programs.stages:
+                job["slices"][j]["stages"].append({
+                    "F": write(p.forward, f"slice{j}_stage{p.stage}_F"),
+                    "B": write(p.backward, f"slice{j}_stage{p.stage}_B"),
+                    "send_forward": list(p.send_forward), "send_backward": list(p.send_backward),
+                    "keep_after_forward": sorted(p.keep_after_forward),
+                    "grads": list(p.grads),
+                    "spmd": write_spmd(_sharded_slice(sharded, p.stage, j),
+                                       f"slice{j}_stage{p.stage}")})
+        for s in range(stages):
+            job["stages"].append({
+                "U": write(programs.update(s), f"stage{s}_U"),
+                "U_spmd": write_spmd({"U": sharded[s]["U"]} if "U" in sharded.get(s, {})
+                                     else None, f"stage{s}"),
+                "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
+                "grads_out": [[dst, p] for src, dst, p in programs.grad_transfers if src == s],
+                "grads_in": [[src, p] for src, dst, p in programs.grad_transfers if dst == s]})
+        torch.save({"state": {k: t.clone() for k, t in state.items()},
+                    "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
+                   jobdir / "tensors.pt")
+        (jobdir / "job.json").write_text(json.dumps(job))
+        group.start()
+        group.wait(group.send("run"))
+        results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
+                   for s in range(stages)]
+    finally:
+        group.stop()
+        shutil.rmtree(jobdir, ignore_errors=True)
+    runners = [_Finished(**{k: r[k] for k in ("losses", "grad_outputs", "updates")})
+               for r in results]
+    begin = min((span[2] for r in results for span in r["spans"]), default=0.0)
+    spans = [Span(s, Action(ActionKind(kind), s, item), t0 - begin, t1 - begin, rank=s)
+             for s, r in enumerate(results) for kind, item, t0, t1 in r["spans"]]
+    return PipelineRun(assemble_outputs(programs.whole.graph, runners, len(inputs)),
+                       [r["bytes_sent"] for r in results], spans)
+
+
+def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int) -> dict:
+    """Slice j's sharded phases on `stage` (empty for a stage on one device)."""
+    slices = sharded.get(stage, {}).get("slices")
+    return dict(slices[j]) if slices else {}
+
+
+@dataclass
+class _Finished:
+    """What a stage's worker returns, as `assemble_outputs` reads it."""
+
+    losses: dict
+    grad_outputs: dict
+    updates: dict = field(default_factory=dict)
+
+    def mean_loss(self) -> torch.Tensor | None:
+        return mean_loss(self.losses)
+
+
+@dataclass
+class _PhasePrograms:
+    """Programs of one stage by phase (StageProgramLike): a slice's F and B read back from a
+    job directory, or the update alone."""
+
+    stage: int
+    graphs: dict[str, Graph]
+    send_forward: tuple[str, ...] = ()
+    send_backward: tuple[str, ...] = ()
+    keep_after_forward: frozenset[str] = frozenset()
+    grads: tuple[str, ...] = ()
+
+    def program(self, phase: str) -> Graph | None:
+        return self.graphs.get(phase)
+
+
+class TokenPipelineWorker:
+    """Rank `rank` of a token pipeline job: stage `rank`'s TokenStage, its action list, gloo
+    transfers."""
+
+    def __init__(self, jobdir, rank: int, world: int) -> None:
+        import json
+        from pathlib import Path
+
+        from graphpar.ir.parser import parse
+        from graphpar.ir.types import TensorType
+
+        self.jobdir, self.rank = Path(jobdir), rank
+        job = json.loads((self.jobdir / "job.json").read_text())
+
+        def read(stem: str, targets: list | None) -> Graph | None:
+            if targets is None:
+                return None
+            path = self.jobdir / f"{stem}.gpir"
+            graph = parse(path.read_text(), path.name)
+            for out, target in zip(graph.outputs, targets):
+                out.target = target
+            return graph
+
+        def read_spmd(spmd: dict, stem: str) -> dict:
+            return {phase: _DeviceProgram(g, g.mesh) for phase, targets in spmd.items()
+                    if (g := read(f"{stem}_{phase}_spmd", targets)) is not None}
+
+        self.slices = job["slices"]
+        loaded, sharded_slices = [], []
+        for j, sl in enumerate(self.slices):
+            spec = sl["stages"][rank]
+            graphs = {phase: g for phase in ("F", "B")
+                      if (g := read(f"slice{j}_stage{rank}_{phase}", spec[phase])) is not None}
+            loaded.append(_PhasePrograms(rank, graphs, tuple(spec["send_forward"]),
+                                       tuple(spec["send_backward"]),
+                                       frozenset(spec["keep_after_forward"]),
+                                       tuple(spec["grads"])))
+            sharded_slices.append(read_spmd(spec["spmd"], f"slice{j}_stage{rank}"))
+        self.types = [{n: TensorType(tuple(shape), getattr(torch, dtype))
+                       for n, (shape, dtype) in sl["types"].items()} for sl in self.slices]
+        self.spec = job["stages"][rank]
+        self.actions = [Action(ActionKind(k), rank, w) for k, w in self.spec["actions"]]
+        tensors = torch.load(self.jobdir / "tensors.pt", weights_only=True)
+        per_slice = slice_inputs(tensors["inputs"], job["names"], job["token_slices"])
+        sharded = {"slices": sharded_slices, **read_spmd(self.spec["U_spmd"], f"stage{rank}")}
+        self.stage = TokenStage(rank, loaded, read(f"stage{rank}_U", self.spec["U"]),
+                                job["grad_param"], job["microbatches"], tensors["state"],
+                                per_slice, sharded)
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        from graphpar.runtime.launch import write_result
+
+        stage, pending, spans = self.stage, [], []
+        slices = len(self.slices)
+        for action in self.actions:
+            start = time.time()
+            kind, item = action.kind, action.microbatch
+            if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                for tag, t in enumerate(stage.outgoing(action)):
+                    buf = t.contiguous()
+                    pending.append((dist.isend(buf, dst=action.peer, tag=tag), buf))
+            elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                j = token_unit(item, slices)[1]
+                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
+                names = self.slices[j]["stages"][action.peer][key]
+                tensors = []
+                for tag, name in enumerate(names):
+                    ty = self.types[j][name]
+                    out = torch.empty(ty.shape, dtype=ty.dtype)
+                    dist.recv(out, src=action.peer, tag=tag)
+                    tensors.append(out)
+                stage.incoming(action, names, tensors)
+            elif kind is ActionKind.UPDATE:
+                sums = stage.grad_outputs
+                for dst, param in self.spec["grads_out"]:
+                    buf = sums[param].contiguous()
+                    pending.append((dist.isend(buf, dst=dst, tag=0), buf))
+                    stage.extra_bytes += buf.numel() * buf.element_size()
+                received: dict[str, torch.Tensor] = {}
+                for src, param in self.spec["grads_in"]:
+                    held = stage.update_runner.state if stage.update_runner else {}
+                    like = held.get(param)
+                    if like is None:
+                        raise GraphparError(f"token pipeline stage {self.rank}: receives the "
+                                            f"gradient of {param} but does not hold it")
+                    out = torch.empty_like(like)
+                    dist.recv(out, src=src, tag=0)
+                    received[param] = received[param] + out if param in received else out
+                stage.update(received)
+            else:
+                stage.compute(action)
+            spans.append((kind.value, item, start, time.time()))
+        for work, _ in pending:
+            work.wait()
+        write_result(self.jobdir / f"result{self.rank}.pt",
+                     {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
+                      "updates": stage.updates, "bytes_sent": stage.bytes_sent,
+                      "spans": spans})

@@ -202,15 +202,16 @@ def _metrics(st: _Setting, policy: str, steps: int, floor: dict | None) -> dict:
     max_rate = search("max_rate", lambda r: st.ok(policy, rate=r), st.rate / 16, st.rate * 4,
                       steps)
     max_cv = search("max_cv", lambda c: st.ok(policy, cv=c), st.cv / 16, st.cv * 4, steps)
-    # SLO scale: bisect on its inverse (larger is better); devices on 4d + 1 - devices
+    # SLO scale: bisect on its inverse (larger is better); devices (up to twice the
+    # setting's) on 2d + 1 - devices
     inv = search("inv_slo", lambda s: st.ok(policy, scale=1.0 / s), 1 / 40.0, 1.0, steps)
-    fewer = search("fewer", lambda k: st.ok(policy, devices=4 * d - k + 1), 1, 4 * d,
+    fewer = search("fewer", lambda k: st.ok(policy, devices=2 * d - k + 1), 1, 2 * d,
                    steps + 3, integer=True)
     out = {"attainment_at_default": st.attainment(policy),
            "search_cpu_s": st.search.get(policy),
            "max_rate_req_s": max_rate, "max_cv": max_cv,
            "min_slo_scale": None if inv is None else 1.0 / inv,
-           "min_devices": None if fewer is None else 4 * d - fewer + 1,
+           "min_devices": None if fewer is None else 2 * d - fewer + 1,
            "_raw": {"max_rate": max_rate, "max_cv": max_cv, "inv_slo": inv, "fewer": fewer}}
     if floor is not None:
         out["never_loses"] = all(checks) and (out["attainment_at_default"]

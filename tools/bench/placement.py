@@ -122,24 +122,26 @@ def _profile(shape: str):
 
 
 @functools.cache
-def _maf_fit(kind: str, names: tuple[str, ...], rate: float, seed: int):
-    return fit_windows(maf_like(kind, names, rate, SECONDS, MAF_WINDOW, seed), MAF_WINDOW)
+def _maf_fit(kind: str, names: tuple[str, ...], rate: float, seconds: float, seed: int):
+    return fit_windows(maf_like(kind, names, rate, seconds, MAF_WINDOW, seed), MAF_WINDOW)
 
 
-def _workload(kind, names, base_rate, rate, cv, seed=0):
+def _workload(kind, names, base_rate, rate, cv, seconds=SECONDS, seed=0):
     """Gamma: power-law 0.5 split, CV `cv`. MAF-like: the fitted trace at `base_rate`, its
     rates scaled to `rate` and its CVs by `cv`, as the paper sweeps real traces."""
     if kind == "gamma":
-        return gamma_workload(names, rate, cv, SECONDS, power_law=0.5, seed=seed)
-    return resample(_maf_fit(kind, tuple(names), base_rate, seed), names, rate / base_rate,
-                    cv, seed)
+        return gamma_workload(names, rate, cv, seconds, power_law=0.5, seed=seed)
+    return resample(_maf_fit(kind, tuple(names), base_rate, seconds, seed), names,
+                    rate / base_rate, cv, seed)
 
 
 class _Setting:
     """One setting under one workload kind: the attainment of a policy at a point."""
 
-    def __init__(self, profiles: dict, devices: int, memory: float, kind: str):
+    def __init__(self, profiles: dict, devices: int, memory: float, kind: str,
+                 seconds: float = SECONDS):
         self.profiles, self.devices, self.memory, self.kind = profiles, devices, memory, kind
+        self.seconds = seconds
         self.latency = float(np.mean([p.latency for p in self.profiles.values()]))
         # default load: half of the cluster's single-device throughput, SLO 5x (§6.3); CV 4
         # for Gamma, the trace's own CVs (scale 1) for MAF
@@ -150,7 +152,8 @@ class _Setting:
 
     def problem(self, rate=None, cv=None, scale=None, devices=None) -> Problem:
         names = list(self.profiles)
-        w = _workload(self.kind, names, self.rate, rate or self.rate, cv or self.cv)
+        w = _workload(self.kind, names, self.rate, rate or self.rate, cv or self.cv,
+                      self.seconds)
         s = scale or self.scale
         return Problem(self.profiles, devices or self.devices, self.memory, w,
                        {n: s * p.latency for n, p in self.profiles.items()}, CLUSTER,
@@ -234,14 +237,17 @@ def compare(st: _Setting, steps: int) -> dict:
     return rows
 
 
-def setting(name: str, kind: str, steps: int, scale: int = 1) -> dict:
-    """Setting `name` (models and devices ÷ `scale`) under workload `kind`."""
+def setting(name: str, kind: str, steps: int, scale: int = 1, seconds: float = SECONDS
+            ) -> dict:
+    """Setting `name` (models and devices ÷ `scale`) under workload `kind`, traces of
+    `seconds`."""
     _, devices, memory = SETTINGS[name]
-    st = _Setting(_profiles(name, scale), devices // scale, memory, kind)
+    st = _Setting(_profiles(name, scale), devices // scale, memory, kind, seconds)
     start = time.process_time()
     rows = compare(st, steps)
     pricing = sorted({p.pricing for p in st.profiles.values()})
     return {"models": len(st.profiles), "devices": st.devices, "workload": kind,
+            "trace_seconds": seconds,
             "memory_per_device_bytes": st.memory, "pricing": pricing,
             "default": {"total_rate": st.rate, "cv": st.cv, "slo_scale": st.scale,
                         "mean_latency_s_est": st.latency},
@@ -256,8 +262,11 @@ def _fmt(x, digits=3):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="S1,S2,S3", help="comma-separated; '' for none")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated of " + ", ".join(WORKLOADS))
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated of " + ", ".join(WORKLOADS) + " (default: all; "
+                             "gamma with --quick)")
+    parser.add_argument("--seconds", type=float, default=SECONDS,
+                        help="trace length (s); the first 5 s are warm-up")
     parser.add_argument("--steps", type=int, default=4, help="bisection steps per quantity")
     parser.add_argument("--quick", action="store_true",
                         help="models and devices ÷ 4 (16 devices), 2 bisection steps, Gamma "
@@ -266,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "this script; placement.quick.json)")
     args = parser.parse_args(argv)
     scale, steps = (4, 2) if args.quick else (1, args.steps)
-    kinds = [k for k in args.workloads.split(",") if k]
-    if args.quick and args.workloads == parser.get_default("workloads"):
-        kinds = ["gamma"]
+    kinds = [k for k in (args.workloads or ("gamma" if args.quick else ",".join(WORKLOADS)))
+             .split(",") if k]
     bad = [k for k in kinds if k not in WORKLOADS]
     if bad:
         parser.error(f"--workloads: unknown {bad[0]!r}; use {', '.join(WORKLOADS)}")
@@ -301,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['profile_cpu_s']:.0f} s CPU")
     for name in filter(None, args.settings.split(",")):
         for kind in kinds:
-            r = results["settings"][f"{name}/{kind}"] = setting(name, kind, steps, scale)
+            r = results["settings"][f"{name}/{kind}"] = setting(name, kind, steps, scale,
+                                                                args.seconds)
             d = r["default"]
             cv = f"CV {d['cv']:g}" if kind == "gamma" else "CV scale 1 (the trace's)"
-            print(f"{name} {kind}: {r['models']} models, {r['devices']} devices of "
+            print(f"{name} {kind} ({args.seconds:g} s trace): {r['models']} models, "
+                  f"{r['devices']} devices of "
                   f"{r['memory_per_device_bytes'] / 1e9:.0f} GB; default rate "
                   f"{d['total_rate']:.3g} req/s, {cv}, SLO {d['slo_scale']:g}x; "
                   f"{r['placements_simulated']} placements searched in {r['cpu_s']:.0f} s CPU; "

@@ -41,7 +41,7 @@ class PlaceReport:
         return {"devices": self.problem.devices,
                 "memory_per_device_bytes": self.problem.memory,
                 "models": {m: {"latency_s_est": p.latency, "weight_bytes": p.weights,
-                               "slo_s": self.problem.slo[m]}
+                               "slo_s": self.problem.slo[m], "pricing": p.pricing}
                            for m, p in self.problem.profiles.items()},
                 "requests": len(self.problem.workload),
                 "policies": {k: v.to_json() for k, v in self.placements.items()},
@@ -54,6 +54,8 @@ class PlaceReport:
         for m, p in self.problem.profiles.items():
             lines.append(f"  model {m}: {p.latency * 1e3:.3g} ms on one device (est.), "
                          f"{p.weights / 1e9:.2f} GB, SLO {self.problem.slo[m] * 1e3:.3g} ms")
+            if p.pricing != "ilp":  # the Megatron-style fallback: say why
+                lines.append(f"    its parallel configurations are an {p.pricing}")
         for name, plc in self.placements.items():
             lines.append(f"{name}: SLO attainment {plc.attainment * 100:.2f} % "
                          f"(search {plc.search_seconds:.2f} s CPU)")

@@ -1,44 +1,55 @@
-"""Parallel configurations of a model on a device group, from graphpar's own passes and cost
-model (AlpaServe §4.1, inference only, no data parallelism inside a group):
+"""Parallel configurations of a model on a device group, from graphpar's own passes (AlpaServe
+§4.1, inference only, no data parallelism inside a group):
 
-1. capture the model's forward pass (weightless, on meta) and cluster its ops into layers
-   with the pipeline pass's clustering (`passes.pipeline.layers`);
-2. per layer, its compute time on one device (the roofline of `graphpar.cost.compute` over
-   the cluster's achieved rates at the serving dtype, the cost the auto-shard ILP charges),
-   its weight bytes, and the bytes it hands the next layer;
-3. intra-op degree k (Megatron-style operator sharding inside a stage): a layer runs in
-   time/k plus one all-reduce of its output over the k devices (the cost model's alpha-beta
-   all-reduce), and holds 1/k of its weights;
-4. S pipeline stages: the serving DP F(s,k) = min_i max{F(s−1,i−1), latency(i,k)} picks the
-   stage boundaries that minimise the slowest stage; a stage sends its output to the next
-   (the cost model's send/recv).
+1. capture the model's forward pass at the serving dtype (weightless, on meta) and cluster its
+   ops into layers with the pipeline pass's clustering (`passes.pipeline.layers`);
+2. cost every layer range as one stage on a k-device sub-mesh with the auto-shard ILP, as
+   `slice-stages` does (`passes.pipeline.slice_stages.ServingStages`): one ILP solve per
+   (layer structure, logical mesh), shared between models of the same shape; a range costs
+   its layers' ILP objectives (compute + the collectives of their plans), the resharding
+   between their plans, and, before the last stage, the send of its boundary activation;
+3. S pipeline stages × k intra-op: the serving DP F(s, j) = min_i max{F(s−1, i−1),
+   cost(i..j)} picks the stage boundaries that minimise the slowest stage.
 
-Every latency here is an estimate (seconds); configurations are cached per (model, dtype,
-cluster, group size).
+When the ILP is unavailable (no solver, or a layer it cannot plan on one device) the profile
+says so in `pricing` and configurations fall back to an estimate: a layer's compute time on one
+device (the roofline of `graphpar.cost.compute`), divided by k, plus one all-reduce of its
+output (Megatron-style).
+
+Every latency here is an estimate (seconds); configurations are cached per (model shape,
+group size).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
 
-from graphpar.errors import PlacementSpecError
+from graphpar.errors import GraphparError, PlacementSpecError
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+# ILP solves shared by every profile: keyed by layer structure and mesh, so models of one
+# shape (and the repeated layers of one model) are solved once per logical mesh
+_ILP_SOLVES: dict = {}
 
 
 @dataclass(frozen=True)
 class LayerProfile:
     """A model as placement sees it: per layer (seconds on one device, weight bytes, bytes
-    of the activation it passes on), all estimates."""
+    of the activation it passes on), all estimates. `pricing` says how its configurations are
+    costed: "ilp" (the auto-shard ILP per stage and sub-mesh, through `stages`) or
+    "estimate: <why the ILP is unavailable>" (the Megatron-style fallback)."""
 
     name: str
     seconds: tuple[float, ...]
     weight_bytes: tuple[float, ...]
     out_bytes: tuple[float, ...]
+    pricing: str = "estimate"
+    stages: object = field(default=None, compare=False, repr=False)  # ServingStages or None
 
     @property
     def latency(self) -> float:
@@ -70,29 +81,32 @@ class ParallelConfig:
 
 
 @njit(cache=True)
-def _stage_dp(t, stages):
-    """F[s, k]: the least slowest-stage latency of layers 0..k-1 in s stages; `cut[s, k]` the
-    first layer of the last stage."""
-    n = t.size
-    prefix = np.zeros(n + 1)
-    for i in range(n):
-        prefix[i + 1] = prefix[i] + t[i]
+def _stage_dp(cost, stages):
+    """F[s, k]: the least slowest-stage latency of layers 0..k-1 in s stages, where layers
+    i..j as one stage take cost[i, j]; `cut[s, k]` the first layer of the last stage."""
+    n = cost.shape[0]
     f = np.full((stages + 1, n + 1), np.inf)
     cut = np.zeros((stages + 1, n + 1), dtype=np.int64)
     f[0, 0] = 0.0
     for s in range(1, stages + 1):
         for k in range(s, n + 1):
             for i in range(s - 1, k):
-                v = max(f[s - 1, i], prefix[k] - prefix[i])
+                v = max(f[s - 1, i], cost[i, k - 1])
                 if v < f[s, k]:
                     f[s, k], cut[s, k] = v, i
     return f, cut
 
 
-def stage_bounds(layer_seconds: np.ndarray, stages: int) -> list[tuple[int, int]]:
-    """The serving DP's stages as (first layer, end) ranges minimising the slowest stage."""
-    _, cut = _stage_dp(np.asarray(layer_seconds, dtype=np.float64), stages)
-    bounds, end = [], layer_seconds.size
+def stage_bounds(costs: np.ndarray, stages: int) -> list[tuple[int, int]]:
+    """The serving DP's stages as (first layer, end) ranges minimising the slowest stage.
+    `costs` is per-layer seconds (a stage takes the sum of its layers) or an [L, L] table of
+    each range i..j as one stage."""
+    cost = np.asarray(costs, dtype=np.float64)
+    if cost.ndim == 1:
+        prefix = np.concatenate([[0.0], np.cumsum(cost)])
+        cost = prefix[None, 1:] - prefix[:-1, None]  # cost[i, j]: layers i..j
+    _, cut = _stage_dp(cost, stages)
+    bounds, end = [], cost.shape[0]
     for s in range(stages, 0, -1):
         first = int(cut[s, end])
         bounds.append((first, end))
@@ -100,19 +114,58 @@ def stage_bounds(layer_seconds: np.ndarray, stages: int) -> list[tuple[int, int]
     return bounds[::-1]
 
 
+def _intra_degrees(devices: int, layers: int) -> list[int]:
+    """Intra-op degrees k (powers of two) of a group: k divides it, devices / k ≤ layers."""
+    return [k for k in (1, 2, 4, 8, 16, 32, 64) if devices % k == 0 and devices // k <= layers]
+
+
 def configs_for(profile: LayerProfile, devices: int, cluster: str = "dgx-a100"
                 ) -> list[ParallelConfig]:
     """Every (stages × intra-op degree) = `devices` configuration of `profile`, stages no more
-    than its layers, intra-op degrees powers of two."""
+    than its layers, intra-op degrees powers of two; priced by the ILP when the profile
+    carries its stages (on the cluster it was profiled for), else estimated on `cluster`."""
+    if profile.stages is not None:
+        return _ilp_configs(profile, devices)
+    return _estimated_configs(profile, devices, cluster)
+
+
+@functools.cache
+def _ilp_configs(profile: LayerProfile, devices: int) -> list[ParallelConfig]:
+    stages = profile.stages
+    per_host = stages.cluster.devices_per_node
+    out = []
+    for intra in _intra_degrees(devices, len(profile.seconds)):
+        if intra > per_host and intra % per_host:
+            continue
+        shape = (1, intra) if intra <= per_host else (intra // per_host, per_host)
+        seconds, weights = _ilp_ranges(profile, shape, devices <= per_host)
+        bounds = stage_bounds(seconds, devices // intra)
+        lat = tuple(float(seconds[a, b - 1]) for a, b in bounds)
+        if not np.isfinite(lat).all():
+            continue  # some layer has no plan on this sub-mesh
+        mem = max(float(weights[a, b - 1]) for a, b in bounds)
+        out.append(ParallelConfig(devices // intra, intra, lat, mem))
+    return out
+
+
+@functools.cache
+def _ilp_ranges(profile: LayerProfile, shape: tuple[int, int], one_host: bool):
+    # a stage's send goes over intra-node links when the whole group sits on one host, else
+    # over its share of the NICs (which does not depend on how many hosts beyond one)
+    return profile.stages.ranges(shape, 1 if one_host else 2)
+
+
+def _estimated_configs(profile: LayerProfile, devices: int, cluster: str
+                       ) -> list[ParallelConfig]:
+    """The fallback without the ILP: intra-op degree k divides a layer's time and weights by
+    k and adds one all-reduce of its output (Megatron-style); a stage adds the send of its
+    boundary activation."""
     from graphpar.cost.cluster import mesh_for
     from graphpar.cost.communication import all_reduce_cost, send_recv_cost
 
     out = []
-    layers = len(profile.seconds)
-    for intra in [k for k in (1, 2, 4, 8, 16, 32, 64) if devices % k == 0]:
+    for intra in _intra_degrees(devices, len(profile.seconds)):
         stages = devices // intra
-        if stages > layers:
-            continue
         seconds = np.array(profile.seconds) / intra
         if intra > 1:
             mesh = mesh_for([intra], cluster)
@@ -132,7 +185,7 @@ def configs_for(profile: LayerProfile, devices: int, cluster: str = "dgx-a100"
 
 @functools.cache
 def profile_example(example: str, dtype: str = "fp16", cluster: str = "dgx-a100",
-                    batch_size: int = 1) -> LayerProfile:
+                    batch_size: int = 1, ilp: bool = True) -> LayerProfile:
     """The layer profile of a bundled model (`gpt:1.3B`, `bert:large`), captured on meta."""
     from graphpar.models import get_model
 
@@ -141,39 +194,56 @@ def profile_example(example: str, dtype: str = "fp16", cluster: str = "dgx-a100"
         model = get_model(name, preset or "tiny", batch_size=batch_size, device="meta")
     except (KeyError, ValueError) as exc:
         raise PlacementSpecError(f"model example {example!r}: {exc}") from None
-    return profile_module(example, model.module, model.inputs, dtype, cluster)
+    return profile_module(example, model.module, model.inputs, dtype, cluster, ilp)
 
 
-def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100") -> LayerProfile:
+def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100",
+                 ilp: bool = True) -> LayerProfile:
     """The layer profile of a model file defining build(), as `graphpar compile` reads it."""
     from graphpar.model_file import load_model_file
 
     spec = load_model_file(path)
-    return profile_module(spec.name, spec.module, spec.inputs, dtype, cluster)
+    return profile_module(spec.name, spec.module, spec.inputs, dtype, cluster, ilp)
 
 
 def profile_module(name: str, module, inputs, dtype: str = "fp16",
-                   cluster: str = "dgx-a100") -> LayerProfile:
-    """Capture `module` for inference and cost its layers (see the module docstring)."""
+                   cluster: str = "dgx-a100", ilp: bool = True) -> LayerProfile:
+    """Capture `module` for inference at `dtype` and cost its layers (see the module
+    docstring); `ilp=False` takes the estimate without trying the ILP."""
     import torch
 
     from graphpar.capture import capture_inference
-    from graphpar.cost.cluster import get_cluster
+    from graphpar.cost.cluster import get_cluster, mesh_for
     from graphpar.cost.compute import Roofline, node_seconds
     from graphpar.ir.graph import Role
     from graphpar.passes.pipeline.layers import cluster_bounds, default_layer_count, forward_chain
+    from graphpar.passes.pipeline.slice_stages import ServingStages
 
     if dtype not in DTYPE_BYTES:
         raise PlacementSpecError(f"dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
-    module.eval()
-    graph = capture_inference(module, tuple(inputs)).graph
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    module = module.eval().to(torch_dtype)
+    inputs = tuple(x.to(torch_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+                   for x in inputs)
+    graph = capture_inference(module, inputs).graph
     nodes = list(graph.nodes)
-    chain = forward_chain(nodes)
-    bounds = cluster_bounds(chain, default_layer_count(nodes))
+    stages, pricing, ilp_seconds = None, "estimate: not asked for the ILP", None
+    if ilp:
+        try:
+            stages = ServingStages(graph, cluster, dtype, cache=_ILP_SOLVES)
+            ilp_seconds = stages.layer_seconds(mesh_for((1, 1), cluster))
+            if not np.isfinite(ilp_seconds).all():
+                raise GraphparError("a layer has no plan on one device")
+            pricing = "ilp"
+        except (ImportError, GraphparError) as exc:
+            stages, pricing = None, f"estimate: the auto-shard ILP is unavailable ({exc})"
+    if stages is not None:
+        bounds = stages.layers
+    else:
+        bounds = cluster_bounds(forward_chain(nodes), default_layer_count(nodes))
     roof = Roofline.of(get_cluster(cluster), dtype)
     # weights and activations at the serving dtype, whatever the capture's dtype
     scale = lambda t: t.nbytes / t.itemsize * DTYPE_BYTES[dtype]  # noqa: E731
-    serving = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     seen: set = set()
     seconds, weights, outs = [], [], []
     for first, last in bounds:
@@ -184,7 +254,9 @@ def profile_module(name: str, module, inputs, dtype: str = "fp16",
                 if getattr(v, "role", None) in (Role.PARAM, Role.BUFFER) and v not in seen:
                     seen.add(v)
                     w += scale(v.type)
-        seconds.append(max(sum(node_seconds(n, roof, serving) for n in layer), 1e-12))
+        seconds.append(max(sum(node_seconds(n, roof, torch_dtype) for n in layer), 1e-12))
         weights.append(w)
         outs.append(float(max((scale(o.type) for o in layer[-1].outputs), default=0.0)))
-    return LayerProfile(name, tuple(seconds), tuple(weights), tuple(outs))
+    if ilp_seconds is not None:
+        seconds = [float(t) for t in ilp_seconds]
+    return LayerProfile(name, tuple(seconds), tuple(weights), tuple(outs), pricing, stages)

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -87,8 +88,14 @@ class Problem:
     def slo_array(self, workload: Workload | None = None) -> np.ndarray:
         return np.array([self.slo[m] for m in (workload or self.workload).models])
 
+    # the search asks for the same (model, group size, stages) many times per step
+    _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
     def config(self, model: str, size: int, stages: int) -> ParallelConfig | None:
-        return _configs(self.profiles[model], size, self.cluster).get(stages)
+        key = (model, size, stages)
+        if key not in self._memo:
+            self._memo[key] = _configs(self.profiles[model], size, self.cluster).get(stages)
+        return self._memo[key]
 
 
 _CONFIG_CACHE: dict = {}
@@ -212,11 +219,12 @@ def _utilisation(problem, slots, workload, res) -> list[float]:
     busy = [0.0] * len(slots)
     served = ~np.isnan(res.finish)
     counts = np.bincount(workload.model_ids[served], minlength=len(workload.models))
+    hosts = Counter(m for s in slots for m in s.models)
+    index = {m: i for i, m in enumerate(workload.models)}
     for g, slot in enumerate(slots):
         for m in slot.models:
-            hosts = sum(m in s.models for s in slots)
             config = problem.config(m, slot.size, slot.stages)
-            busy[g] += counts[workload.models.index(m)] / hosts * max(config.stage_latency)
+            busy[g] += counts[index[m]] / hosts[m] * max(config.stage_latency)
     return [b / max(workload.duration, 1e-9) for b in busy]
 
 

@@ -7,18 +7,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["median_seconds"]
+__all__ = ["call_seconds", "median_seconds"]
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
-                   sync: Callable[[], object] | None = None,
-                   clock: Callable[[], float] = time.perf_counter) -> float:
-    """The median of `repeats` timed calls of `fn()` after `warmup` untimed ones (measured,
-    seconds of `clock`: wall clock by default). `sync` (e.g. `torch.cuda.synchronize`) runs
-    before each clock read, so that work an accelerator queued is counted; the median keeps a
-    stray slow call (another process took the core) from moving the result. `time.thread_time`
-    as the clock counts only the CPU time this thread got: single-threaded work on a shared
-    machine, timed as if the core were its own."""
+def call_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
+                 sync: Callable[[], object] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The seconds of `clock` (wall clock by default) of each of `repeats` timed calls of `fn()`
+    after `warmup` untimed ones (measured). `sync` (e.g. `torch.cuda.synchronize`) runs before
+    each clock read, so that work an accelerator queued is counted. `time.thread_time` as the
+    clock counts only the CPU time this thread got: single-threaded work on a shared machine,
+    timed as if the core were its own."""
     sync = sync or (lambda: None)
     for _ in range(warmup):
         fn()
@@ -29,4 +28,12 @@ def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
         fn()
         sync()
         times.append(clock() - start)
-    return float(np.median(times))
+    return times
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
+                   sync: Callable[[], object] | None = None,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """The median of `call_seconds`: a stray slow call (another process took the core) does not
+    move it."""
+    return float(np.median(call_seconds(fn, repeats, warmup=warmup, sync=sync, clock=clock)))

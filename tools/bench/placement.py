@@ -1,25 +1,30 @@
 """Serving placement benchmark (AlpaServe), all SIMULATED by graphpar's placement simulator on
-latencies ESTIMATED by graphpar's cost model (dgx-a100 peak FLOP/s, fp16).
+latencies ESTIMATED by graphpar's compiler (each model's parallel configurations priced by the
+auto-shard ILP per stage and sub-mesh; p3.16xlarge: V100 fp16 peak, as the paper's testbed).
 
-    python tools/bench/placement.py                      # §3.1, Fig. 10, simulator speed, S1-S3
-    python tools/bench/placement.py --settings S1 --out results.json
+    python tools/bench/placement.py                 # §3.1, Fig. 10, simulator speed, S1-S3 at 64
+    python tools/bench/placement.py --quick         # S1-S3 scaled to 16 devices, fewer steps
+    python tools/bench/placement.py --settings S1 --workloads gamma,maf2 --out results.json
 
 1. §3.1: 2 devices, two 0.4 s models, Poisson 1.5 req/s each: mean latency one model per
    device vs a 2-stage pipeline, from the M/D/1 formulas and the simulator; the CV = 3 and
    20 %/80 % variants beside the paper's 1.9x and 6.6x.
 2. Fig. 10: α_max and β_max against λD from the queueing formulas.
 3. Simulator speed: simulated requests per CPU second on one core.
-4. S1-S3, scaled from the paper's 64 devices to 16 so it runs in minutes (models captured on
-   meta, BERT-1.3B/2.7B/6.7B shapes at sequence 2048, MoE-1.3B/2.4B): per policy the maximum
-   total rate, the maximum CV and the minimum SLO scale at 99 % attainment and the minimum
-   number of devices, each found by bisection with the other knobs at the setting's default.
-   Placement uses the paper's fast selection heuristic for every policy (one simulation per
-   step); search times are CPU seconds.
+4. S1-S3 as in the paper (64 devices; BERT-1.3B/2.7B/6.7B shapes at sequence 2048 and
+   MoE-1.3B/2.4B/5.3B shapes, captured on meta) under Gamma and MAF-like workloads: per
+   policy the maximum total rate, the maximum CV (for MAF: the CV scale) and the minimum SLO
+   scale at 99 % attainment and the minimum number of devices, each bisected with the other
+   knobs at the setting's default. Selective replication is bisected first; AlpaServe's
+   search space contains its placements, so its bisection starts from replication's value
+   after checking it there (the "never loses" column). Placement uses the paper's fast
+   selection heuristic for every policy; search times are CPU seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -33,24 +38,35 @@ from graphpar.placement.configs import profile_module
 from graphpar.placement.place import Problem, place
 from graphpar.placement.queueing import alpha_max, beta_max, pipeline_latency, simple_latency
 from graphpar.placement.simulator import SimGroup, simulate
-from graphpar.placement.workload import gamma_workload, synthetic
+from graphpar.placement.workload import (
+    fit_windows,
+    gamma_workload,
+    maf_like,
+    resample,
+    synthetic,
+)
 
 TARGET = 0.99
-SHAPES = {  # the paper's Table 1 shapes as graphpar configs (layers, width, heads)
-    "bert-1.3B": ("bert", dict(n_layers=24, d_model=2048, n_heads=32)),
-    "bert-2.7B": ("bert", dict(n_layers=32, d_model=2560, n_heads=32)),
-    "bert-6.7B": ("bert", dict(n_layers=32, d_model=4096, n_heads=32)),
+CLUSTER = "p3.16xlarge"  # the paper's V100s (8 per node)
+SHAPES = {  # the paper's Table 1 shapes as graphpar configs (family, preset, overrides)
+    "bert-1.3B": ("bert", "large", dict(n_layers=24, d_model=2048, n_heads=32, seq_len=2048)),
+    "bert-2.7B": ("bert", "large", dict(n_layers=32, d_model=2560, n_heads=32, seq_len=2048)),
+    "bert-6.7B": ("bert", "large", dict(n_layers=32, d_model=4096, n_heads=32, seq_len=2048)),
     # one 1024-token request routed in one expert group (the preset's group is 2048 tokens)
-    "moe-1.3B": ("moe", dict(expert_group_size=1024)),
-    "moe-2.4B": ("moe", dict(expert_group_size=1024)),
+    "moe-1.3B": ("moe", "1.3B", dict(expert_group_size=1024)),
+    "moe-2.4B": ("moe", "2.4B", dict(expert_group_size=1024)),
+    "moe-5.3B": ("moe", "2.4B", dict(expert_group_size=1024, d_model=1536)),
 }
-SETTINGS = {  # scaled 4x down: (models per shape, devices, memory per device)
-    "S1": ({"bert-1.3B": 8}, 16, 13e9),
-    "S2": ({"bert-6.7B": 8}, 16, 14e9),  # 13.4 GB of weights: the paper's 13 GB cannot hold it
-    "S3": ({"bert-1.3B": 2, "bert-2.7B": 2, "bert-6.7B": 2, "moe-1.3B": 2, "moe-2.4B": 2},
-           16, 13e9),
+SETTINGS = {  # the paper's: (models per shape, devices, memory per device for weights)
+    "S1": ({"bert-1.3B": 32}, 64, 13e9),
+    # 13.47 GB of weights: the paper's 13 GB cannot hold one BERT-6.7B on one device
+    "S2": ({"bert-6.7B": 32}, 64, 14e9),
+    "S3": ({shape: 10 for shape in SHAPES}, 64, 13e9),
 }
-POLICIES = ("alpaserve", "selective-replication", "clockwork++")
+POLICIES = ("selective-replication", "clockwork++", "alpaserve")
+WORKLOADS = ("gamma", "maf1", "maf2")
+SECONDS, WARMUP, WINDOW = 60.0, 5.0, 15.0  # trace length, warm-up, Clockwork++ window (s)
+MAF_WINDOW = 10.0  # the MAF-like traces' rate/CV windows (s)
 
 
 def section_3_1() -> dict:
@@ -87,38 +103,79 @@ def simulator_speed() -> dict:
     return {"requests": len(w), "requests_per_cpu_second": 5 * len(w) / cpu}
 
 
-def _profiles(setting: str) -> dict:
+def _profiles(setting: str, scale: int) -> dict:
+    """The setting's models (÷ `scale`, at least one per shape), each shape profiled once."""
     counts, _, _ = SETTINGS[setting]
     out = {}
     for shape, n in counts.items():
-        family, overrides = SHAPES[shape]
-        preset = shape.split("-")[1] if family == "moe" else "large"
-        if family == "bert":
-            overrides = dict(overrides, seq_len=2048)
-        model = get_model(family, preset, batch_size=1, device="meta", **overrides)
-        prof = profile_module(shape, model.module, model.inputs)
-        for i in range(n):
+        prof = _profile(shape)
+        for i in range(max(1, round(n / scale))):
             out[f"{shape}#{i}"] = prof
     return out
 
 
-def _problem(profiles, devices, memory, rate, cv, scale, seconds=60.0, seed=0):
-    names = list(profiles)
-    w = gamma_workload(names, rate, cv, seconds, power_law=0.5, seed=seed)
-    return Problem(profiles, devices, memory, w,
-                   {n: scale * p.latency for n, p in profiles.items()}, warmup=5.0)
+@functools.cache
+def _profile(shape: str):
+    family, preset, overrides = SHAPES[shape]
+    model = get_model(family, preset, batch_size=1, device="meta", **overrides)
+    return profile_module(shape, model.module, model.inputs, cluster=CLUSTER)
 
 
-def _attainment(profiles, policy, devices, memory, rate, cv, scale) -> float:
-    try:
-        return place(_problem(profiles, devices, memory, rate, cv, scale), policy,
-                     window=15.0, fast=True).attainment
-    except PlacementError:
-        return 0.0
+@functools.cache
+def _maf_fit(kind: str, names: tuple[str, ...], rate: float, seconds: float, seed: int):
+    return fit_windows(maf_like(kind, names, rate, seconds, MAF_WINDOW, seed), MAF_WINDOW)
+
+
+def _workload(kind, names, base_rate, rate, cv, seconds=SECONDS, seed=0):
+    """Gamma: power-law 0.5 split, CV `cv`. MAF-like: the fitted trace at `base_rate`, its
+    rates scaled to `rate` and its CVs by `cv`, as the paper sweeps real traces."""
+    if kind == "gamma":
+        return gamma_workload(names, rate, cv, seconds, power_law=0.5, seed=seed)
+    return resample(_maf_fit(kind, tuple(names), base_rate, seconds, seed), names,
+                    rate / base_rate, cv, seed)
+
+
+class _Setting:
+    """One setting under one workload kind: the attainment of a policy at a point."""
+
+    def __init__(self, profiles: dict, devices: int, memory: float, kind: str,
+                 seconds: float = SECONDS):
+        self.profiles, self.devices, self.memory, self.kind = profiles, devices, memory, kind
+        self.seconds = seconds
+        self.latency = float(np.mean([p.latency for p in self.profiles.values()]))
+        # default load: half of the cluster's single-device throughput, SLO 5x (§6.3); CV 4
+        # for Gamma, the trace's own CVs (scale 1) for MAF
+        self.rate = 0.5 * self.devices / self.latency
+        self.cv = 4.0 if kind == "gamma" else 1.0
+        self.scale = 5.0
+        self.calls, self.search = 0, {}
+
+    def problem(self, rate=None, cv=None, scale=None, devices=None) -> Problem:
+        names = list(self.profiles)
+        w = _workload(self.kind, names, self.rate, rate or self.rate, cv or self.cv,
+                      self.seconds)
+        s = scale or self.scale
+        return Problem(self.profiles, devices or self.devices, self.memory, w,
+                       {n: s * p.latency for n, p in self.profiles.items()}, CLUSTER,
+                       warmup=WARMUP)
+
+    def attainment(self, policy: str, **point) -> float:
+        self.calls += 1
+        try:
+            placed = place(self.problem(**point), policy, window=WINDOW, fast=True)
+        except PlacementError:  # infeasible (a model fits no group): nothing served
+            return 0.0
+        if not point:
+            self.search[policy] = placed.search_seconds
+        return placed.attainment
+
+    def ok(self, policy: str, **point) -> bool:
+        return self.attainment(policy, **point) >= TARGET
 
 
 def _bisect(ok, lo, hi, steps, integer=False):
-    """The largest x in [lo, hi] with ok(x), assuming ok is monotone (True below)."""
+    """The largest x in [lo, hi] with ok(x), assuming ok is monotone (True below); None when
+    not even ok(lo)."""
     if not ok(lo):
         return None
     for _ in range(steps):
@@ -129,34 +186,73 @@ def _bisect(ok, lo, hi, steps, integer=False):
     return lo
 
 
-def setting(name: str, steps: int) -> dict:
-    profiles = _profiles(name)
-    _, devices, memory = SETTINGS[name]
-    latency = np.mean([p.latency for p in profiles.values()])
-    # default load: half of the cluster's single-device throughput, CV 4, SLO 5x (§6.3)
-    rate, cv, scale = 0.5 * devices / latency, 4.0, 5.0
+def _metrics(st: _Setting, policy: str, steps: int, floor: dict | None) -> dict:
+    """The four 99 % quantities of `policy`. With `floor` (selective replication's values),
+    each bisection starts from the floor's value once `policy` is checked to meet the target
+    there; `never_loses` records those checks."""
+    checks = []
+
+    def search(key, ok, lo, hi, n, integer=False):
+        start = floor.get(key) if floor else None
+        if start is not None:
+            held = ok(start)
+            checks.append(held)
+            if held:
+                lo = start
+        return _bisect(ok, lo, hi, n, integer)
+
+    d = st.devices
+    max_rate = search("max_rate", lambda r: st.ok(policy, rate=r), st.rate / 16, st.rate * 4,
+                      steps)
+    max_cv = search("max_cv", lambda c: st.ok(policy, cv=c), st.cv / 16, st.cv * 4, steps)
+    # SLO scale: bisect on its inverse (larger is better); devices (up to twice the
+    # setting's) on 2d + 1 - devices
+    inv = search("inv_slo", lambda s: st.ok(policy, scale=1.0 / s), 1 / 40.0, 1.0, steps)
+    fewer = search("fewer", lambda k: st.ok(policy, devices=2 * d - k + 1), 1, 2 * d,
+                   steps + 3, integer=True)
+    out = {"attainment_at_default": st.attainment(policy),
+           "search_cpu_s": st.search.get(policy),
+           "max_rate_req_s": max_rate, "max_cv": max_cv,
+           "min_slo_scale": None if inv is None else 1.0 / inv,
+           "min_devices": None if fewer is None else 2 * d - fewer + 1,
+           "_raw": {"max_rate": max_rate, "max_cv": max_cv, "inv_slo": inv, "fewer": fewer}}
+    if floor is not None:
+        out["never_loses"] = all(checks) and (out["attainment_at_default"]
+                                              >= floor["attainment_at_default"])
+    return out
+
+
+def compare(st: _Setting, steps: int) -> dict:
+    """Every policy's 99 % quantities on `st`; AlpaServe's floored by selective
+    replication's."""
     rows = {}
     for policy in POLICIES:
-        start = time.process_time()
-        att = _attainment(profiles, policy, devices, memory, rate, cv, scale)
-        search = time.process_time() - start
-        def ok(policy=policy, rate=rate, cv=cv, scale=scale, devices=devices):
-            return _attainment(profiles, policy, devices, memory, rate, cv, scale) >= TARGET
+        floor = None
+        if policy == "alpaserve":
+            sr = rows["selective-replication"]
+            floor = dict(sr["_raw"], attainment_at_default=sr["attainment_at_default"])
+        rows[policy] = _metrics(st, policy, steps, floor)
+    for row in rows.values():
+        row.pop("_raw")
+    return rows
 
-        max_rate = _bisect(lambda r: ok(rate=r), rate / 16, rate * 4, steps)
-        max_cv = _bisect(lambda c: ok(cv=c), 0.25, 16.0, steps)
-        min_scale = _bisect(lambda s: ok(scale=1.0 / s), 1 / 40.0, 1.0, steps)
-        # fewest devices: bisect on (4 * devices + 1 - d), which grows as d shrinks
-        min_devices = _bisect(lambda k: ok(devices=devices * 4 - k + 1), 1, devices * 4,
-                              steps + 3, integer=True)
-        rows[policy] = {
-            "attainment_at_default": att, "search_cpu_s": search,
-            "max_rate_req_s": max_rate, "max_cv": max_cv,
-            "min_slo_scale": None if min_scale is None else 1.0 / min_scale,
-            "min_devices": None if min_devices is None else devices * 4 - min_devices + 1}
-    return {"models": len(profiles), "devices": devices, "memory_per_device_bytes": memory,
-            "default": {"total_rate": rate, "cv": cv, "slo_scale": scale,
-                        "mean_latency_s_est": latency}, "policies": rows}
+
+def setting(name: str, kind: str, steps: int, scale: int = 1, seconds: float = SECONDS
+            ) -> dict:
+    """Setting `name` (models and devices ÷ `scale`) under workload `kind`, traces of
+    `seconds`."""
+    _, devices, memory = SETTINGS[name]
+    st = _Setting(_profiles(name, scale), devices // scale, memory, kind, seconds)
+    start = time.process_time()
+    rows = compare(st, steps)
+    pricing = sorted({p.pricing for p in st.profiles.values()})
+    return {"models": len(st.profiles), "devices": st.devices, "workload": kind,
+            "trace_seconds": seconds,
+            "memory_per_device_bytes": st.memory, "pricing": pricing,
+            "default": {"total_rate": st.rate, "cv": st.cv, "slo_scale": st.scale,
+                        "mean_latency_s_est": st.latency},
+            "placements_simulated": st.calls, "cpu_s": time.process_time() - start,
+            "policies": rows}
 
 
 def _fmt(x, digits=3):
@@ -166,11 +262,29 @@ def _fmt(x, digits=3):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="S1,S2,S3", help="comma-separated; '' for none")
-    parser.add_argument("--steps", type=int, default=5, help="bisection steps per quantity")
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated of " + ", ".join(WORKLOADS) + " (default: all; "
+                             "gamma with --quick)")
+    parser.add_argument("--seconds", type=float, default=SECONDS,
+                        help="trace length (s); the first 5 s are warm-up")
+    parser.add_argument("--steps", type=int, default=4, help="bisection steps per quantity")
+    parser.add_argument("--quick", action="store_true",
+                        help="models and devices ÷ 4 (16 devices), 2 bisection steps, Gamma "
+                             "only unless --workloads says otherwise")
+    parser.add_argument("--out", default=None, help="JSON (default: placement.json beside "
+                                                    "this script; placement.quick.json)")
     args = parser.parse_args(argv)
-    results = {"machine": platform.node(), "note": "times are CPU seconds on a shared "
-               "machine; latencies are estimates; attainment is simulated"}
+    scale, steps = (4, 2) if args.quick else (1, args.steps)
+    kinds = [k for k in (args.workloads or ("gamma" if args.quick else ",".join(WORKLOADS)))
+             .split(",") if k]
+    bad = [k for k in kinds if k not in WORKLOADS]
+    if bad:
+        parser.error(f"--workloads: unknown {bad[0]!r}; use {', '.join(WORKLOADS)}")
+    out = Path(args.out or Path(__file__).with_name(
+        "placement.quick.json" if args.quick else "placement.json"))
+    results = {"machine": platform.node(), "cluster": CLUSTER,
+               "note": "times are CPU seconds on a shared machine; latencies are estimates; "
+                       "attainment is simulated"}
     results["section_3_1"] = s31 = section_3_1()
     print("§3.1 (2 devices, 0.4 s models, 3 req/s total): mean latency, simulated")
     for k, r in s31.items():
@@ -186,23 +300,36 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulator: {speed['requests_per_cpu_second'] / 1e6:.1f} M requests per CPU second "
           f"({speed['requests']} requests, 8 models, 4 two-stage groups)")
     results["settings"] = {}
+    start = time.process_time()
     for name in filter(None, args.settings.split(",")):
-        start = time.process_time()
-        r = results["settings"][name] = setting(name, args.steps)
-        d = r["default"]
-        print(f"{name}: {r['models']} models, {r['devices']} devices of "
-              f"{r['memory_per_device_bytes'] / 1e9:.0f} GB; default rate {d['total_rate']:.3g} "
-              f"req/s, CV {d['cv']}, SLO {d['slo_scale']}x ({time.process_time() - start:.0f} s "
-              f"CPU)")
-        print(f"  {'policy':24s} {'att@default':>11s} {'max rate':>9s} {'max CV':>7s} "
-              f"{'min SLO x':>9s} {'min dev':>7s} {'search s':>8s}")
-        for policy, p in r["policies"].items():
-            print(f"  {policy:24s} {p['attainment_at_default'] * 100:10.2f}% "
-                  f"{_fmt(p['max_rate_req_s']):>9s} {_fmt(p['max_cv']):>7s} "
-                  f"{_fmt(p['min_slo_scale']):>9s} {_fmt(p['min_devices']):>7s} "
-                  f"{p['search_cpu_s']:8.2f}")
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+        for shape in SETTINGS[name][0]:
+            _profile(shape)
+    results["profile_cpu_s"] = time.process_time() - start
+    print(f"profiles (capture + ILP per layer kind and sub-mesh): "
+          f"{results['profile_cpu_s']:.0f} s CPU")
+    for name in filter(None, args.settings.split(",")):
+        for kind in kinds:
+            r = results["settings"][f"{name}/{kind}"] = setting(name, kind, steps, scale,
+                                                                args.seconds)
+            d = r["default"]
+            cv = f"CV {d['cv']:g}" if kind == "gamma" else "CV scale 1 (the trace's)"
+            print(f"{name} {kind} ({args.seconds:g} s trace): {r['models']} models, "
+                  f"{r['devices']} devices of "
+                  f"{r['memory_per_device_bytes'] / 1e9:.0f} GB; default rate "
+                  f"{d['total_rate']:.3g} req/s, {cv}, SLO {d['slo_scale']:g}x; "
+                  f"{r['placements_simulated']} placements searched in {r['cpu_s']:.0f} s CPU; "
+                  f"configs priced by: {', '.join(r['pricing'])}")
+            print(f"  {'policy':22s} {'att@default':>11s} {'max rate':>9s} {'max CV':>7s} "
+                  f"{'min SLO x':>9s} {'min dev':>7s} {'search s':>8s} {'never loses':>11s}")
+            for policy, p in r["policies"].items():
+                loses = {True: "yes", False: "NO"}.get(p.get("never_loses"), "")
+                print(f"  {policy:22s} {p['attainment_at_default'] * 100:10.2f}% "
+                      f"{_fmt(p['max_rate_req_s']):>9s} {_fmt(p['max_cv']):>7s} "
+                      f"{_fmt(p['min_slo_scale']):>9s} {_fmt(p['min_devices']):>7s} "
+                      f"{p['search_cpu_s']:8.2f} {loses:>11s}")
+            out.write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one stops
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -1,42 +1,90 @@
 """The placement simulator against a real run on CPU processes (docs/placement.md): two MLPs
 served one per process vs as a 2-stage pipeline over both, under one Poisson trace, through
 graphpar's worker group; measured (wall clock) against simulated mean latency and SLO
-attainment. Times are wall clock on this machine: on a shared machine they are noisy.
+attainment. The simulator gets service times and fixed costs calibrated on the same processes
+first (graphpar.placement.real_check). Each run is repeated with another trace seed; the
+spread between runs and the drift of service times from calibration to run are the noise.
 
-    python tools/bench/placement_real.py --rate 12 --duration 30
+    python tools/bench/placement_real.py                 # 2 runs of 60 s at 12 req/s
+    python tools/bench/placement_real.py --quick         # 1 run of 20 s (a smoke check)
+
+Two worker processes and this one (asleep while they serve): no more processes than two
+cores. Report CPU load beside the numbers: on a shared machine the run measures its
+neighbours too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import time
 from pathlib import Path
 
-from graphpar.placement.real_check import real_check
+from graphpar.placement.real_check import MODELS, real_check
 
 
-def main() -> None:
+def _row(mode: str, m: dict, key: str = "simulated") -> str:
+    sim, measured = m[f"{key}_mean_s"], m["measured_mean_s"]
+    points = (m[f"{key}_attainment"] - m["measured_attainment"]) * 100
+    return (f"  {mode:10s} {measured * 1e3:11.1f} ms {sim * 1e3:12.1f} ms "
+            f"{(sim / measured - 1) * 100:+6.1f}% {m['measured_attainment'] * 100:12.1f}% "
+            f"{m[f'{key}_attainment'] * 100:13.1f}% {points:+7.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=12.0, help="total req/s")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of trace")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="total req/s (default: from --utilisation)")
+    parser.add_argument("--utilisation", type=float, default=0.4,
+                        help="share of time each process of the simple placement is busy, at "
+                             "the calibrated service times (sets the rate)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of trace")
+    parser.add_argument("--runs", type=int, default=2, help="runs, each with its own seed")
     parser.add_argument("--slo-scale", type=float, default=5.0)
-    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
-    args = parser.parse_args()
-    r = real_check(args.rate, args.duration, args.slo_scale)
-    print(f"{r['requests']} requests at {args.rate} req/s over {args.duration} s; service "
-          f"(measured, median): " + ", ".join(f"{m} {t * 1e3:.1f} ms"
-                                              for m, t in r["service_s"]["whole"].items()))
-    print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} {'error':>7s} "
-          f"{'measured SLO':>13s} {'simulated SLO':>14s}")
-    for mode in ("simple", "pipeline"):
-        m = r[mode]
-        err = m["simulated_mean_s"] / m["measured_mean_s"] - 1
-        print(f"  {mode:10s} {m['measured_mean_s'] * 1e3:11.1f} ms "
-              f"{m['simulated_mean_s'] * 1e3:12.1f} ms {err * 100:+6.1f}% "
-              f"{m['measured_attainment'] * 100:12.1f}% {m['simulated_attainment'] * 100:13.1f}%")
-    Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    parser.add_argument("--quick", action="store_true", help="one run of 20 s")
+    parser.add_argument("--out", default=None,
+                        help="JSON (default: placement_real.json beside this script)")
+    args = parser.parse_args(argv)
+    duration, runs = (20.0, 1) if args.quick else (args.duration, args.runs)
+    out = Path(args.out or Path(__file__).with_suffix(".json"))
+    results = {"machine": platform.node(), "cpus": os.cpu_count(), "runs": []}
+    for seed in range(runs):
+        load = os.getloadavg()[0]
+        cpu, wall = time.process_time(), time.perf_counter()
+        r = real_check(args.rate, duration, args.slo_scale, seed=seed,
+                       utilisation=args.utilisation)
+        r |= {"seed": seed, "load_average_1min_before": load,
+              "load_average_1min_after": os.getloadavg()[0],
+              "wall_s": time.perf_counter() - wall, "cpu_s_main": time.process_time() - cpu}
+        results["runs"].append(r)
+        s = r["service_s"]
+        print(f"run {seed}: {r['requests']} requests at {r['rate']:.3g} req/s over {duration:g} s; "
+              f"load average {load:.1f} before, {r['load_average_1min_after']:.1f} after")
+        print("  calibrated (mean, one process at a time): "
+              + ", ".join(f"{m} {s['whole'][m] * 1e3:.1f} ms (CV {s['cv'][m]:.2f}), stages "
+                          f"{s['stages'][m][0] * 1e3:.1f} + {s['stages'][m][1] * 1e3:.1f} ms"
+                          for m in MODELS)
+              + f"; send {s['send'] * 1e3:.2f} ms; wake-up lateness "
+              + "/".join(f"{t * 1e3:.2f}" for t in s["wake"]) + " ms")
+        print("  seen in the run: simple "
+              + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in r["simple"]["service_in_run_s"]
+                          .items())
+              + "; pipeline " + ", ".join(f"{m} {a * 1e3:.1f} + {b * 1e3:.1f} ms"
+                                          for m, (a, b) in r["pipeline"]["service_in_run_s"]
+                                          .items()))
+        print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} {'error':>7s} "
+              f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
+        for mode in ("simple", "pipeline"):
+            print(_row(mode, r[mode]))
+        print("  the simulator given the service times seen in the run (its queueing alone):")
+        for mode in ("simple", "pipeline"):
+            print(_row(mode, r[mode], "simulated_in_run"))
+        out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -155,11 +155,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     layer_of_forward = {forward[k]: i for i, (a, b) in enumerate(forward_layers)
                         for k in range(a, b + 1)}
     layer_of = follow_forward(graph, layer_of_forward)
-    members: list[list[Node]] = [[] for _ in range(count)]
-    for node in graph.nodes:
-        members[layer_of[node]].append(node)
-    units = [_Layer(i, nodes, [n for n in nodes if n in forward_set], layer_signature(nodes))
-             for i, nodes in enumerate(members)]
+    units = _units(graph, layer_of, count, forward_set)
 
     shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
@@ -202,6 +198,24 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     steps = {"clustering": clustered - started, "layer_costs": costed - clustered,
              "dp": searched - costed}
     return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps)
+
+
+def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Node]
+           ) -> list[_Layer]:
+    """The layers as units to cost. Two layers share an ILP solve when their signatures are
+    equal; a layer that returns a value of the graph (the model's output) is told apart from
+    an identical one that only passes it on, since the returned value's layout is priced."""
+    members: list[list[Node]] = [[] for _ in range(count)]
+    for node in graph.nodes:
+        members[layer_of[node]].append(node)
+    returned = {o.value for o in graph.outputs
+                if o.role is OutputRole.OUTPUT and o.target is None}
+    units = []
+    for i, nodes in enumerate(members):
+        marks = [(k, o.index) for k, n in enumerate(nodes) for o in n.outputs if o in returned]
+        signature = layer_signature(nodes) + (f" returns {marks}" if marks else "")
+        units.append(_Layer(i, nodes, [n for n in nodes if n in forward], signature))
+    return units
 
 
 def evaluate_stages(costs: StageCosts, stages: Sequence[tuple[int, int, int]],
@@ -299,6 +313,8 @@ class _LayerCosts:
         self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
         self.roofline = Roofline.of(cluster, dtype)
         self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
+        # a training step keeps each weight's gradient beside it; an inference graph does not
+        self.gradients = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self.solves = 0
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
 
@@ -331,7 +347,7 @@ class _LayerCosts:
         for v in costed.inputs:
             if v.role in PERSISTENT:
                 per = plan.input_layout[v].local_bytes(v.type.shape, v.type.itemsize, mesh)
-                persistent += per * (2 if v.role is Role.PARAM else 1)
+                persistent += per * (2 if v.role is Role.PARAM and self.gradients else 1)
         stashed = 0
         for n, orig in zip(nodes, layer.nodes):
             if orig not in self.forward:
@@ -531,3 +547,51 @@ class SliceStages(GraphPass):
             self.time_limit, power_of_two_hosts=self.power_of_two_hosts)
         ctx.set_result(search.plan)
         return False
+
+
+class ServingStages:
+    """An inference graph's layers costed for serving by the same machinery: the clustering
+    into layers (Eq. 6), one auto-shard ILP solve per (layer structure, logical mesh), the
+    resharding between consecutive layers' plans and the send of a stage's boundary. Serving
+    placement (`graphpar.placement.configs`) asks it for the cost of every layer range as one
+    stage on a sub-mesh and runs its own DP (the slowest stage, not a training pipeline's
+    step). `cache` shares ILP solves between graphs whose layers have the same structure (two
+    models of one shape)."""
+
+    def __init__(self, graph: Graph, cluster: str | Cluster = "dgx-a100", dtype: str = "fp16",
+                 layers: int = 0, delta: float = DEFAULT_DELTA, time_limit: float = 30.0,
+                 cache: dict | None = None, logical: LogicalMeshes = logical_meshes):
+        if any(o.role is OutputRole.LOSS for o in graph.outputs):
+            raise PassError(f"graph @{graph.name} is a training step; serving stages are cut "
+                            "from an inference graph (capture without --mode train)")
+        self.cluster = get_cluster(cluster)
+        self.logical = logical
+        nodes = list(graph.nodes)
+        count = min(layers or default_layer_count(nodes), len(nodes))
+        self.layers = cluster_bounds(forward_chain(nodes), count, delta)
+        layer_of = {nodes[k]: i for i, (a, b) in enumerate(self.layers)
+                    for k in range(a, b + 1)}
+        self.units = _units(graph, layer_of, len(self.layers), set(nodes))
+        self.solver = _LayerCosts(graph, self.cluster, dtype, time_limit, 1, set(nodes), set(),
+                                  cache)
+        self.boundary = _boundary_bytes(graph, layer_of, len(self.layers))
+
+    def layer_seconds(self, mesh: Mesh) -> np.ndarray:
+        """Each layer's ILP objective (compute + communication, seconds, estimated) alone on
+        `mesh`: on one device, each layer's compute."""
+        costs = [self.solver.cost(u, mesh, None) for u in self.units]
+        return np.array([np.inf if c is None else c.seconds for c in costs])
+
+    def ranges(self, shape: tuple[int, int], hosts: int) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds, weight bytes per device) of every layer range i..j run as one stage on a
+        sub-mesh of `shape` (hosts x devices), as [L, L] arrays: the fastest logical mesh's
+        plan, the resharding inside the range, and (for j before the last layer) the send of
+        the boundary to the next stage of a group spanning `hosts` hosts. Seconds are inf
+        where no logical mesh has a plan."""
+        options = _StageOptions.build(self.units, self.solver, (shape,), hosts,
+                                      self.cluster.devices_per_node, self.cluster,
+                                      self.boundary, self.logical, (None,))
+        costs, chosen = options.table(float(UNBOUNDED) ** 2, 1)
+        weights = np.take_along_axis(options.persistent[:, :, 0], chosen[:, :, 0, None],
+                                     axis=2)[..., 0]
+        return costs.seconds[:, :, 0], weights

@@ -128,6 +128,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{r['bytes_predicted']:.0f} predicted")
         for line in r["error_lines"]:
             print(f"             {line}")
+        print(f"             {step_time_line(r)}")
     if "cuda" in s:
         from graphpar.cli.cuda import print_cuda_report
 
@@ -189,9 +190,31 @@ def run_on_cpu_ranks(result, compiled=None) -> dict:
         compiled = lower(result.captured, result.context, spec=result.spec,
                          optimizer=result.optimizer)
     check = compiled.check(processes=True)
-    return {"ranks": compiled.mesh.size,
-            "max_abs_error": check.max_abs_error,
-            "errors": check.as_dict(),
-            "error_lines": check.lines(),
-            "bytes_measured": max(compiled.bytes_sent, default=0.0),
-            "bytes_predicted": compiled.predicted_bytes}
+    report = {"ranks": compiled.mesh.size,
+              "max_abs_error": check.max_abs_error,
+              "errors": check.as_dict(),
+              "error_lines": check.lines(),
+              "bytes_measured": max(compiled.bytes_sent, default=0.0),
+              "bytes_predicted": compiled.predicted_bytes}
+    (times,) = compiled.time_steps(TIMED_STEPS, WARMUP_STEPS)
+    report.update(step_time_report(times.as_dict(), compiled.plan.step_seconds))
+    return report
+
+
+TIMED_STEPS, WARMUP_STEPS = 5, 2  # --run-cpu's step timing: the median of 5 after 2 untimed
+
+
+def step_time_report(measured: dict, estimated: float) -> dict:
+    """Measured step time (`StepTimes.as_dict`) beside the estimate the plan was chosen by,
+    and their ratio (measured / estimated)."""
+    return {**measured, "step_seconds_estimated": estimated,
+            "step_time_ratio": (measured["step_seconds_measured"] / estimated
+                                if estimated > 0 else None)}
+
+
+def step_time_line(r: dict) -> str:
+    """`step time  X ms measured (median of K), Y ms estimated, ratio Z`."""
+    ratio = "n/a" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.3g}"
+    return (f"step time  {r['step_seconds_measured'] * 1e3:.3f} ms measured (median of "
+            f"{r['steps']}, min {r['step_seconds_min'] * 1e3:.3f} ms), "
+            f"{r['step_seconds_estimated'] * 1e3:.3f} ms estimated, ratio {ratio}")

@@ -115,14 +115,15 @@ class Compiled:
                            poison=poison)
         return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
 
-    def time_steps(self, steps: int = 5, warmup: int = 2, repeats: int = 1) -> list[StepTimes]:
-        """Measure the step on one process per rank over gloo, on the example it was compiled
-        from: `repeats` times (one set of worker processes for all), `warmup` untimed steps
-        then `steps` timed ones each. Collectives use gloo's own all-reduce (what a real run
-        uses), not the bit-reproducible gather-and-sum of `run`."""
+    def time_steps(self, steps: int = 5, warmup: int = 2, repeats: int = 1,
+                   args: Sequence[torch.Tensor] | None = None) -> list[StepTimes]:
+        """Measure the step on one process per rank over gloo, on `args` (by default the
+        example it was compiled from): `repeats` times (one set of worker processes for all),
+        `warmup` untimed steps then `steps` timed ones each. Collectives use gloo's own
+        all-reduce (what a real run uses), not the bit-reproducible gather-and-sum of `run`."""
         from graphpar.runtime.launch import SpmdJob
 
-        per_rank = self.rank_inputs(*self.example_args())
+        per_rank = self.rank_inputs(*(self.example_args() if args is None else args))
         with SpmdJob(self.spmd, self.mesh, deterministic=False) as job:
             return [job.time_steps(per_rank, steps, warmup) for _ in range(repeats)]
 

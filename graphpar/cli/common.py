@@ -53,6 +53,29 @@ def progress_printer() -> Callable[[str, int, int], None]:
     return report
 
 
+class ProgressBar:
+    """`[######----]  12/60 what` on stderr, redrawn in place; only on a terminal."""
+
+    def __init__(self, total: int, title: str, enabled: bool = True, width: int = 30) -> None:
+        self.total, self.title, self.width, self.done = max(1, total), title, width, 0
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def advance(self, what: str = "") -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = min(self.width, self.width * self.done // self.total)
+        line = (f"\r{self.title} [{'#' * filled}{'-' * (self.width - filled)}] "
+                f"{self.done}/{self.total} {time.perf_counter() - self.start:4.0f} s  {what}")
+        print(f"{line[:shutil.get_terminal_size().columns - 1]:<80}", end="", file=sys.stderr,
+              flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.done:
+            print(file=sys.stderr, flush=True)
+
+
 def check_output_file(path: Path, option: str) -> None:
     """Refuse an output file path that cannot be one, before any slow work."""
     if not str(path) or path.is_dir():

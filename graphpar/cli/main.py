@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 
 import graphpar.cli.show as show
+from graphpar.cli.calibrate import add_calibrate_parser
 from graphpar.cli.common import DEFAULT_EXAMPLE, _Parser
 from graphpar.cli.compile import cmd_compile
 from graphpar.cli.generate import add_generate_parser
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
     add_place_parser(sub)
+    add_calibrate_parser(sub)
 
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=show.cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=show.cmd_passes)

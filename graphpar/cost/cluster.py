@@ -19,19 +19,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from graphpar.errors import ClusterSpecError
-from graphpar.ir.cluster import Cluster, normalize_dtype
+from graphpar.ir.cluster import (
+    CLUSTER_DTYPES,
+    COLLECTIVE_KINDS,
+    COMPUTE_CLASSES,
+    Cluster,
+    ComputeRate,
+    normalize_dtype,
+)
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
 from graphpar.units import parse_bandwidth, parse_bytes, parse_flops, parse_seconds
 
 __all__ = [
     "PRESETS",
     "Cluster",
+    "ClusterFallbackWarning",
+    "datasheet_compute",
     "cluster_from_dict",
     "get_cluster",
     "load_cluster",
@@ -43,6 +53,49 @@ _GiB = 2**30
 _NCCL_LATENCY_NOTE = (
     "Latencies are per-step alphas estimated from typical nccl-tests small-message times "
     "(not spec-sheet values); measure them for precise small-message costs.")
+
+
+
+class ClusterFallbackWarning(UserWarning):
+    """A cluster file without some op classes' achieved rates: which ones, and what they use."""
+
+
+# What a device achieves of its datasheet, per op class (the presets' `compute` tables):
+# (fraction of the dtype's peak FLOP/s, or of the fp32 vector peak where tensor cores do not
+# help; fraction of the memory bandwidth).
+_EFFICIENCY = {
+    # cuBLAS reaches 70-80% of the dense peak on large GEMMs (NVIDIA's cuBLAS and MLPerf
+    # figures), and streams operands at about the rate STREAM-like kernels do.
+    "gemm": ("peak", 0.75, 0.8),
+    # M <= 16 rows (decode): weight-bound; cuBLAS's GEMV-like kernels reach a fraction of peak.
+    "gemm_skinny": ("peak", 0.25, 0.8),
+    # Elementwise kernels: CUDA cores, about 80% of HBM bandwidth (STREAM triad on A100/H100).
+    "elementwise": ("vector", 0.5, 0.8),
+    # Reductions (softmax, norms) make two passes over rows and synchronize a block.
+    "normalization": ("vector", 0.5, 0.7),
+    # FlashAttention-2 reaches 50-70% of the tensor-core peak on A100 (Dao, 2023).
+    "attention": ("peak", 0.5, 0.8),
+    # Gathers read rows at scattered addresses: about half the streaming bandwidth.
+    "gather": ("vector", 0.5, 0.5),
+}
+_COMPUTE_NOTE = (
+    "Achieved rates (compute): gemm 0.75 of the dense peak, gemm_skinny 0.25, attention 0.5; "
+    "elementwise, normalization and gather 0.5 of the fp32 vector rate; memory traffic at 0.8 "
+    "of HBM bandwidth (normalization 0.7, gather 0.5); a per-call overhead of a kernel launch. "
+    "Datasheet-derived estimates, not measurements: `graphpar calibrate` measures them.")
+
+
+def datasheet_compute(peak_fp32: float, peak_fp16: float, peak_bf16: float,
+                      memory_bandwidth: float, overhead: float) -> dict:
+    """A compute table {dtype: {class: {flops, bandwidth, overhead}}} derived from a device's
+    datasheet: its peak FLOP/s per dtype, memory bandwidth (bytes/s) and launch overhead (s)."""
+    peaks = {"fp32": peak_fp32, "fp16": peak_fp16, "bf16": peak_bf16}
+    return {dtype: {name: {"flops": (peak if which == "peak" else peak_fp32) * flops_share,
+                           "bandwidth": memory_bandwidth * bandwidth_share,
+                           "overhead": overhead}
+                    for name, (which, flops_share, bandwidth_share) in _EFFICIENCY.items()}
+            for dtype, peak in peaks.items()}
+
 
 _DGX_A100 = Cluster(
     name="dgx-a100",
@@ -57,12 +110,14 @@ _DGX_A100 = Cluster(
     peak_flops_fp32=19.5e12,
     peak_flops_fp16=312e12,
     peak_flops_bf16=312e12,
+    compute=datasheet_compute(19.5e12, 312e12, 312e12, 1555e9, 5e-6),
     source=(
-        "NVIDIA A100 datasheet: NVLink 600 GB/s bidirectional (12 links x 25 GB/s per "
+        "NVIDIA A100 datasheet: HBM2 1,555 GB/s; NVLink 600 GB/s bidirectional (12 links x "
+        "25 GB/s per "
         "direction = 300 GB/s per direction, all-to-all through NVSwitch), FP32 19.5 "
         "TFLOPS, FP16/BF16 tensor core 312 TFLOPS dense, 40 GB HBM2 (40 GiB). DGX A100 "
         "datasheet: 8 single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute = 8 x "
-        "25 GB/s = 200 GB/s per node. " + _NCCL_LATENCY_NOTE),
+        "25 GB/s = 200 GB/s per node. " + _COMPUTE_NOTE + " " + _NCCL_LATENCY_NOTE),
 )
 
 _PRESET_LIST = [
@@ -72,7 +127,9 @@ _PRESET_LIST = [
         name="dgx-a100-80gb",
         device="A100-SXM4-80GB",
         device_memory=80 * _GiB,
-        source="As dgx-a100 (DGX A100 640GB): A100 80GB HBM2e (80 GiB). " + _NCCL_LATENCY_NOTE,
+        compute=datasheet_compute(19.5e12, 312e12, 312e12, 2039e9, 5e-6),
+        source="As dgx-a100 (DGX A100 640GB): A100 80GB HBM2e (80 GiB), 2,039 GB/s. "
+               + _COMPUTE_NOTE + " " + _NCCL_LATENCY_NOTE,
     ),
     Cluster(
         name="dgx-h100",
@@ -87,11 +144,13 @@ _PRESET_LIST = [
         peak_flops_fp32=67e12,
         peak_flops_fp16=989.4e12,
         peak_flops_bf16=989.4e12,
+        compute=datasheet_compute(67e12, 989.4e12, 989.4e12, 3.35e12, 5e-6),
         source=(
-            "NVIDIA H100 datasheet (SXM): NVLink 900 GB/s bidirectional (450 GB/s per "
-            "direction, NVSwitch), FP32 67 TFLOPS, FP16/BF16 tensor core 1979 TFLOPS with "
+            "NVIDIA H100 datasheet (SXM): HBM3 3.35 TB/s; NVLink 900 GB/s bidirectional (450 "
+            "GB/s per direction, NVSwitch), FP32 67 TFLOPS, FP16/BF16 tensor core 1979 TFLOPS with "
             "sparsity = 989.4 dense, 80 GB HBM3 (80 GiB). DGX H100 datasheet: 8 x ConnectX-7 "
-            "400 Gb/s NDR InfiniBand = 8 x 50 GB/s = 400 GB/s per node. " + _NCCL_LATENCY_NOTE),
+            "400 Gb/s NDR InfiniBand = 8 x 50 GB/s = 400 GB/s per node. " + _COMPUTE_NOTE + " "
+            + _NCCL_LATENCY_NOTE),
     ),
     Cluster(
         name="p3.16xlarge",
@@ -106,14 +165,15 @@ _PRESET_LIST = [
         peak_flops_fp32=15.7e12,
         peak_flops_fp16=125e12,
         peak_flops_bf16=15.7e12,
+        compute=datasheet_compute(15.7e12, 125e12, 15.7e12, 900e9, 5e-6),
         source=(
             "Alpa's testbed (OSDI'22 section 8: 8 x p3.16xlarge, NVLink inside a node, 25 Gbps "
             "between nodes). AWS EC2 P3 page: 8 x V100 SXM2 16 GB, 25 Gbps network per instance "
             "= 3.125 GB/s per node (TCP, no EFA: hence the larger latency). NVIDIA V100 "
             "datasheet: NVLink 300 GB/s bidirectional (6 links x 25 GB/s per direction = 150 "
             "GB/s; a hybrid cube-mesh, not a switch, so some pairs get less), FP32 15.7 TFLOPS, "
-            "FP16 tensor core 125 TFLOPS. V100 has no bf16 hardware: bf16 is given the fp32 "
-            "rate as an upper bound. " + _NCCL_LATENCY_NOTE),
+            "FP16 tensor core 125 TFLOPS, HBM2 900 GB/s. V100 has no bf16 hardware: bf16 is "
+            "given the fp32 rate as an upper bound. " + _COMPUTE_NOTE + " " + _NCCL_LATENCY_NOTE),
     ),
     Cluster(
         name="cpu",
@@ -128,10 +188,12 @@ _PRESET_LIST = [
         peak_flops_fp32=100e9,
         peak_flops_fp16=50e9,
         peak_flops_bf16=50e9,
+        compute=datasheet_compute(100e9, 50e9, 50e9, 10e9, 10e-6),
         source=(
             "Placeholders for the CPU reference runs (one process per 'device', gloo over "
-            "loopback; inter-node as 10 GbE). Order-of-magnitude only: use them to test plans, "
-            "not to predict times."),
+            "loopback; inter-node as 10 GbE; 10 GB/s of memory bandwidth and 10 us per op, "
+            "as eager torch on one core). Order-of-magnitude only: use them to test plans, "
+            "not to predict times. " + _COMPUTE_NOTE),
     ),
 ]
 
@@ -140,7 +202,7 @@ PRESETS: Mapping[str, Cluster] = MappingProxyType({c.name: c for c in _PRESET_LI
 
 _REQUIRED = ("num_nodes", "devices_per_node", "device_memory", "intra_node_bandwidth",
              "intra_node_latency", "inter_node_bandwidth", "inter_node_latency", "peak_flops")
-_OPTIONAL = ("name", "base", "device", "source")
+_OPTIONAL = ("name", "base", "device", "source", "compute", "collectives")
 _EXPECTED = {
     "name": "a string",
     "base": f"a preset name ({', '.join(PRESETS)})",
@@ -154,6 +216,11 @@ _EXPECTED = {
     "intra_node_latency": 'a duration like "1us" or a number of seconds',
     "inter_node_latency": 'a duration like "5us" or a number of seconds',
     "peak_flops": 'an object like {"fp32": "19.5T", "fp16": "312T", "bf16": "312T"} (FLOP/s)',
+    "compute": 'an object like {"fp32": {"gemm": {"flops": "15T", "bandwidth": "1.2TB/s", '
+               '"overhead": "5us"}, ...}} (dtypes fp32, fp16, bf16; classes '
+               + ", ".join(COMPUTE_CLASSES) + ")",
+    "collectives": 'an object like {"all_reduce": {"latency": "30us", "bandwidth": "1.5GB/s"}, '
+                   '...} (kinds ' + ", ".join(COLLECTIVE_KINDS) + ")",
 }
 _PARSERS = {
     "device_memory": parse_bytes,
@@ -250,10 +317,100 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "<cluster>") -> Clus
             raise _fail(where, "peak_flops", flops, f"missing {', '.join(missing_dtypes)}")
         for name, rate in given.items():
             fields["peak_flops_" + name] = rate
+    if "collectives" in data:
+        fields["collectives"] = _collective_rows(data["collectives"], where)
+    if "compute" in data or "base" not in data:
+        given = _compute_rows(data.get("compute", {}), where)
+        fields["compute"] = _with_fallbacks(given, fields.get("compute", ()), where,
+                                            data.get("base"))
     try:
         return Cluster(**fields)
     except ClusterSpecError as e:
         raise ClusterSpecError(f"{where}: {e}") from None
+
+
+_RATE_PARSERS = {"flops": parse_flops, "bandwidth": parse_bandwidth, "overhead": parse_seconds,
+                 "latency": parse_seconds}
+
+
+def _parse_rate(where: str, field: str, path: str, rate: object, names: tuple[str, ...]
+                ) -> list[float]:
+    if not isinstance(rate, Mapping) or set(rate) != set(names):
+        raise _fail(where, field, rate, f"{path}: give exactly {', '.join(names)}")
+    values = []
+    for name in names:
+        try:
+            value = _RATE_PARSERS[name](rate[name])
+        except ValueError as e:
+            raise _fail(where, field, rate[name], f"{path}.{name}: {e}") from None
+        if not (value >= 0 if name in ("overhead", "latency") else value > 0):
+            raise _fail(where, field, rate[name], f"{path}.{name}: must be > 0")
+        values.append(value)
+    return values
+
+
+def _compute_rows(table: object, where: str) -> list[tuple]:
+    if not isinstance(table, Mapping):
+        raise _fail(where, "compute", table)
+    rows = []
+    for dtype, classes in table.items():
+        try:
+            name = normalize_dtype(dtype)
+        except ValueError:
+            raise _fail(where, "compute", dtype, "unknown dtype; give fp32, fp16 or bf16") \
+                from None
+        if not isinstance(classes, Mapping):
+            raise _fail(where, "compute", classes, f"{dtype}: expected an object of op classes")
+        for op_class, rate in classes.items():
+            if op_class not in COMPUTE_CLASSES:
+                raise _fail(where, "compute", op_class,
+                            f"{dtype}: unknown op class; the classes are "
+                            f"{', '.join(COMPUTE_CLASSES)}")
+            rows.append((name, op_class, *_parse_rate(where, "compute", f"{dtype}.{op_class}",
+                                                      rate, ComputeRate._fields)))
+    return rows
+
+
+def _collective_rows(table: object, where: str) -> list[tuple]:
+    if not isinstance(table, Mapping):
+        raise _fail(where, "collectives", table)
+    rows = []
+    for kind, rate in table.items():
+        if kind not in COLLECTIVE_KINDS:
+            raise _fail(where, "collectives", kind,
+                        f"unknown collective; the kinds are {', '.join(COLLECTIVE_KINDS)}")
+        rows.append((kind, *_parse_rate(where, "collectives", kind, rate,
+                                        ("latency", "bandwidth"))))
+    return rows
+
+
+_WARNED: set[str] = set()  # fallback warnings already given in this process
+
+
+def _with_fallbacks(given: list[tuple], base_rows: Sequence[tuple], where: str,
+                    base: str | None) -> tuple:
+    """The file's compute rows, completed from the base preset's; warns once, naming the
+    classes that fell back (to the preset, or without one to the peak FLOP/s)."""
+    have = {(r[0], r[1]) for r in given}
+    rows = list(given) + [r for r in base_rows if (r[0], r[1]) not in have]
+    missing: dict[str, list[str]] = {}
+    for dtype in CLUSTER_DTYPES:
+        lacking = [c for c in COMPUTE_CLASSES if (dtype, c) not in have]
+        if lacking:
+            missing[dtype] = lacking
+    if missing:
+        parts = [f"{d} (all classes)" if len(cs) == len(COMPUTE_CLASSES) else
+                 f"{d} {', '.join(cs)}" for d, cs in missing.items()]
+        use = (f"the values of preset {base!r}" if base else
+               "the peak FLOP/s of peak_flops with no memory-bandwidth term and no overhead")
+        message = (f"{where}: {'no compute table' if not given else 'compute table lacks'}"
+                   f"{'' if not given else ' ' + '; '.join(parts)}; "
+                   f"{'they' if given else 'every op class'} use{'' if given else 's'} {use} "
+                   "(measure them with `graphpar calibrate`)")
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(message, ClusterFallbackWarning, stacklevel=3)
+    return tuple(rows)
 
 
 def load_cluster(path: str | Path) -> Cluster:

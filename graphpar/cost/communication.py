@@ -63,6 +63,7 @@ __all__ = [
     "broadcast_cost",
     "collective_bytes",
     "collective_cost",
+    "collective_terms",
     "collective_time",
     "cross_mesh_cost",
     "reduce_scatter_cost",
@@ -93,6 +94,13 @@ def _terms(kind: StepKind, n: int, latency: float) -> tuple[float, float]:
         return 0.0, 0.0
     steps, factor = _FORMULAS[kind]
     return steps(n) * latency, factor(n)
+
+
+def collective_terms(kind: StepKind | str, n: int) -> tuple[float, float]:
+    """(latency steps, bandwidth factor) of a `kind` collective over `n` ranks: it takes
+    `steps * latency + factor * nbytes / bandwidth` seconds (the table above). What
+    `graphpar.cost.fit` fits measured times to."""
+    return _terms(StepKind(kind), n, 1.0)
 
 
 def collective_bytes(kind: StepKind | str, nbytes: float, n: int) -> float:

@@ -120,7 +120,8 @@ class _Declarations:
     def lines(self) -> list[str]:
         out = []
         for c, name in self.cluster_names.items():
-            fields = {f: getattr(c, f) for f in CLUSTER_FIELDS}
+            # Empty tables are left out: the cluster then prices by its peak rates and links.
+            fields = {f: getattr(c, f) for f in CLUSTER_FIELDS if getattr(c, f) != ()}
             out.append(f"cluster @{name} ={format_attrs(fields)}")
         for m, name in self.mesh_names.items():
             out.append(f"mesh @{name} = {format_mesh_axes(m)}"

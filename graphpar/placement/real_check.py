@@ -19,6 +19,7 @@ from torch import nn
 
 from graphpar.placement.simulator import SimGroup, simulate
 from graphpar.placement.workload import Workload, gamma_workload, load_trace, save_trace
+from graphpar.runtime.timing import median_seconds
 
 MODELS = ("a", "b")
 _HIDDEN, _LAYERS, _ROWS = 1536, 8, 32  # tens of ms per request on one CPU thread
@@ -29,16 +30,6 @@ def _model(seed: int) -> nn.Sequential:
 
     return get_model("mlp", "tiny", seed=seed, in_dim=_HIDDEN, hidden_dim=_HIDDEN,
                      out_dim=_HIDDEN, n_layers=_LAYERS).module.layers
-
-
-def _median_seconds(fn, repeats: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 class ServingRank:
@@ -55,8 +46,8 @@ class ServingRank:
 
     @torch.no_grad()
     def calibrate(self) -> None:
-        times = {"whole": [_median_seconds(lambda m=m: m(self.x)) for m in self.models],
-                 "stage": [_median_seconds(lambda s=s: s(self.x)) for s in self.stages]}
+        times = {"whole": [median_seconds(lambda m=m: m(self.x), 15) for m in self.models],
+                 "stage": [median_seconds(lambda s=s: s(self.x), 15) for s in self.stages]}
         (self.jobdir / f"service{self.rank}.json").write_text(json.dumps(times))
 
     @torch.no_grad()

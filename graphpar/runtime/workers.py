@@ -36,7 +36,7 @@ import torch.distributed as dist
 from graphpar.errors import BackendError, GraphparError
 
 __all__ = ["LOOPBACK", "WorkerGroup", "free_port", "from_peer", "log_tail", "main",
-           "report_rank_error", "torchrun_env"]
+           "report_rank_error", "torchrun_env", "worker_threads"]
 
 LOOPBACK = "127.0.0.1"
 _POLL_S = 0.01
@@ -61,6 +61,15 @@ def _loopback_ifname() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+def worker_threads() -> int:
+    """The intra-op threads each worker runs with: $OMP_NUM_THREADS, else 1 (ranks share
+    this machine's cores)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
 def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
     """This process's environment plus what torchrun gives rank `rank` of `world` on this
     machine (rendezvous on 127.0.0.1:`port`), with graphpar importable."""
@@ -72,7 +81,7 @@ def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_RANK": str(rank),
         "PYTHONPATH": os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p),
     })
-    env.setdefault("OMP_NUM_THREADS", "1")  # world_size processes share this machine's cores
+    env["OMP_NUM_THREADS"] = str(worker_threads())
     ifname = _loopback_ifname()
     if ifname:
         env["GLOO_SOCKET_IFNAME"] = ifname

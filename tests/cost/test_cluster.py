@@ -2,12 +2,14 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
 from graphpar.cost.cluster import (
     PRESETS,
     Cluster,
+    ClusterFallbackWarning,
     cluster_from_dict,
     get_cluster,
     load_cluster,
@@ -87,7 +89,8 @@ FULL = {
 
 
 def test_load_json(tmp_path):
-    c = load_cluster(_write(tmp_path, FULL))
+    with pytest.warns(ClusterFallbackWarning, match="no compute table"):
+        c = load_cluster(_write(tmp_path, FULL))
     assert c == Cluster(
         name="lab", device="A100-SXM4-80GB", num_nodes=2, devices_per_node=8,
         intra_node_bandwidth=300e9, intra_node_latency=1e-6,
@@ -147,6 +150,17 @@ def test_yaml_without_pyyaml_says_so(tmp_path, monkeypatch):
     ({"peak_flops": {"fp32": 1, "fp16": 1, "bf16": 1, "int8": 1}}, "peak_flops", "int8"),
     ({"peak_flops": {"fp32": "x", "fp16": 1, "bf16": 1}}, "peak_flops", "FLOP"),
     ({"name": 3}, "name", "a string"),
+    ({"compute": {"fp64": {}}}, "compute", "fp32, fp16 or bf16"),
+    ({"compute": {"fp32": {"matmul": {}}}}, "compute", "gemm_skinny"),
+    ({"compute": {"fp32": {"gemm": {"flops": 1e12}}}}, "compute", "flops, bandwidth, overhead"),
+    ({"compute": {"fp32": {"gemm": {"flops": "1T", "bandwidth": "1TB", "overhead": 0}}}},
+     "compute", "fp32.gemm.bandwidth"),
+    ({"compute": {"fp32": {"gemm": {"flops": 0, "bandwidth": 1, "overhead": 0}}}},
+     "compute", "> 0"),
+    ({"collectives": {"allreduce": {"latency": 0, "bandwidth": 1}}}, "collectives",
+     "all_reduce"),
+    ({"collectives": {"all_reduce": {"latency": "1 s", "bandwidth": -1}}}, "collectives",
+     "all_reduce.bandwidth"),
 ])
 def test_malformed_field_names_file_field_and_expectation(tmp_path, change, field, expected):
     path = _write(tmp_path, {**FULL, **change})
@@ -191,3 +205,79 @@ def test_missing_file(tmp_path):
 def test_cluster_validates_directly():
     with pytest.raises(ClusterSpecError, match="'intra_node_latency'"):
         dataclasses.replace(get_cluster("cpu"), intra_node_latency=-1.0)
+
+
+CALIBRATED = {
+    "fp32": {
+        "gemm": {"flops": "90G", "bandwidth": "8GB/s", "overhead": "20us"},
+        "gemm_skinny": {"flops": 3e10, "bandwidth": 8e9, "overhead": 2e-5},
+        "elementwise": {"flops": 1e9, "bandwidth": 5e9, "overhead": 1e-5},
+        "normalization": {"flops": 1e9, "bandwidth": 4e9, "overhead": 1e-5},
+        "attention": {"flops": 5e10, "bandwidth": 5e9, "overhead": 3e-5},
+        "gather": {"flops": 1e9, "bandwidth": 2e9, "overhead": 1e-5},
+    },
+}
+
+
+
+def test_compute_and_collectives_round_trip_through_file_and_ir(tmp_path):
+    import torch
+
+    from graphpar.cost.cluster import mesh_for
+    from graphpar.ir.graph import Graph
+    from graphpar.ir.parser import parse
+    from graphpar.ir.printer import print_graph
+    from graphpar.ir.types import TensorType
+
+    data = {**FULL, "compute": {**CALIBRATED, "fp16": CALIBRATED["fp32"],
+                                "bf16": CALIBRATED["fp32"]},
+            "collectives": {"all_reduce": {"latency": "30us", "bandwidth": "1.5GB/s"},
+                            "send_recv": {"latency": 1e-5, "bandwidth": 2e9}}}
+    c = load_cluster(_write(tmp_path, data))
+    assert c.compute_rate("float32", "gemm") == pytest.approx((90e9, 8e9, 2e-5))
+    assert c.collective_rate("all_reduce") == pytest.approx((3e-5, 1.5e9))
+    assert c.collective_rate("all_gather") is None  # falls back to the links
+    assert c.missing_compute() == []
+    assert cluster_from_dict(c.to_dict()) == c
+    assert json.loads(json.dumps(c.to_dict()))["compute"]["fp32"]["gemm"]["flops"] == 90e9
+    g = Graph("g", mesh=mesh_for("2", c))
+    x = g.add_input("x", TensorType((4, 8), torch.float32))
+    g.add_output(g.create("relu", [x]).output, "output")
+    text = print_graph(g)
+    assert 'compute=[["bf16", "attention", 50000000000.0, 5000000000.0, 3e-05]' in text
+    assert parse(text).mesh.cluster == c
+
+
+def test_partial_compute_falls_back_and_warns_once_naming_the_classes(tmp_path):
+    path = _write(tmp_path, {"base": "dgx-a100", "compute": CALIBRATED})
+    with pytest.warns(ClusterFallbackWarning) as caught:
+        c = load_cluster(path)
+        load_cluster(path)  # once per file and message, not per load
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        f"{path}: compute table lacks fp16 (all classes); bf16 (all classes); they use the "
+        "values of preset 'dgx-a100' (measure them with `graphpar calibrate`)")
+    assert c.compute_rate("fp32", "gemm").flops == 90e9
+    assert c.compute_rate("bf16", "gemm") == PRESETS["dgx-a100"].compute_rate("bf16", "gemm")
+
+    some = {"fp32": {"gemm": CALIBRATED["fp32"]["gemm"]}}
+    path = _write(tmp_path, {**FULL, "compute": some}, "no-base.json")
+    with pytest.warns(ClusterFallbackWarning, match=(
+            "compute table lacks fp32 gemm_skinny, elementwise, normalization, attention, "
+            "gather; fp16 .all classes.; bf16 .all classes.; they use the peak FLOP/s")):
+        c = load_cluster(path)
+    assert c.compute_rate("fp32", "elementwise") == (19.5e9 * 1000, math.inf, 0.0)
+
+
+def test_a_base_without_a_compute_table_takes_the_presets_silently(tmp_path, recwarn):
+    c = load_cluster(_write(tmp_path, {"base": "dgx-h100", "num_nodes": 2}))
+    assert c.compute == PRESETS["dgx-h100"].compute
+    assert not [w for w in recwarn if w.category is ClusterFallbackWarning]
+
+
+def test_every_preset_has_a_full_compute_table():
+    for cluster in PRESETS.values():
+        assert cluster.missing_compute() == [], cluster.name
+        gemm = cluster.compute_rate("bf16", "gemm")
+        assert gemm.flops < cluster.peak_flops("bf16") and gemm.overhead > 0
+        assert "compute" in cluster.source.lower() or "Achieved" in cluster.source

@@ -1,0 +1,257 @@
+"""`graphpar calibrate`'s work: measure this machine, fit the cost model's formulas, and make
+the cluster the compiler takes (`docs/calibration.md`).
+
+    cal = calibrate(ranks=2)            # measures (about a minute on 2 cores)
+    print(report(cal))                  # the fits and their residuals
+    cal.cluster                         # a Cluster; cal.cluster.to_dict() is the cluster file
+
+Compute: every op class at fp32 (full shape list), fp16 and bf16 (the three smallest shapes of
+each class: half precision on a CPU runs far slower) in this process, fitted to the roofline
+(`graphpar.cost.fit.fit_roofline`). Collectives: `ranks` worker processes, fitted per kind to
+the alpha-beta formulas of `graphpar.cost.communication`, and once over every kind together for
+the cluster's intra-node link (what collectives without a measured kind, and mesh axes, use).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from graphpar.cost.cluster import PRESETS, Cluster
+from graphpar.cost.fit import AlphaBetaFit, RooflineFit, fit_alpha_beta, fit_roofline
+from graphpar.errors import UsageError
+from graphpar.ir.cluster import normalize_dtype
+from graphpar.runtime.calibrate import (
+    COLLECTIVE_KINDS,
+    OP_CLASSES,
+    CollectiveSample,
+    ComputeSample,
+    collective_sizes,
+    compute_cases,
+    measure_collectives,
+    measure_compute,
+)
+from graphpar.runtime.workers import worker_threads
+from graphpar.units import format_bandwidth, format_bytes, format_flops, format_seconds
+
+__all__ = ["Calibration", "calibrate", "report", "timings"]
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Calibration:
+    """What one calibration measured and fitted, and the cluster made of it."""
+
+    cluster: Cluster
+    ranks: int
+    compute_samples: list[ComputeSample]
+    compute_fits: dict[tuple[str, str], RooflineFit]  # (dtype, class) -> fit
+    collective_samples: list[CollectiveSample]
+    collective_fits: dict[str, AlphaBetaFit]
+    link: AlphaBetaFit  # every kind together: the intra-node link
+    notes: list[str] = field(default_factory=list)  # which numbers are not their own fit's
+    seconds: float = 0.0  # measured, wall clock
+    load_average: float = 0.0  # this machine's 1-minute load when it started
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name ("AMD EPYC 7B13"), or the platform's word for it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str = "cpu",
+              progress: Callable[[str], None] | None = None) -> Calibration:
+    """Measure this machine as a cluster of `ranks`-rank groups (see the module docstring)."""
+    if ranks < 2:
+        raise UsageError(f"calibrating collectives needs at least 2 ranks, got {ranks}")
+    if base not in PRESETS:
+        raise UsageError(f"unknown base preset {base!r}; presets: {', '.join(PRESETS)}")
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    cases = [c for dtype in DTYPES
+             for c in compute_cases(dtype, quick=quick or dtype != torch.float32)]
+    compute = measure_compute(cases, device, budget_s=0.05 if quick else 0.15,
+                              progress=progress)
+    collectives = measure_collectives(ranks, collective_sizes(quick), device=device,
+                                      quick=quick, progress=progress)
+    cal = fit(compute, collectives, ranks, PRESETS[base], device)
+    cal.seconds, cal.load_average = time.perf_counter() - start, load
+    return cal
+
+
+def planned_measurements(quick: bool = False) -> int:
+    """How many measurements `calibrate` makes (the progress bar's length)."""
+    cases = sum(len(compute_cases(d, quick=quick or d != torch.float32)) for d in DTYPES)
+    return cases + len(COLLECTIVE_KINDS) * len(collective_sizes(quick))
+
+
+def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample], ranks: int,
+        base: Cluster, device: str = "cpu") -> Calibration:
+    """The fits of these measurements and the cluster made of them (`base` gives the rest)."""
+    notes: list[str] = []
+    compute_fits = {}
+    for dtype in DTYPES:
+        name = normalize_dtype(dtype)
+        for op_class in OP_CLASSES:
+            samples = [(s.flops, s.nbytes, s.seconds) for s in compute
+                       if s.case.op_class == op_class and s.case.dtype == dtype]
+            if len(samples) >= 2:
+                compute_fits[name, op_class] = fit_roofline(samples)
+    collective_fits = {kind: fit_alpha_beta(rows) for kind in COLLECTIVE_KINDS
+                       if len(rows := [(s.kind, s.ranks, s.nbytes, s.seconds)
+                                       for s in collectives if s.kind == kind]) >= 2}
+    link = fit_alpha_beta([(s.kind, s.ranks, s.nbytes, s.seconds) for s in collectives])
+    if link.bandwidth is None:
+        raise UsageError("the collectives' times do not grow with their size: no bandwidth to "
+                         "fit (is another job flooding this machine?); run calibrate again")
+
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    peaks = {}
+    for (dtype, op_class), f in compute_fits.items():
+        flops, bandwidth = f.flops, f.bandwidth
+        if flops is None:  # no shape bound by arithmetic: the gemm's rate bounds nothing
+            gemm = compute_fits.get((dtype, "gemm"))
+            if gemm and gemm.flops:
+                flops, used = gemm.flops, "the gemm's"
+            else:
+                flops, used = base.peak_flops(dtype), f"preset {base.name!r}'s peak"
+            notes.append(f"{dtype} {op_class}: no shape was bound by arithmetic; flops is "
+                         f"{used}")
+        if bandwidth is None:  # no shape bound by memory: the streaming (elementwise) rate
+            streaming = compute_fits.get((dtype, "elementwise"))
+            if streaming and streaming.bandwidth:
+                bandwidth, used = streaming.bandwidth, "the elementwise class's"
+            else:
+                bandwidth = base.compute_rate(dtype, op_class).bandwidth
+                used = f"preset {base.name!r}'s"
+            notes.append(f"{dtype} {op_class}: no shape was bound by memory; bandwidth is "
+                         f"{used}")
+        table.setdefault(dtype, {})[op_class] = {"flops": flops, "bandwidth": bandwidth,
+                                                 "overhead": f.overhead}
+        if op_class == "gemm":
+            peaks[dtype] = flops
+    collective_table = {}
+    for kind, f in collective_fits.items():
+        bandwidth = f.bandwidth
+        if bandwidth is None:
+            bandwidth = link.bandwidth
+            notes.append(f"{kind}: its times do not grow with size; bandwidth is the link's")
+        collective_table[kind] = {"latency": f.latency, "bandwidth": bandwidth}
+
+    host = platform.node() or "this host"
+    name = "cuda" if device.startswith("cuda") else "cpu"
+    what = (torch.cuda.get_device_name() if name == "cuda"
+            else f"{cpu_model()}, {os.cpu_count()} CPUs, {worker_threads()} thread(s) per rank")
+    cluster = dataclasses.replace(
+        base, name=f"{base.name}-measured",
+        device=base.device if name == "cpu" else what,
+        intra_node_latency=link.latency, intra_node_bandwidth=link.bandwidth,
+        inter_node_latency=max(base.inter_node_latency, link.latency),
+        inter_node_bandwidth=min(base.inter_node_bandwidth, link.bandwidth),
+        peak_flops_fp32=peaks.get("fp32", base.peak_flops_fp32),
+        peak_flops_fp16=peaks.get("fp16", base.peak_flops_fp16),
+        peak_flops_bf16=peaks.get("bf16", base.peak_flops_bf16),
+        compute=table, collectives=collective_table,
+        source=(f"Measured by `graphpar calibrate --ranks {ranks}` on {host} ({what}): ops per "
+                f"class fitted to the roofline, {'NCCL' if name == 'cuda' else 'gloo'} "
+                f"collectives on {ranks} processes fitted to alpha-beta per kind, the "
+                "intra-node link fitted to every kind at once, peak FLOP/s the gemm's. "
+                f"Inter-node: preset {base.name!r}'s, never better than intra-node."))
+    return Calibration(cluster, ranks, list(compute), compute_fits, list(collectives),
+                       collective_fits, link, notes)
+
+
+def _residuals(residuals: Sequence[float]) -> str:
+    r = np.abs(np.asarray(residuals))
+    return f"worst {100 * r.max():5.1f}%  median {100 * float(np.median(r)):5.1f}%"
+
+
+def report(cal: Calibration) -> str:
+    """The fits as tables a person reads: achieved rates per class, alpha-beta per kind, and
+    each fit's relative error over its samples (|model - measured| / measured)."""
+    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead):",
+             f"  {'dtype':5} {'class':13} {'F FLOP/s':>11} {'B bytes/s':>11} {'overhead':>9}"
+             "  residual over shapes"]
+    for dtype, classes in cal.cluster.compute_table().items():
+        for op_class, rate in classes.items():
+            f = cal.compute_fits[dtype, op_class]
+            flags = ("" if f.flops else " (F: not bound)") + ("" if f.bandwidth else
+                                                              " (B: not bound)")
+            lines.append(f"  {dtype:5} {op_class:13} {format_flops(rate['flops']):>11} "
+                         f"{format_bandwidth(rate['bandwidth']):>11} "
+                         f"{format_seconds(rate['overhead']):>9}  "
+                         f"{_residuals(f.residuals)}{flags}")
+    lines += ["", f"collectives over {cal.ranks} ranks (measured, fitted to steps(n) * latency "
+                  "+ factor(n) * bytes / bandwidth):",
+              f"  {'kind':15} {'latency':>9} {'bandwidth':>11}  residual over sizes"]
+    for kind, rate in cal.cluster.to_dict().get("collectives", {}).items():
+        lines.append(f"  {kind:15} {format_seconds(rate['latency']):>9} "
+                     f"{format_bandwidth(rate['bandwidth']):>11}  "
+                     f"{_residuals(cal.collective_fits[kind].residuals)}")
+    lines.append(f"  {'link (all)':15} {format_seconds(cal.link.latency):>9} "
+                 f"{format_bandwidth(cal.link.bandwidth or 0):>11}  "
+                 f"{_residuals(cal.link.residuals)}")
+    lines += ["", "collective times per size (measured; model in brackets), microseconds:",
+              "  " + f"{'bytes':>10}" + "".join(f" {k:>20}" for k in cal.collective_fits)]
+    by_kind = {k: [s for s in cal.collective_samples if s.kind == k]
+               for k in cal.collective_fits}
+    for n in sorted({s.ranks for s in cal.collective_samples}):
+        lines.append(f"  n = {n}")
+        for nbytes in sorted({s.nbytes for s in cal.collective_samples if s.ranks == n}):
+            cells = []
+            for kind, samples in by_kind.items():
+                f = cal.collective_fits[kind]
+                hit = [(s, r) for s, r in zip(samples, f.residuals)
+                       if s.ranks == n and s.nbytes == nbytes]
+                if hit:
+                    (sample, residual), = hit
+                    measured = 1e6 * sample.seconds
+                    cells.append(f"{measured:9.0f} [{measured * (1 + residual):8.0f}]")
+                else:
+                    cells.append("-")
+            lines.append(f"  {format_bytes(nbytes, binary=True):>10}" + "".join(
+                f" {c:>20}" for c in cells))
+    if cal.notes:
+        lines += ["", "notes:"] + [f"  {n}" for n in cal.notes]
+    return "\n".join(lines)
+
+
+def timings(cal: Calibration) -> dict:
+    """Every measurement and fit, JSON-able (the `.timings.json` beside the cluster file)."""
+    compute_rows = [{"class": s.case.op_class, "case": str(s.case),
+                     "dtype": normalize_dtype(s.case.dtype), "flops": s.flops,
+                     "bytes": s.nbytes, "seconds": s.seconds} for s in cal.compute_samples]
+    for (dtype, op_class), f in cal.compute_fits.items():
+        rows = [r for r in compute_rows if r["class"] == op_class and r["dtype"] == dtype]
+        for r, residual in zip(rows, f.residuals):
+            r["model_seconds"] = r["seconds"] * (1 + residual)
+    collective_rows = [{"kind": s.kind, "ranks": s.ranks, "bytes": s.nbytes,
+                        "seconds": s.seconds} for s in cal.collective_samples]
+    for kind, f in cal.collective_fits.items():
+        rows = [r for r in collective_rows if r["kind"] == kind]
+        for r, residual in zip(rows, f.residuals):
+            r["model_seconds"] = r["seconds"] * (1 + residual)
+    return {
+        "benchmark": "graphpar calibrate",
+        "units": {"seconds": "s (measured medians)", "model_seconds": "s (the fit)",
+                  "bytes": "B", "flops": "FLOP"},
+        "ranks": cal.ranks, "cpu": cpu_model(), "cpus": os.cpu_count(),
+        "threads_per_rank": worker_threads(), "wall_seconds": cal.seconds,
+        "load_average_1min_at_start": cal.load_average, "notes": cal.notes,
+        "link": {"latency_s": cal.link.latency, "bandwidth_bytes_per_s": cal.link.bandwidth},
+        "compute": compute_rows, "collectives": collective_rows,
+    }

@@ -1,0 +1,71 @@
+"""`graphpar calibrate [--ranks N] [--out FILE]`: measure this machine into a cluster file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from graphpar.cli.common import ProgressBar, atomic_output, check_output_file
+from graphpar.errors import UsageError
+
+
+def add_calibrate_parser(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine (ops per class, collectives over "
+                                         "N ranks) and write a cluster file")
+    p.add_argument("--ranks", type=int, default=2,
+                   help="processes the collectives run on (default 2; at least 2)")
+    p.add_argument("--out", default="cluster.json",
+                   help="the cluster file to write (default cluster.json); the measurements go "
+                        "beside it, to <name>.timings.json")
+    p.add_argument("--base", default=None,
+                   help="the preset that gives what is not measured (memory, inter-node links): "
+                        "cpu (default), or dgx-h100 etc. on GPUs")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="measure the CPU (gloo) or the GPUs (NCCL); default: cuda when one is "
+                        "present")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer shapes, sizes and repeats (a rough fit in a fraction of the time)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from graphpar.calibration import calibrate, planned_measurements, report, timings
+    from graphpar.cost.cluster import PRESETS
+    from graphpar.runtime.calibrate import contention_note
+
+    if args.ranks < 2:
+        raise UsageError(f"--ranks {args.ranks}: collectives need at least 2 ranks; give "
+                         "--ranks 2 or more")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    base = args.base or ("cpu" if device == "cpu" else "dgx-h100")
+    if base not in PRESETS:
+        raise UsageError(f"--base {base!r}: not a preset; presets: {', '.join(PRESETS)}")
+    out = Path(args.out)
+    check_output_file(out, "--out")
+    note = contention_note(args.ranks) if device == "cpu" else None
+    if note:
+        print(f"graphpar: warning: {note}", file=sys.stderr)
+
+    bar = ProgressBar(planned_measurements(args.quick), "calibrating", enabled=not args.quiet)
+    try:
+        cal = calibrate(args.ranks, base=base, quick=args.quick, device=device,
+                        progress=bar.advance)
+    finally:
+        bar.close()
+    print(report(cal))
+    timing_file = out.with_name(out.stem + ".timings.json")
+    with atomic_output(timing_file, "--out") as f:
+        f.write(json.dumps(timings(cal), indent=2) + "\n")
+    with atomic_output(out, "--out") as f:
+        f.write(json.dumps(cal.cluster.to_dict(), indent=2) + "\n")
+    print(f"wrote {out} (cluster file: --cluster {out}) and {timing_file} "
+          f"(measured in {cal.seconds:.0f} s, {os.cpu_count()} CPUs)")
+    return 0

@@ -1,0 +1,134 @@
+"""Fitting the cost model's formulas to measured times: a roofline per op class, alpha-beta per
+collective kind.
+
+Both fits minimize the squared *relative* error (model - measured) / measured over the samples,
+so that a 1 us call and a 100 ms call weigh the same, with every coefficient kept >= 0 (an exact
+non-negative least squares: the problems have two or three unknowns).
+
+Roofline (one op class; FLOPs and bytes as the registry counts them, `OpDef.flops` and
+`OpDef.bytes_accessed`):
+
+    t = max(flops / F, bytes / B) + overhead
+
+The max is linear once each sample's regime is known, and the regime is set by the sample's
+arithmetic intensity (flops / bytes below F / B: memory-bound). So the fit tries every split of
+the samples sorted by intensity, solves the linear problem of each, and keeps the best under
+the max model itself. Noiseless samples from both regimes give the coefficients back exactly. A
+class none of whose samples is bound by arithmetic (elementwise ops read and write more bytes
+than they compute FLOPs) has no F to measure: `flops` is None, and likewise `bandwidth`.
+
+Alpha-beta (one collective kind, the formulas of `graphpar.cost.communication` on n ranks):
+
+    t = steps(n) * latency + factor(n) * nbytes / bandwidth
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphpar.cost.communication import collective_terms
+
+__all__ = ["AlphaBetaFit", "RooflineFit", "fit_alpha_beta", "fit_roofline", "nnls",
+           "roofline_seconds"]
+
+
+def nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """argmin ||design @ x - target|| subject to x >= 0, exactly, by trying every set of free
+    columns (the problems here have at most three)."""
+    columns = design.shape[1]
+    best, best_error = np.zeros(columns), float(np.sum(target ** 2))
+    for k in range(1, columns + 1):
+        for free in itertools.combinations(range(columns), k):
+            sub, *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
+            if np.any(sub < 0):
+                continue
+            x = np.zeros(columns)
+            x[list(free)] = sub
+            error = float(np.sum((design @ x - target) ** 2))
+            if error < best_error * (1 - 1e-12):
+                best, best_error = x, error
+    return best
+
+
+def _relative(predicted: np.ndarray, measured: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(r) for r in (predicted - measured) / measured)
+
+
+def roofline_seconds(flops: float, nbytes: float, rate: float | None,
+                     bandwidth: float | None, overhead: float) -> float:
+    """max(flops / rate, nbytes / bandwidth) + overhead; a missing rate or bandwidth bounds
+    nothing."""
+    compute = flops / rate if rate else 0.0
+    memory = nbytes / bandwidth if bandwidth else 0.0
+    return max(compute, memory) + overhead
+
+
+@dataclass(frozen=True)
+class RooflineFit:
+    """Achieved FLOP/s, bytes/s and seconds per call of one op class, and the fit's relative
+    error per sample. `flops` / `bandwidth` are None when no sample was bound by them."""
+
+    flops: float | None
+    bandwidth: float | None
+    overhead: float
+    residuals: tuple[float, ...]
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return roofline_seconds(flops, nbytes, self.flops, self.bandwidth, self.overhead)
+
+
+def fit_roofline(samples: Sequence[tuple[float, float, float]]) -> RooflineFit:
+    """The roofline through `samples` of (FLOPs, bytes, seconds)."""
+    if len(samples) < 2:
+        raise ValueError(f"a roofline fit needs at least 2 samples, got {len(samples)}")
+    data = np.array(sorted(samples, key=lambda s: s[0] / max(s[1], 1e-300)), dtype=float)
+    flops, nbytes, seconds = data[:, 0], data[:, 1], data[:, 2]
+    weight = 1.0 / seconds
+    best: tuple[float, np.ndarray] | None = None
+    for split in range(len(data) + 1):  # samples [0, split) memory-bound, the rest compute-bound
+        memory = np.arange(len(data)) < split
+        design = np.stack([np.where(memory, 0.0, flops), np.where(memory, nbytes, 0.0),
+                           np.ones(len(data))], axis=1)
+        x = nnls(design * weight[:, None], np.ones(len(data)))
+        predicted = np.maximum(flops * x[0], nbytes * x[1]) + x[2]
+        error = float(np.sum(((predicted - seconds) * weight) ** 2))
+        if best is None or error < best[0] * (1 - 1e-12):
+            best = (error, x)
+    x = best[1]  # type: ignore[index]
+    fit = RooflineFit(flops=float(1.0 / x[0]) if x[0] > 0 else None,
+                      bandwidth=float(1.0 / x[1]) if x[1] > 0 else None, overhead=float(x[2]),
+                      residuals=())
+    # residuals in the caller's order of samples
+    predicted = np.array([fit.seconds(f, b) for f, b, _ in samples])
+    measured = np.array([s for _, _, s in samples], dtype=float)
+    return RooflineFit(fit.flops, fit.bandwidth, fit.overhead, _relative(predicted, measured))
+
+
+@dataclass(frozen=True)
+class AlphaBetaFit:
+    """Latency per step (s) and bandwidth (bytes/s) of one collective kind (None when the
+    samples show no cost per byte), and the fit's relative error per sample."""
+
+    latency: float
+    bandwidth: float | None
+    residuals: tuple[float, ...]
+
+
+def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> AlphaBetaFit:
+    """One (latency, bandwidth) through `samples` of (kind, ranks n, nbytes, seconds): several
+    kinds and group sizes may share a link, each priced by its own formula."""
+    if len(samples) < 2:
+        raise ValueError(f"an alpha-beta fit needs at least 2 samples, got {len(samples)}")
+    terms = [collective_terms(kind, n) for kind, n, _, _ in samples]
+    steps = np.array([t[0] for t in terms])
+    moved = np.array([t[1] * nbytes for t, (_, _, nbytes, _) in zip(terms, samples)])
+    seconds = np.array([s[3] for s in samples], dtype=float)
+    weight = 1.0 / seconds
+    x = nnls(np.stack([steps, moved], axis=1) * weight[:, None], np.ones(len(samples)))
+    predicted = steps * x[0] + moved * x[1]
+    return AlphaBetaFit(latency=float(x[0]), bandwidth=float(1.0 / x[1]) if x[1] > 0 else None,
+                        residuals=_relative(predicted, seconds))

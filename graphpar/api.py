@@ -116,16 +116,19 @@ class Compiled:
         return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
 
     def time_steps(self, steps: int = 5, warmup: int = 2, repeats: int = 1,
-                   args: Sequence[torch.Tensor] | None = None) -> list[StepTimes]:
+                   args: Sequence[torch.Tensor] | None = None, profile: bool = False
+                   ) -> list[StepTimes]:
         """Measure the step on one process per rank over gloo, on `args` (by default the
         example it was compiled from): `repeats` times (one set of worker processes for all),
         `warmup` untimed steps then `steps` timed ones each. Collectives use gloo's own
-        all-reduce (what a real run uses), not the bit-reproducible gather-and-sum of `run`."""
+        all-reduce (what a real run uses), not the bit-reproducible gather-and-sum of `run`.
+        `profile`: the last repeat also times every node of the device program."""
         from graphpar.runtime.launch import SpmdJob
 
         per_rank = self.rank_inputs(*(self.example_args() if args is None else args))
         with SpmdJob(self.spmd, self.mesh, deterministic=False) as job:
-            return [job.time_steps(per_rank, steps, warmup) for _ in range(repeats)]
+            return [job.time_steps(per_rank, steps, warmup, profile=profile and r == repeats - 1)
+                    for r in range(repeats)]
 
     def example_args(self) -> tuple[torch.Tensor, ...]:
         """The inputs it was compiled from, and for a training step the targets."""

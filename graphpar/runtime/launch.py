@@ -87,19 +87,23 @@ class SpmdJob:
                             for r in data["records"]])
         return SpmdResult(outputs, records)
 
-    def time_steps(self, per_rank_inputs: Sequence[Inputs], steps: int = 5, warmup: int = 2
-                   ) -> StepTimes:
+    def time_steps(self, per_rank_inputs: Sequence[Inputs], steps: int = 5, warmup: int = 2,
+                   *, profile: bool = False) -> StepTimes:
         """Run the program `warmup` times, then `steps` timed times, on these inputs (the same
         ones every step; a training step's updates are not fed back, which changes no
-        timing). The workers time each step themselves, all ranks starting it together."""
+        timing). The workers time each step themselves, all ranks starting it together.
+        `profile`: also time every node (`StepTimes.node_seconds`)."""
         if steps < 1 or warmup < 0:
             raise BackendError(f"time_steps: steps={steps}, warmup={warmup}: give at least one "
                                "timed step and no negative warm-up")
         world = self._send_inputs(per_rank_inputs)
-        self.group.wait(self.group.send("time_steps", self.runs, steps, warmup))
+        self.group.wait(self.group.send("time_steps", self.runs, steps, warmup, profile))
         timings = [json.loads((self.jobdir / f"timing{rank}.{self.runs}.json").read_text())
                    for rank in range(world)]
-        return StepTimes([t["wall"] for t in timings], [t["cpu"] for t in timings], warmup)
+        times = StepTimes([t["wall"] for t in timings], [t["cpu"] for t in timings], warmup)
+        if profile:
+            times.node_seconds = [{int(i): s for i, s in t["nodes"].items()} for t in timings]
+        return times
 
     def _send_inputs(self, per_rank_inputs: Sequence[Inputs]) -> int:
         """Write this run's inputs for every rank (starting the workers on the first run);
@@ -188,24 +192,55 @@ class SpmdWorker:
                       "records": [r.as_dict() for r in self.comm.records]})
 
 
-    def time_steps(self, number: int, steps: int, warmup: int) -> None:
+    def time_steps(self, number: int, steps: int, warmup: int, profile: bool = False) -> None:
         """Run on ``inputs<rank>.<number>.pt`` `warmup` + `steps` times, each after a barrier
-        so that all ranks start it together; write the timed steps' wall and CPU seconds to
+        so that all ranks start it together; write the timed steps' wall and CPU seconds (and
+        with `profile`, each node's mean seconds per timed step) to
         ``timing<rank>.<number>.json``."""
         inputs = torch.load(self.jobdir / f"inputs{self.rank}.{number}.pt", weights_only=True)
+        nodes: dict[int, float] = {}
+        interpreter = _profiled(self.interpreter, nodes) if profile else self.interpreter
         wall, cpu = [], []
         for i in range(warmup + steps):
             self.comm.barrier()
             self.comm.records.clear()
+            if i == warmup:
+                nodes.clear()
             start, start_cpu = time.perf_counter(), time.process_time()
-            self.interpreter.run(inputs)
+            interpreter.run(inputs)
             self.comm.finish()
             if i >= warmup:
                 wall.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - start_cpu)
+        result = {"wall": wall, "cpu": cpu}
+        if profile:
+            result["nodes"] = {str(i): s / steps for i, s in nodes.items()}
         path = self.jobdir / f"timing{self.rank}.{number}.json"
-        path.with_suffix(".tmp").write_text(json.dumps({"wall": wall, "cpu": cpu}))
+        path.with_suffix(".tmp").write_text(json.dumps(result))
         os.replace(path.with_suffix(".tmp"), path)
+
+
+def _profiled(interpreter: Interpreter, seconds: dict[int, float]) -> Interpreter:
+    """A copy of `interpreter` that adds each node's wall seconds to `seconds[index]`
+    (collectives included: their time is the wait for the group as well as the transfer)."""
+    import copy
+
+    def timed(index, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[index] = seconds.get(index, 0.0) + time.perf_counter() - start
+        return run
+
+    profiled = copy.copy(interpreter)
+    profiled.plan = [(i, node, fn if fn is None else timed(i, fn), *rest)
+                     for i, node, fn, *rest in interpreter.plan]
+    communicate = interpreter.communicate
+    profiled.communicate = lambda index, node, args: timed(index, communicate)(index, node,
+                                                                               args)
+    return profiled
 
 
 def main(argv: Sequence[str] | None = None) -> int:

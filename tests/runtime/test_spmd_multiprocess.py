@@ -86,13 +86,22 @@ def test_a_hung_program_is_killed_at_the_timeout():
 
 def test_a_job_times_repeated_steps_inside_its_workers_and_still_runs():
     """`SpmdJob.time_steps`: one wall and CPU time per rank per timed step (warm-up steps not
-    among them), a step as long as its slowest rank; the same workers then run as before."""
+    among them), a step as long as its slowest rank, and with `profile` every node's time,
+    collectives included; the same workers then run as before."""
+    from graphpar.ir.parser import parse
     from graphpar.runtime.launch import SpmdJob
 
     _, inputs, mesh, expected = mlp_case()
     with SpmdJob(MLP, mesh, timeout=60) as job:
         times = job.time_steps(inputs, steps=3, warmup=1)
+        profiled = job.time_steps(inputs, steps=1, warmup=0, profile=True)
         outputs = job.run(inputs)
+    assert times.node_seconds == []
+    nodes = parse(MLP).nodes
+    assert "all_reduce" in {n.op for n in nodes}
+    assert [sorted(per_rank) for per_rank in profiled.node_seconds] == [
+        list(range(len(nodes)))] * 4
+    assert all(s >= 0 for per_rank in profiled.node_seconds for s in per_rank.values())
     assert len(times.wall) == len(times.cpu) == 4
     assert all(len(w) == 3 for w in times.wall) and times.warmup == 1
     assert times.step_seconds == [max(w[i] for w in times.wall) for i in range(3)]

@@ -22,6 +22,11 @@ relative error (predicted - measured) / measured. Per (model, mode, mesh): Kenda
 between the predicted and measured orders of the plans, and whether the ILP's plan is the
 fastest measured or within noise of it (its median at most the fastest's times 1 + the larger
 of the two plans' noise). Estimated and measured figures are kept apart in the JSON.
+
+The last repeat of each plan also times every node of rank 0's program: the per-op table sums,
+over all plans, what the cost model predicts for each op (compute: local FLOPs at the cluster's
+FLOP/s; collectives: alpha-beta on their buffer) against what it took, to show which op classes
+and collectives are mispriced (`--no-profile` skips it).
 """
 
 from __future__ import annotations
@@ -162,8 +167,11 @@ def measure_plan(case: Case, mesh, name: str, cluster, args) -> dict:
     ctx.result(ShardingPlans)[captured.graph.name] = plan
     compiled = lower(captured, ctx)
     start = time.perf_counter()
-    runs = compiled.time_steps(args.steps, args.warmup, args.repeats, args=case.args)
+    runs = compiled.time_steps(args.steps, args.warmup, args.repeats, args=case.args,
+                               profile=args.profile)
     wall = time.perf_counter() - start
+    if args.profile:
+        row["ops"] = op_breakdown(compiled.spmd, mesh, cluster, runs[-1].node_seconds[0])
     steps = [s for r in runs for s in r.step_seconds]
     medians = [r.median for r in runs]
     measured = statistics.median(steps)
@@ -179,6 +187,36 @@ def measure_plan(case: Case, mesh, name: str, cluster, args) -> dict:
             "relative_error": (predicted - measured) / measured,
             "bytes_per_device_predicted": compiled.predicted_bytes,
             "bench_wall_s": round(wall, 2)}
+
+
+def op_breakdown(program, mesh, cluster, measured: dict[int, float]) -> dict[str, dict]:
+    """Rank 0's step by op: per op name, its nodes, the seconds the cost model predicts for
+    them on this device (compute: local FLOPs at the cluster's FLOP/s; collectives: the
+    alpha-beta cost of their buffer) and the seconds they took (mean per timed step)."""
+    from graphpar.cost.communication import node_comm_cost
+    from graphpar.ir.printer import node_flops
+
+    peak = cluster.peak_flops("fp32")
+    ops: dict[str, dict] = {}
+    for index, node in enumerate(program.nodes):
+        comm = node_comm_cost(node, mesh)
+        predicted = comm.seconds if comm is not None else node_flops(node) / peak
+        entry = ops.setdefault(node.op, {"nodes": 0, "predicted_ms": 0.0, "measured_ms": 0.0})
+        entry["nodes"] += 1
+        entry["predicted_ms"] += predicted * 1e3
+        entry["measured_ms"] += measured.get(index, 0.0) * 1e3
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1]["measured_ms"]))
+
+
+def op_totals(rows: list[dict]) -> dict[str, dict]:
+    """`op_breakdown` summed over every profiled row, biggest measured first."""
+    totals: dict[str, dict] = {}
+    for r in rows:
+        for op, e in r.get("ops", {}).items():
+            t = totals.setdefault(op, {"nodes": 0, "predicted_ms": 0.0, "measured_ms": 0.0})
+            for k in t:
+                t[k] += e[k]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]["measured_ms"]))
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float | None:
@@ -246,6 +284,15 @@ def print_table(rows: list[dict], groups: dict) -> None:
               f"{g['fastest_measured']:<17} {g['ilp_fastest_or_within_noise']}")
 
 
+def print_ops(totals: dict[str, dict], top: int = 15) -> None:
+    print(f"\n{'op (rank 0, all plans)':<24}{'nodes':>7}{'pred ms':>10}{'meas ms':>10}"
+          f"{'meas/pred':>10}")
+    for op, t in list(totals.items())[:top]:
+        ratio = t["measured_ms"] / t["predicted_ms"] if t["predicted_ms"] else float("inf")
+        print(f"{op:<24}{t['nodes']:>7}{t['predicted_ms']:>10.2f}{t['measured_ms']:>10.2f}"
+              f"{ratio:>10.3g}")
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -280,7 +327,7 @@ def run(args) -> dict:
     ok = [r for r in rows if r["status"] == "ok"]
     return {"cluster": args.cluster, "cluster_name": cluster.name,
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-            "machine": machine(), "rows": rows, "groups": groups,
+            "machine": machine(), "rows": rows, "groups": groups, "ops": op_totals(rows),
             "median_abs_relative_error": (statistics.median(abs(r["relative_error"])
                                                             for r in ok) if ok else None)}
 
@@ -298,6 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, help="timed steps per repeat (default 5)")
     parser.add_argument("--warmup", type=int, help="untimed steps before them (default 2)")
     parser.add_argument("--repeats", type=int, help="repeats per plan (default 3)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="do not time every node in the last repeat (the per-op table)")
     parser.add_argument("--out", default=str(HERE / "plan_quality.json"))
     parser.add_argument("--verbose", action="store_true", help="a line per plan as it runs")
     args = parser.parse_args(argv)
@@ -309,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(args, key, value)
     result = run(args)
     print_table(result["rows"], result["groups"])
+    if result["ops"]:
+        print_ops(result["ops"])
     if result["median_abs_relative_error"] is not None:
         print(f"\nmedian |relative error| over all plans: "
               f"{result['median_abs_relative_error']:.1%} (cluster {result['cluster_name']}; "

@@ -15,21 +15,26 @@ def test_kendall_tau_b_matches_known_values(load_bench):
     assert tau([1], [2]) is None and tau([1, 1], [1, 2]) is None
 
 
-def _row(plan, predicted, measured, noise=0.0):
+def _row(plan, predicted, measured, noise=0.0, cpu=1.0):
     return {"model": "gpt", "mode": "train", "mesh": "2", "plan": plan, "status": "ok",
             "predicted_ms": predicted, "measured_ms": measured, "noise": noise,
+            "measured_cpu_ms": cpu, "cpu_noise": 0.0,
             "relative_error": (predicted - measured) / measured}
 
 
 def test_the_ilp_plan_counts_as_fastest_only_within_the_measured_noise(load_bench):
     summarize = load_bench("plan_quality").summarize
-    rows = [_row("ilp", 1.0, 11.0, noise=0.05), _row("data", 2.0, 10.0, noise=0.02),
+    rows = [_row("ilp", 1.0, 11.0, noise=0.05, cpu=3.0),
+            _row("data", 2.0, 10.0, noise=0.02, cpu=4.0),
             {"model": "gpt", "mode": "train", "mesh": "2", "plan": "zero-3",
              "status": "does not fit in memory"}]
     group = summarize(rows)["gpt/train/2"]
-    assert group["plans"] == 2 and group["fastest_measured"] == "data"
+    assert group["plans"] == 2 and group["fastest"] == "data"
     assert group["kendall_tau"] == -1.0
     assert group["ilp_fastest_or_within_noise"] is False  # 11 > 10 * 1.05
+    # by CPU time the ILP plan is the fastest, and the orders agree
+    assert group["fastest_cpu"] == "ilp" and group["kendall_tau_cpu"] == 1.0
+    assert group["ilp_fastest_or_within_noise_cpu"] is True
     rows[0]["noise"] = 0.10
     assert summarize(rows)["gpt/train/2"]["ilp_fastest_or_within_noise"] is True
     assert group["median_abs_relative_error"] == pytest.approx((10 / 11 + 0.8) / 2)

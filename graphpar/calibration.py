@@ -27,10 +27,9 @@ import torch
 from graphpar.cost.cluster import PRESETS, Cluster
 from graphpar.cost.fit import AlphaBetaFit, RooflineFit, fit_alpha_beta, fit_roofline
 from graphpar.errors import UsageError
-from graphpar.ir.cluster import normalize_dtype
+from graphpar.ir.cluster import COMPUTE_CLASSES, normalize_dtype
 from graphpar.runtime.calibrate import (
-    COLLECTIVE_KINDS,
-    OP_CLASSES,
+    MEASURED_COLLECTIVES,
     CollectiveSample,
     ComputeSample,
     collective_sizes,
@@ -84,7 +83,7 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
     start, load = time.perf_counter(), os.getloadavg()[0]
     cases = [c for dtype in DTYPES
              for c in compute_cases(dtype, quick=quick or dtype != torch.float32)]
-    compute = measure_compute(cases, device, budget_s=0.05 if quick else 0.15,
+    compute = measure_compute(cases, device, budget_s=0.04 if quick else 0.1,
                               progress=progress)
     collectives = measure_collectives(ranks, collective_sizes(quick), device=device,
                                       quick=quick, progress=progress)
@@ -96,7 +95,7 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
 def planned_measurements(quick: bool = False) -> int:
     """How many measurements `calibrate` makes (the progress bar's length)."""
     cases = sum(len(compute_cases(d, quick=quick or d != torch.float32)) for d in DTYPES)
-    return cases + len(COLLECTIVE_KINDS) * len(collective_sizes(quick))
+    return cases + len(MEASURED_COLLECTIVES) * len(collective_sizes(quick))
 
 
 def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample], ranks: int,
@@ -106,12 +105,12 @@ def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample
     compute_fits = {}
     for dtype in DTYPES:
         name = normalize_dtype(dtype)
-        for op_class in OP_CLASSES:
+        for op_class in COMPUTE_CLASSES:
             samples = [(s.flops, s.nbytes, s.seconds) for s in compute
                        if s.case.op_class == op_class and s.case.dtype == dtype]
             if len(samples) >= 2:
                 compute_fits[name, op_class] = fit_roofline(samples)
-    collective_fits = {kind: fit_alpha_beta(rows) for kind in COLLECTIVE_KINDS
+    collective_fits = {kind: fit_alpha_beta(rows) for kind in MEASURED_COLLECTIVES
                        if len(rows := [(s.kind, s.ranks, s.nbytes, s.seconds)
                                        for s in collectives if s.kind == kind]) >= 2}
     link = fit_alpha_beta([(s.kind, s.ranks, s.nbytes, s.seconds) for s in collectives])
@@ -218,7 +217,7 @@ def report(cal: Calibration) -> str:
                 hit = [(s, r) for s, r in zip(samples, f.residuals)
                        if s.ranks == n and s.nbytes == nbytes]
                 if hit:
-                    (sample, residual), = hit
+                    sample, residual = hit[0]
                     measured = 1e6 * sample.seconds
                     cells.append(f"{measured:9.0f} [{measured * (1 + residual):8.0f}]")
                 else:

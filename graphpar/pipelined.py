@@ -79,19 +79,20 @@ class PipelineCompiled:
 
     def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
-        cluster file, e.g. one `tools/bench/gloo_cluster.py` measured): each phase's FLOPs at
-        the cluster's peak, each boundary's bytes per microbatch as a point-to-point transfer
-        between neighbouring devices. Estimated, not measured."""
+        cluster file, e.g. one `graphpar calibrate` measured): each phase's ops priced
+        by the roofline of `graphpar.cost.compute` on the cluster's achieved rates, each
+        boundary's bytes per microbatch as a point-to-point transfer between neighbouring
+        devices. Estimated, not measured."""
         from graphpar.cost.cluster import get_cluster, mesh_for
         from graphpar.cost.communication import send_recv_cost
-        from graphpar.ir.printer import node_flops
+        from graphpar.cost.compute import Roofline, node_seconds
 
         chosen = get_cluster(cluster)
-        peak = chosen.peak_flops(dtype)
+        roof = Roofline.of(chosen, dtype)
 
         def seconds(phase: str, s: int) -> float:
             graph = self.programs.stages[s].program(phase)
-            return sum(node_flops(n) for n in graph.nodes) / peak if graph is not None else 0.0
+            return sum(node_seconds(n, roof) for n in graph.nodes) if graph is not None else 0.0
 
         stages = range(self.stages)
         forward = [seconds("F", s) for s in stages]

@@ -45,6 +45,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    if device == "cuda" and args.ranks > torch.cuda.device_count():
+        raise UsageError(f"--ranks {args.ranks}: NCCL needs one GPU per rank and torch sees "
+                         f"{torch.cuda.device_count()}; give --ranks "
+                         f"{max(2, torch.cuda.device_count())} or fewer, or --device cpu")
     base = args.base or ("cpu" if device == "cpu" else "dgx-h100")
     if base not in PRESETS:
         raise UsageError(f"--base {base!r}: not a preset; presets: {', '.join(PRESETS)}")

@@ -30,6 +30,11 @@ terms of all-gather, all-reduce and reduce-scatter are the same as Alpa's.
 A collective over several mesh axes at once runs as one ring over the product of their
 sizes, at the slowest axis' bandwidth and the largest latency (`Mesh.group_bandwidth`).
 
+Where the mesh's cluster gives measured numbers for a collective kind (`Cluster.collectives`,
+as `graphpar calibrate` fits them to these same formulas), they replace the link-derived
+alpha and B of that kind on every axis whose device groups stay inside one node
+(`measured_rates`); axes that cross nodes keep the links' numbers.
+
 `resharding_cost(global_shape, dtype_bytes, src, dst, mesh)` returns the cheapest sequence
 of single-axis steps (collectives and free local slices) that turns `src` into `dst`; see
 its docstring.
@@ -43,6 +48,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Node
@@ -66,6 +73,7 @@ __all__ = [
     "collective_terms",
     "collective_time",
     "cross_mesh_cost",
+    "measured_rates",
     "reduce_scatter_cost",
     "resharding_cost",
     "resharding_cost_matrix",
@@ -84,6 +92,31 @@ _FORMULAS = {
     StepKind.BROADCAST: (lambda n: n - 1, lambda n: 1.0),
     StepKind.SEND_RECV: (lambda n: 1, lambda n: 1.0),
 }
+
+
+@lru_cache(maxsize=1 << 10)
+def measured_rates(mesh: Mesh) -> tuple[tuple[int, str, float, float], ...]:
+    """(axis, kind, latency, bandwidth) for every axis of `mesh` whose device groups stay
+    inside one node and every collective kind its cluster measured; () without either."""
+    cluster = mesh.cluster
+    if cluster is None or not cluster.collectives:
+        return ()
+    grid = np.array(mesh.device_ids).reshape(mesh.shape)
+    out = []
+    for axis in range(mesh.ndim):
+        groups = np.moveaxis(grid, axis, -1).reshape(-1, mesh.shape[axis])
+        if all(len({cluster.node_of(int(d)) for d in g}) == 1 for g in groups):
+            out.extend((axis, kind, lat, bw) for kind, lat, bw in cluster.collectives)
+    return tuple(out)
+
+
+def _rates(kind: StepKind, mesh: Mesh, axes: tuple[int, ...]) -> tuple[float, float]:
+    """(bandwidth, latency) of a `kind` collective along `axes`: measured where every axis
+    has a measurement of that kind, else the slowest axis' links."""
+    found = {a: (bw, lat) for a, k, lat, bw in measured_rates(mesh) if k == kind.value}
+    if axes and all(a in found for a in axes):
+        return min(found[a][0] for a in axes), max(found[a][1] for a in axes)
+    return mesh.group_bandwidth(axes), mesh.group_latency(axes)
 
 
 def _terms(kind: StepKind, n: int, latency: float) -> tuple[float, float]:
@@ -167,7 +200,7 @@ def collective_cost(kind: StepKind | str, nbytes: float, mesh: Mesh, axes: AxesA
     kind = StepKind(kind)
     ax = mesh.axes(axes)
     n = mesh.group_size(ax)
-    seconds = collective_time(kind, nbytes, n, mesh.group_bandwidth(ax), mesh.group_latency(ax))
+    seconds = collective_time(kind, nbytes, n, *_rates(kind, mesh, ax))
     return Step(kind, ax, n, float(nbytes), collective_bytes(kind, nbytes, n), seconds)
 
 
@@ -367,12 +400,17 @@ class _Steps:
 
     def __init__(self, dims: tuple[int, ...], total_bytes: int, partials: tuple[Partial, ...],
                  candidates: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...],
-                 bandwidth: tuple[float, ...], latency: tuple[float, ...]):
+                 bandwidth: tuple[float, ...], latency: tuple[float, ...],
+                 measured: tuple[tuple[int, str, float, float], ...] = ()):
         self.dims, self.total_bytes, self.partials = dims, total_bytes, partials
-        self.candidates, self.mesh_shape, self.bandwidth = candidates, mesh_shape, bandwidth
-        # per axis and step kind, looked up once rather than per edge
-        self.terms = [{kind: _terms(kind, n, lat) for kind in StepKind}
-                      for n, lat in zip(mesh_shape, latency)]
+        self.candidates, self.mesh_shape = candidates, mesh_shape
+        # per axis and step kind, looked up once rather than per edge: (latency term,
+        # bandwidth factor, bandwidth), from a measurement of the kind on the axis if any
+        rate = {(a, k): (lat, bw) for a, k, lat, bw in measured}
+        self.terms = [
+            {kind: (*_terms(kind, n, rate.get((a, kind.value), (lat, 0.0))[0]),
+                    rate.get((a, kind.value), (0.0, bw))[1]) for kind in StepKind}
+            for a, (n, lat, bw) in enumerate(zip(mesh_shape, latency, bandwidth))]
         self._out: dict[tuple[int, ...], list[tuple]] = {}
 
     def out_of(self, state: tuple[int, ...]) -> list[tuple]:
@@ -398,9 +436,9 @@ class _Steps:
                 nxt = state[:axis] + (new,) + state[axis + 1:]
                 if _local_bytes(nxt, dims, total, mesh_shape) is None:
                     continue
-                alpha, factor = self.terms[axis][move[0]]
+                alpha, factor, bandwidth = self.terms[axis][move[0]]
                 buffer = move[1]
-                step_seconds = alpha + factor * buffer / self.bandwidth[axis] if factor else 0.0
+                step_seconds = alpha + factor * buffer / bandwidth if factor else 0.0
                 edges.append((nxt, axis, move, step_seconds, factor * buffer if factor else 0.0))
         return edges
 
@@ -408,8 +446,10 @@ class _Steps:
 @lru_cache(maxsize=1 << 10)
 def _steps(dims: tuple[int, ...], total_bytes: int, partials: tuple[Partial, ...],
            candidates: tuple[tuple[int, ...], ...], mesh_shape: tuple[int, ...],
-           bandwidth: tuple[float, ...], latency: tuple[float, ...]) -> _Steps:
-    return _Steps(dims, total_bytes, partials, candidates, mesh_shape, bandwidth, latency)
+           bandwidth: tuple[float, ...], latency: tuple[float, ...],
+           measured: tuple = ()) -> _Steps:
+    return _Steps(dims, total_bytes, partials, candidates, mesh_shape, bandwidth, latency,
+                  measured)
 
 
 @lru_cache(maxsize=1 << 12)  # a tree holds every state it reached: keep fewer
@@ -449,7 +489,8 @@ def _tree(steps: _Steps, start: tuple[int, ...]) -> _Tree:
 
 def _search(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
             mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
-            latency: tuple[float, ...], via_partial: bool) -> tuple[_Tree, tuple[int, ...]]:
+            latency: tuple[float, ...], via_partial: bool, measured: tuple = ()
+            ) -> tuple[_Tree, tuple[int, ...]]:
     """The search tree from `src` that holds the cheapest way to `dst`, and `dst`'s state.
 
     Each axis may pass through Replicate, any Shard(d), the Partial placements that `src`
@@ -457,7 +498,8 @@ def _search(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
     for any other partial intermediate. Destinations that add no partial of their own to
     those (the common case) share the source's one tree.
     """
-    steps, start = _source(shape, dtype_bytes, src, mesh_shape, bandwidth, latency, via_partial)
+    steps, start = _source(shape, dtype_bytes, src, mesh_shape, bandwidth, latency, via_partial,
+                           measured)
     goal = _sum_state(dst)
     if goal is None or any(code < _R and code not in options
                            for code, options in zip(goal, steps.candidates)):
@@ -467,7 +509,7 @@ def _search(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
             options + ((goal[axis],) if goal[axis] < _R and goal[axis] not in options else ())
             for axis, options in enumerate(steps.candidates))
         steps = _steps(steps.dims, steps.total_bytes, tuple(partials), candidates,
-                       mesh_shape, bandwidth, latency)
+                       mesh_shape, bandwidth, latency, measured)
     tree = _tree(steps, start)
     if goal not in tree.best:  # unreachable: src -> all-Replicate -> dst always exists
         raise ShardingError(f"no resharding plan from {src} to {dst} on mesh "
@@ -478,7 +520,8 @@ def _search(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
 @lru_cache(maxsize=1 << 14)
 def _source(shape: tuple[int, ...], dtype_bytes: int, src: Layout,
             mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
-            latency: tuple[float, ...], via_partial: bool) -> tuple[_Steps, tuple[int, ...]]:
+            latency: tuple[float, ...], via_partial: bool, measured: tuple = ()
+            ) -> tuple[_Steps, tuple[int, ...]]:
     """The steps a search from `src` may take (per axis Replicate, every Shard(d), Partial
     (sum) if `via_partial`, and the partial `src` has there), and `src`'s state. Partials
     are numbered sum first, then `src`'s own, so further ones keep `src`'s state valid."""
@@ -495,7 +538,7 @@ def _source(shape: tuple[int, ...], dtype_bytes: int, src: Layout,
     size = math.prod(mesh_shape)
     dims = tuple(math.gcd(d, size) for d in shape)
     steps = _steps(dims, math.prod(shape) * dtype_bytes, tuple(partials), tuple(candidates),
-                   mesh_shape, bandwidth, latency)
+                   mesh_shape, bandwidth, latency, measured)
     return steps, start
 
 
@@ -511,12 +554,12 @@ def _sum_state(layout: Layout) -> tuple[int, ...] | None:
 @lru_cache(maxsize=1 << 16)
 def _plan(shape: tuple[int, ...], dtype_bytes: int, src: Layout, dst: Layout,
           mesh_shape: tuple[int, ...], bandwidth: tuple[float, ...],
-          latency: tuple[float, ...], via_partial: bool) -> Cost:
+          latency: tuple[float, ...], via_partial: bool, measured: tuple = ()) -> Cost:
     """The cheapest plan from `src` to `dst`, read off the search tree from `src`."""
     if src == dst:
         return ZERO_COST
     tree, goal = _search(shape, dtype_bytes, src, dst, mesh_shape, bandwidth, latency,
-                         via_partial)
+                         via_partial, measured)
 
     def layout(state: tuple[int, ...]) -> Layout:
         return Layout(tuple(_decode(code, tree.partials) for code in state))
@@ -574,7 +617,7 @@ def resharding_cost(global_shape: Sequence[int], dtype_bytes: int, src: Layout, 
     src.check(shape, mesh)
     dst.check(shape, mesh)
     return _plan(shape, int(dtype_bytes), src, dst, mesh.shape, mesh.bandwidth, mesh.latency,
-                 bool(via_partial))
+                 bool(via_partial), measured_rates(mesh))
 
 
 def resharding_cost_matrix(global_shape: Sequence[int], dtype_bytes: int,
@@ -586,7 +629,7 @@ def resharding_cost_matrix(global_shape: Sequence[int], dtype_bytes: int,
     shape, dtype_bytes = tuple(int(s) for s in global_shape), int(dtype_bytes)
     for layout in {*srcs, *dsts}:
         layout.check(shape, mesh)
-    args = (mesh.shape, mesh.bandwidth, mesh.latency, bool(via_partial))
+    args = (mesh.shape, mesh.bandwidth, mesh.latency, bool(via_partial), measured_rates(mesh))
     rows = []
     for s in srcs:
         row = []
@@ -613,7 +656,7 @@ def node_comm_cost(node: Node, mesh: Mesh) -> Step | None:
     types = [v.type for v in node.input_values] + [o.type for o in node.outputs]
     nbytes = max(t.nbytes for t in types)
     if kind is StepKind.SEND_RECV:
-        bandwidth, latency = min(mesh.bandwidth), max(mesh.latency)
+        bandwidth, latency = _rates(kind, mesh, tuple(range(mesh.ndim)))
         seconds = collective_time(kind, nbytes, 2, bandwidth, latency)
         return Step(kind, (), 2, float(nbytes), collective_bytes(kind, nbytes, 2), seconds)
     return collective_cost(kind, nbytes, mesh, node_axes(node))

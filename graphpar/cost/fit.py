@@ -13,7 +13,8 @@ Roofline (one op class; FLOPs and bytes as the registry counts them, `OpDef.flop
 The max is linear once each sample's regime is known, and the regime is set by the sample's
 arithmetic intensity (flops / bytes below F / B: memory-bound). So the fit tries every split of
 the samples sorted by intensity, solves the linear problem of each, and keeps the best under
-the max model itself. Noiseless samples from both regimes give the coefficients back exactly. A
+the max model itself (of equally good fits, the one that calls more samples memory-bound).
+Noiseless samples from both regimes give the coefficients back exactly. A
 class none of whose samples is bound by arithmetic (elementwise ops read and write more bytes
 than they compute FLOPs) has no F to measure: `flops` is None, and likewise `bandwidth`.
 
@@ -89,16 +90,26 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]]) -> RooflineFit:
     flops, nbytes, seconds = data[:, 0], data[:, 1], data[:, 2]
     weight = 1.0 / seconds
     best: tuple[float, np.ndarray] | None = None
-    for split in range(len(data) + 1):  # samples [0, split) memory-bound, the rest compute-bound
+    # samples [0, split) memory-bound, the rest compute-bound; from all memory-bound down, so
+    # that of equally good fits the one with fewer compute-bound samples wins (samples all of
+    # one intensity fit either roof: an elementwise op is called memory-bound)
+    for split in range(len(data), -1, -1):
         memory = np.arange(len(data)) < split
         design = np.stack([np.where(memory, 0.0, flops), np.where(memory, nbytes, 0.0),
                            np.ones(len(data))], axis=1)
         x = nnls(design * weight[:, None], np.ones(len(data)))
         predicted = np.maximum(flops * x[0], nbytes * x[1]) + x[2]
         error = float(np.sum(((predicted - seconds) * weight) ** 2))
-        if best is None or error < best[0] * (1 - 1e-12):
+        if best is None or error < best[0] - 1e-12 * len(data):  # a real improvement only
             best = (error, x)
-    x = best[1]  # type: ignore[index]
+    x = best[1].copy()  # type: ignore[union-attr]
+    # A roof no sample is strictly under was not measured, only bounded (the fit may put the
+    # lowest-intensity sample of an all-compute-bound class on the ridge): drop it.
+    compute, memory = flops * x[0], nbytes * x[1]
+    if not np.any(memory > compute * (1 + 1e-6)):
+        x[1] = 0.0
+    if not np.any(compute > memory * (1 + 1e-6)):
+        x[0] = 0.0
     fit = RooflineFit(flops=float(1.0 / x[0]) if x[0] > 0 else None,
                       bandwidth=float(1.0 / x[1]) if x[1] > 0 else None, overhead=float(x[2]),
                       residuals=())

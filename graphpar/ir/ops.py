@@ -188,14 +188,23 @@ def _index_put(x, values, *indices, dims, accumulate=False):
     return aten.index_put(x, _index_list(x, indices, dims), values, accumulate)
 
 
-_op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx), traits=REPLICATED)
+def _gathered_bytes(operands, results, attrs) -> int:
+    """A gather reads only the rows it picks: the indices, plus each result read and written,
+    not the whole table it picks from (the first operand)."""
+    indices = sum(t.nbytes for t in operands[1:] if isinstance(t, TensorType))
+    return indices + 2 * sum(r.nbytes for r in results)
+
+
+_op("index_select", IX, lambda x, idx, dim: torch.index_select(x, dim, idx), traits=REPLICATED,
+    bytes_rule=_gathered_bytes)
 _op("index", IX, _index,
     "index(x, i0, i1, ...) {dims}: advanced indexing, index tensor i_k at dim dims[k]",
-    traits=REPLICATED)
+    traits=REPLICATED, bytes_rule=_gathered_bytes)
 _op("index_put", IX, _index_put,
     "index_put(x, v, i0, ...) {dims, accumulate}: functional x[i0, ...] = v (or += v)",
     traits=REPLICATED)
-_op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx), traits=REPLICATED)
+_op("gather", IX, lambda x, idx, dim: torch.gather(x, dim, idx), traits=REPLICATED,
+    bytes_rule=_gathered_bytes)
 _op("scatter_add", IX, lambda x, idx, src, dim: torch.scatter_add(x, dim, idx, src),
     traits=REPLICATED)
 _op("scatter", IX, lambda x, idx, src, dim: torch.scatter(x, dim, idx, src), traits=REPLICATED)
@@ -301,13 +310,14 @@ def _attention_backward(grad, q, k, v, out, lse, mask=None, causal=False, scale=
 
 _op("attention", C, _attention,
     "attention(q, k, v, mask?) {causal, scale, gqa}: softmax(q k^T * scale + mask) v over "
-    "[batch, heads, seq, head_dim]; gqa lets k/v have fewer heads", flop_rule=_attention_flops)
+    "[batch, heads, seq, head_dim]; gqa lets k/v have fewer heads", flop_rule=_attention_flops,
+    cost_class="attention")
 _op("attention_with_lse", C, _attention_with_lse,
     "attention that also returns the log-sum-exp the backward needs (training graphs)",
-    num_outputs=2, flop_rule=_attention_flops)
+    num_outputs=2, flop_rule=_attention_flops, cost_class="attention")
 _op("attention_backward", C, _attention_backward,
     "attention_backward(grad, q, k, v, out, lse, mask?) -> dq, dk, dv", num_outputs=3,
-    flop_rule=lambda o, r, a: 2 * _attention_flops(o[1:], r, a))
+    flop_rule=lambda o, r, a: 2 * _attention_flops(o[1:], r, a), cost_class="attention")
 
 
 def _norm_flops(operands, results, attrs):
@@ -315,11 +325,12 @@ def _norm_flops(operands, results, attrs):
 
 
 _op("layer_norm", C, lambda x, w=None, b=None, shape=None, eps=1e-5: F.layer_norm(
-    x, shape, w, b, eps), "layer_norm(x, w?, b?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP)
+    x, shape, w, b, eps), "layer_norm(x, w?, b?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP,
+    cost_class="normalization")
 _op("layer_norm_with_stats", C, lambda x, w=None, b=None, shape=None, eps=1e-5: tuple(
     aten.native_layer_norm(x, shape, w, b, eps)),
     "layer_norm that also returns mean and rstd for the backward", num_outputs=3,
-    flop_rule=_norm_flops, traits=CHEAP)
+    flop_rule=_norm_flops, traits=CHEAP, cost_class="normalization")
 
 
 def _layer_norm_backward(g, x, mean, rstd, w=None, b=None, shape=None, mask=(True, True, True)):
@@ -329,22 +340,26 @@ def _layer_norm_backward(g, x, mean, rstd, w=None, b=None, shape=None, mask=(Tru
 
 _op("layer_norm_backward", C, _layer_norm_backward,
     "layer_norm_backward(grad, x, mean, rstd, w?, b?) {shape, mask} -> the grads mask asks for",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP)
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP,
+    cost_class="normalization")
 _op("rms_norm", C, lambda x, w=None, shape=None, eps=None: F.rms_norm(x, shape, w, eps),
-    "rms_norm(x, w?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP)
+    "rms_norm(x, w?) {shape, eps}", flop_rule=_norm_flops, traits=CHEAP, cost_class="normalization")
 _op("softmax", C, lambda x, dim: torch.softmax(x, dim), flop_rule=lambda o, r, a: 5 * r[0].numel,
-    traits=CHEAP)
+    traits=CHEAP, cost_class="normalization")
 _op("log_softmax", C, lambda x, dim: torch.log_softmax(x, dim),
-    flop_rule=lambda o, r, a: 5 * r[0].numel, traits=CHEAP)
+    flop_rule=lambda o, r, a: 5 * r[0].numel, traits=CHEAP, cost_class="normalization")
 _op("softmax_backward", C, lambda g, y, dim: aten._softmax_backward_data(g, y, dim, y.dtype),
-    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP)
+    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP, cost_class="normalization")
 _op("log_softmax_backward", C,
     lambda g, y, dim: aten._log_softmax_backward_data(g, y, dim, y.dtype),
-    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP)
-_op("embedding", C, lambda w, idx: F.embedding(idx, w), "embedding(weight, indices)")
+    flop_rule=lambda o, r, a: 3 * r[0].numel, traits=CHEAP, cost_class="normalization")
+_op("embedding", C, lambda w, idx: F.embedding(idx, w), "embedding(weight, indices)",
+    bytes_rule=_gathered_bytes,
+    cost_class="gather")
 _op("embedding_backward", C, lambda g, idx, num_weights, padding_idx=-1:
     aten.embedding_dense_backward(g, idx, num_weights, padding_idx, False),
-    "embedding_backward(grad, indices) {num_weights, padding_idx}: dense weight gradient")
+    "embedding_backward(grad, indices) {num_weights, padding_idx}: dense weight gradient",
+    cost_class="gather")
 
 
 def _conv_flops(operands, results, attrs):
@@ -365,10 +380,10 @@ def _conv2d_backward(g, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), gr
 
 
 _op("conv2d", C, _conv2d, "conv2d(x, w, b?) {stride, padding, dilation, groups}",
-    flop_rule=_conv_flops)
+    flop_rule=_conv_flops, cost_class="gemm")
 _op("conv2d_backward", C, _conv2d_backward,
     "conv2d_backward(grad, x, w) {stride, padding, dilation, groups, bias, mask} -> dx, dw, db",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _conv_flops(o[1:], r, a))
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _conv_flops(o[1:], r, a), cost_class="gemm")
 
 
 def _max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=False):
@@ -377,11 +392,13 @@ def _max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=False):
 
 _op("max_pool2d", C, _max_pool2d,
     "max_pool2d(x) {kernel, stride, padding, dilation, ceil_mode} -> values, indices",
-    num_outputs=2, flop_rule=lambda o, r, a: r[0].numel * a["kernel"][0] * a["kernel"][1])
+    num_outputs=2, flop_rule=lambda o, r, a: r[0].numel * a["kernel"][0] * a["kernel"][1],
+    cost_class="elementwise")
 _op("max_pool2d_backward", C, lambda g, x, idx, kernel, stride, padding, dilation,
     ceil_mode=False: aten.max_pool2d_with_indices_backward(g, x, kernel, stride, padding,
                                                            dilation, ceil_mode, idx),
-    "max_pool2d_backward(grad, x, indices) {kernel, stride, padding, dilation, ceil_mode}")
+    "max_pool2d_backward(grad, x, indices) {kernel, stride, padding, dilation, ceil_mode}",
+    cost_class="elementwise")
 
 
 def _batch_norm(x, w, b, mean, var, training, momentum, eps):
@@ -395,16 +412,17 @@ def _batch_norm(x, w, b, mean, var, training, momentum, eps):
 _op("batch_norm", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
     x, w, b, mean, var, False, momentum, eps)[0],
     "batch_norm(x, w, b, running_mean, running_var) {momentum, eps}: inference form",
-    flop_rule=_norm_flops, traits=CHEAP)
+    flop_rule=_norm_flops, traits=CHEAP, cost_class="normalization")
 _op("batch_norm_train", C, lambda x, w, b, mean, var, momentum=0.1, eps=1e-5: _batch_norm(
     x, w, b, mean, var, True, momentum, eps),
     "batch_norm in training: -> out, batch mean, batch rstd, new running mean, new running var",
-    num_outputs=5, flop_rule=_norm_flops, traits=CHEAP)
+    num_outputs=5, flop_rule=_norm_flops, traits=CHEAP, cost_class="normalization")
 _op("batch_norm_backward", C, lambda g, x, w, mean, var, save_mean, save_rstd, eps=1e-5,
     mask=(True, True, True): tuple(r for r in aten.native_batch_norm_backward(
         g, x, w, mean, var, save_mean, save_rstd, True, eps, list(mask)) if r is not None),
     "batch_norm_backward(grad, x, w, running_mean, running_var, save_mean, save_rstd)",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP)
+    num_outputs=None, flop_rule=lambda o, r, a: 2 * _norm_flops(o, r, a), traits=CHEAP,
+    cost_class="normalization")
 
 
 def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
@@ -413,9 +431,9 @@ def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
 
 _op("nll_loss", C, _nll_loss,
     "nll_loss(logp, target, weight?) {reduction, ignore_index} -> loss, total_weight",
-    num_outputs=2, traits=CHEAP)
+    num_outputs=2, traits=CHEAP, cost_class="normalization")
 _op("nll_loss_backward", C, lambda g, x, target, total_weight, weight=None, reduction=1,
     ignore_index=-100: aten.nll_loss_backward(g, x, target, weight, reduction, ignore_index,
                                               total_weight),
     "nll_loss_backward(grad, logp, target, total_weight, weight?) {reduction, ignore_index}",
-    traits=CHEAP)
+    traits=CHEAP, cost_class="normalization")

@@ -74,7 +74,9 @@ def _cache_rule(operands, attrs) -> list[TensorType]:
 
 _RESHAPE_AND_CACHE = OpDef(
     "reshape_and_cache", OpKind.COMPOSITE, _reshape_and_cache, num_outputs=2,
-    type_rule=_cache_rule, traits=frozenset({Trait.WRITES_OPERAND}),
+    type_rule=_cache_rule, traits=frozenset({Trait.WRITES_OPERAND}), cost_class="gather",
+    # Reads the new K/V rows and writes them into the caches: the caches are not read.
+    bytes_rule=lambda o, r, a: 2 * (o[2].nbytes + o[3].nbytes),
     doc="reshape_and_cache(key_cache, value_cache, key, value, slot_mapping) {kernel} -> "
         "new key_cache, value_cache: token i's K/V [tokens, kv_heads, D] written at flat slot "
         "slot_mapping[i] (-1 skips); in place at run time",
@@ -153,9 +155,17 @@ def _attention_flops(operands, results, attrs) -> int:
     return 4 * tokens * heads * head_size * context
 
 
+def _attention_bytes(operands, results, attrs) -> int:
+    """The queries, the output, and the K/V blocks the block tables reach (not the whole pool)."""
+    query, key_cache, value_cache, tables = operands[:4]
+    blocks = tables.numel  # every table entry: one block of K and one of V, at most
+    per_block = key_cache.nbytes // key_cache.shape[0] + value_cache.nbytes // value_cache.shape[0]
+    return query.nbytes + results[0].nbytes + blocks * per_block
+
+
 _PAGED_ATTENTION = OpDef(
     "paged_attention", OpKind.COMPOSITE, _paged_attention, type_rule=_attention_rule,
-    flop_rule=_attention_flops,
+    flop_rule=_attention_flops, cost_class="attention", bytes_rule=_attention_bytes,
     doc="paged_attention(query, key_cache, value_cache, block_tables, context_lens, "
         "query_start_loc?) {scale, mode, kernel}: causal attention of [tokens, heads, D] queries "
         "over K/V read through per-sequence block tables; mode=decode: one query per sequence, "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from graphpar.errors import UnsupportedOpError
+from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.ir.types import DTYPES_BY_NAME, TensorType
 
 
@@ -66,6 +67,16 @@ OperandTypes = Sequence["TensorType | int | float | bool | None"]
 TypeRule = Callable[[OperandTypes, dict[str, Any]], list[TensorType]]
 FlopRule = Callable[[OperandTypes, list[TensorType], dict[str, Any]], int]
 
+# The op class a family is priced as when its op declares none (`OpDef.cost_class`); "free":
+# not priced as compute (views and copies of shape ops, creation, collectives: the alpha-beta
+# model prices those). A composite says what it is.
+FREE = "free"
+_FAMILY_COST_CLASS = {
+    OpKind.ELEMENTWISE: "elementwise", OpKind.REDUCTION: "normalization",
+    OpKind.MATMUL: "gemm", OpKind.INDEXING: "gather", OpKind.SHAPE: FREE,
+    OpKind.CREATION: FREE, OpKind.COLLECTIVE: FREE,
+}
+
 
 @dataclass(frozen=True, eq=False)
 class OpDef:
@@ -92,6 +103,22 @@ class OpDef:
     comm_kind: StepKind | None = None
     # Attached by graphpar.passes.autoshard (`attach_sharding_rule`): node -> its factors.
     sharding_rule: Callable[..., Any] | None = field(default=None, compare=False)
+    # The op class the compute cost model prices it as (`graphpar.cost.compute`): one of
+    # `graphpar.ir.cluster.COMPUTE_CLASSES` or "free"; None takes the family's.
+    cost_class: str | None = None
+    # Bytes the op reads and writes, where that is not its operands and results in full (an op
+    # that touches a few rows of a large operand, as the paged KV cache ops do).
+    bytes_rule: FlopRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.cost_class is None:
+            if self.kind not in _FAMILY_COST_CLASS:
+                raise ValueError(f"op {self.name!r} ({self.kind.value}) must declare its "
+                                 f"cost_class: one of {', '.join(COMPUTE_CLASSES)} or {FREE!r}")
+            object.__setattr__(self, "cost_class", _FAMILY_COST_CLASS[self.kind])
+        elif self.cost_class not in (*COMPUTE_CLASSES, FREE):
+            raise ValueError(f"op {self.name!r}: unknown cost_class {self.cost_class!r}; one of "
+                             f"{', '.join(COMPUTE_CLASSES)} or {FREE!r}")
 
     def has(self, trait: Trait) -> bool:
         return trait in self.traits
@@ -132,8 +159,12 @@ class OpDef:
             return sum(t.numel for t in operands if isinstance(t, TensorType))
         return 0
 
-    def bytes_accessed(self, operands: OperandTypes, results: list[TensorType]) -> int:
-        """Bytes read and written, the memory-bound part of the cost model."""
+    def bytes_accessed(self, operands: OperandTypes, results: list[TensorType],
+                       attrs: dict | None = None) -> int:
+        """Bytes read and written, the memory-bound part of the cost model: every operand and
+        result in full unless the op declares a `bytes_rule`."""
+        if self.bytes_rule is not None:
+            return int(self.bytes_rule(operands, results, attrs or {}))
         tensors = [t for t in operands if isinstance(t, TensorType)] + list(results)
         return sum(t.nbytes for t in tensors)
 

@@ -51,7 +51,7 @@ class TensorType:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -3,8 +3,9 @@ model (AlpaServe §4.1, inference only, no data parallelism inside a group):
 
 1. capture the model's forward pass (weightless, on meta) and cluster its ops into layers
    with the pipeline pass's clustering (`passes.pipeline.layers`);
-2. per layer, its compute time on one device (FLOPs at the cluster's peak for the dtype, the
-   cost the auto-shard ILP charges), its weight bytes, and the bytes it hands the next layer;
+2. per layer, its compute time on one device (the roofline of `graphpar.cost.compute` over
+   the cluster's achieved rates at the serving dtype, the cost the auto-shard ILP charges),
+   its weight bytes, and the bytes it hands the next layer;
 3. intra-op degree k (Megatron-style operator sharding inside a stage): a layer runs in
    time/k plus one all-reduce of its output over the k devices (the cost model's alpha-beta
    all-reduce), and holds 1/k of its weights;
@@ -154,8 +155,11 @@ def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100") -> L
 def profile_module(name: str, module, inputs, dtype: str = "fp16",
                    cluster: str = "dgx-a100") -> LayerProfile:
     """Capture `module` for inference and cost its layers (see the module docstring)."""
+    import torch
+
     from graphpar.capture import capture_inference
     from graphpar.cost.cluster import get_cluster
+    from graphpar.cost.compute import Roofline, node_seconds
     from graphpar.ir.graph import Role
     from graphpar.passes.pipeline.layers import cluster_bounds, default_layer_count, forward_chain
 
@@ -166,21 +170,21 @@ def profile_module(name: str, module, inputs, dtype: str = "fp16",
     nodes = list(graph.nodes)
     chain = forward_chain(nodes)
     bounds = cluster_bounds(chain, default_layer_count(nodes))
-    peak = get_cluster(cluster).peak_flops(dtype)
+    roof = Roofline.of(get_cluster(cluster), dtype)
     # weights and activations at the serving dtype, whatever the capture's dtype
     scale = lambda t: t.nbytes / t.itemsize * DTYPE_BYTES[dtype]  # noqa: E731
+    serving = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     seen: set = set()
     seconds, weights, outs = [], [], []
     for first, last in bounds:
         layer = nodes[first:last + 1]
-        flops = sum(int(chain.flops[k]) for k in range(first, last + 1))
         w = 0.0
         for node in layer:
             for v in node.inputs:
                 if getattr(v, "role", None) in (Role.PARAM, Role.BUFFER) and v not in seen:
                     seen.add(v)
                     w += scale(v.type)
-        seconds.append(max(flops, 1) / peak)
+        seconds.append(max(sum(node_seconds(n, roof, serving) for n in layer), 1e-12))
         weights.append(w)
         outs.append(float(max((scale(o.type) for o in layer[-1].outputs), default=0.0)))
     return LayerProfile(name, tuple(seconds), tuple(weights), tuple(outs))

@@ -3,8 +3,8 @@ collectives timed on ranks of a worker group (gloo processes on the CPU; NCCL on
 
 Compute: every case is one registry op on one shape, run through the op's reference (what the
 interpreter runs) with the thread count the runtime's workers have, so that one process here is
-one device there. Its FLOPs and bytes are the registry's counts (`OpDef.flops`,
-`OpDef.bytes_accessed`), the numbers the cost model divides.
+one device there. Its class, FLOPs and bytes are the cost model's own (`cost.compute.op_class`,
+`OpDef.flops`, `cost.compute.bytes_moved`): the numbers the fitted rates divide.
 
 Collectives: a `WorkerGroup` of `ranks` processes; each rank joins one group of every size
 n in `group_sizes` (consecutive ranks, all groups of a size running at once, as the groups of
@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,32 +29,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graphpar.cost.compute import bytes_moved, op_class
 from graphpar.ir.registry import get_op
 from graphpar.ir.types import TensorType
 from graphpar.runtime.timing import median_seconds
 from graphpar.runtime.workers import WorkerGroup, worker_threads
 
-__all__ = ["COLLECTIVE_KINDS", "OP_CLASSES", "CollectiveBench", "CollectiveSample",
+__all__ = ["MEASURED_COLLECTIVES", "CollectiveBench", "CollectiveSample",
            "ComputeCase", "ComputeSample", "collective_sizes", "compute_cases", "contention_note",
            "measure_collectives", "measure_compute"]
 
 Progress = Callable[[str], None]  # called once per finished measurement, with what it was
 
-OP_CLASSES = ("gemm", "gemm_skinny", "elementwise", "normalization", "attention", "gather")
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-SKINNY_ROWS = 16  # a matmul with at most this many rows is "gemm_skinny" (decode-like)
+# the kinds timed (not broadcast: no IR op issues one; the link prices it)
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 F32, I64 = torch.float32, torch.int64
 
 
 @dataclass(frozen=True)
 class ComputeCase:
-    """One op of a class on one shape: its tensor operands' types and attributes."""
+    """One registry op on one shape: its tensor operands' types and attributes."""
 
-    op_class: str
-    op: str  # a registry op
+    op: str
     operands: tuple[TensorType, ...]
     attrs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def op_class(self) -> str:
+        """The class the cost model prices this call as (`graphpar.cost.compute.op_class`)."""
+        return op_class(self.op, self.operands)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -68,7 +73,7 @@ class ComputeSample:
     case: ComputeCase
     flops: int
     nbytes: int
-    seconds: float  # measured, median
+    seconds: float  # measured, median (on the CPU: the thread's CPU seconds)
 
 
 def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[ComputeCase]:
@@ -88,20 +93,19 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
 
     def t(*shape: int) -> TensorType:
         return TensorType(shape, dtype)
-    cases = [ComputeCase("gemm", "matmul", (t(m, k), t(k, n))) for m, k, n in gemm]
-    cases += [ComputeCase("gemm_skinny", "matmul", (t(m, k), t(k, n))) for m, k, n in skinny]
+    cases = [ComputeCase("matmul", (t(m, k), t(k, n))) for m, k, n in gemm + skinny]
     for n in elements:
-        cases += [ComputeCase("elementwise", "add", (t(n), t(n))),
-                  ComputeCase("elementwise", "gelu", (t(n),)),
-                  ComputeCase("elementwise", "sum", (t(n // 64, 64),), (("dims", (-1,)),))]
-    for r, h in rows:
-        cases += [ComputeCase("normalization", "layer_norm", (t(r, h), t(h), t(h)),
-                              (("shape", (h,)),)),
-                  ComputeCase("normalization", "softmax", (t(r, h),), (("dim", -1),))]
-    cases += [ComputeCase("attention", "attention", (t(*s), t(*s), t(*s)),
-                          (("causal", True),)) for s in attention]
-    cases += [ComputeCase("gather", "embedding", (t(v, d), TensorType((n,), I64)))
-              for v, d, n in gather]
+        # not gelu: the registry counts one FLOP per element for it as for add, while its erf
+        # costs tens, so it would pass for a compute-bound op and hide the memory roof
+        cases += [ComputeCase("add", (t(n), t(n))), ComputeCase("mul", (t(n), t(n))),
+                  ComputeCase("relu", (t(n),))]
+    for r, h in rows:  # reductions are priced as normalizations: both reduce over rows
+        cases += [ComputeCase("layer_norm", (t(r, h), t(h), t(h)), (("shape", (h,)),)),
+                  ComputeCase("softmax", (t(r, h),), (("dim", -1),)),
+                  ComputeCase("sum", (t(r, h),), (("dims", (-1,)),))]
+    cases += [ComputeCase("attention", (t(*s), t(*s), t(*s)), (("causal", True),))
+              for s in attention]
+    cases += [ComputeCase("embedding", (t(v, d), TensorType((n,), I64))) for v, d, n in gather]
     return cases
 
 
@@ -143,11 +147,15 @@ def _time_case(case: ComputeCase, dev: torch.device, budget_s: float) -> Compute
 
     def call() -> object:
         return op.reference(*args, **attrs)
-    first = median_seconds(call, 1, sync=_sync(dev))
+    # On the CPU, the thread's own CPU time: one thread's work takes that long on an idle core,
+    # however many other processes shared the core meanwhile (a loaded machine stretches the
+    # wall time of long calls most, as they span more of the others' time slices).
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
+    first = median_seconds(call, 1, sync=_sync(dev), clock=clock)
     repeats = int(min(50, max(3, budget_s / max(first, 1e-9))))
-    seconds = median_seconds(call, repeats, warmup=0, sync=_sync(dev))
+    seconds = median_seconds(call, repeats, warmup=0, sync=_sync(dev), clock=clock)
     return ComputeSample(case, op.flops(list(case.operands), results, attrs),
-                         op.bytes_accessed(list(case.operands), results), seconds)
+                         bytes_moved(op, list(case.operands), results, attrs), seconds)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -171,7 +179,7 @@ def _repeats(nbytes: int, quick: bool) -> int:
 
 
 def measure_collectives(ranks: int, sizes: Sequence[int], *,
-                        kinds: Sequence[str] = COLLECTIVE_KINDS,
+                        kinds: Sequence[str] = MEASURED_COLLECTIVES,
                         group_sizes: Sequence[int] | None = None, device: str = "cpu",
                         quick: bool = False, timeout: float = 120.0,
                         progress: Progress | None = None) -> list[CollectiveSample]:
@@ -273,7 +281,7 @@ class CollectiveBench:
                     dist.send(x, peer)
             return ping_pong
         raise ValueError(f"unknown collective kind {kind!r}; expected one of "
-                         f"{', '.join(COLLECTIVE_KINDS)}")
+                         f"{', '.join(MEASURED_COLLECTIVES)}")
 
 
 def contention_note(ranks: int) -> str | None:

@@ -73,7 +73,7 @@ class EngineConfig:
     ``tensor_parallel``: CPU ranks to shard the model over (gloo processes; one block manager,
     every rank holds its kv heads of each block); ``tp_plan``: ``auto`` (the ILP) or
     ``megatron`` (see graphpar.passes.autoshard.serving); ``tp_cluster``: the cluster preset or
-    file the ILP costs the ranks with (``cpu``; tools/bench/gloo_cluster.py measures one).
+    file the ILP costs the ranks with (``cpu``; `graphpar calibrate` measures one).
     """
 
     block_size: int = 16

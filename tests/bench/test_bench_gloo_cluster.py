@@ -1,36 +1,38 @@
-"""The gloo calibration: its alpha-beta fit recovers known numbers, and the cluster file it
-wrote for this machine is a valid cluster (timings themselves are not asserted)."""
+"""tools/bench/gloo_cluster.py, `graphpar calibrate` writing beside itself: the cluster file it
+wrote for this machine is a complete, valid cluster that plans and lowers (timings themselves
+are not asserted; the fits are tested in tests/cost/test_fit.py)."""
 
-import importlib.util
+import warnings
 from pathlib import Path
 
-import pytest
-
-from graphpar.cost.cluster import load_cluster
+from graphpar.cost.cluster import ClusterFallbackWarning, load_cluster
+from graphpar.ir.cluster import COMPUTE_CLASSES
 
 BENCH = Path(__file__).parents[2] / "tools" / "bench"
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gloo", BENCH / "gloo_cluster.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+def test_the_script_passes_its_defaults_to_calibrate(load_bench, monkeypatch):
+    import importlib
+
+    seen = []
+    cli = importlib.import_module("graphpar.cli.main")  # the module (graphpar.cli.main is
+    monkeypatch.setattr(cli, "main", lambda argv: seen.append(argv) or 0)  # also a function)
+    bench = load_bench("gloo_cluster")
+    assert bench.main(["--quick"]) == 0
+    assert seen == [["calibrate", "--ranks", "2", "--out", str(bench.OUT), "--quick"]]
+    assert bench.main(["--ranks", "4", "--out", "x.json"]) == 0
+    assert seen[-1] == ["calibrate", "--ranks", "4", "--out", "x.json"]
 
 
-def test_fit_recovers_latency_and_bandwidth():
-    a, b = 150e-6, 2e9
-    rows = [{"bytes": m, "all_gather_s": a + m / (2 * b), "all_reduce_s": 2 * a + m / b}
-            for m in _bench().SIZES]
-    latency, bandwidth = _bench().fit(rows)
-    assert latency == pytest.approx(a, rel=1e-6) and bandwidth == pytest.approx(b, rel=1e-6)
-
-
-def test_the_measured_cluster_file_loads():
-    cluster = load_cluster(BENCH / "gloo_cluster.json")
+def test_the_measured_cluster_file_loads_complete():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ClusterFallbackWarning)
+        cluster = load_cluster(BENCH / "gloo_cluster.json")
     assert cluster.name == "cpu-measured" and cluster.device == "cpu-process"
     assert 0 < cluster.intra_node_latency < 0.1 and cluster.intra_node_bandwidth > 1e6
-    assert "Measured by tools/bench/gloo_cluster.py" in cluster.source
+    assert "Measured by `graphpar calibrate --ranks 2`" in cluster.source
+    assert {row[1] for row in cluster.compute} == set(COMPUTE_CLASSES)
+    assert cluster.collective_rate("all_reduce") is not None
 
 
 def test_a_cluster_file_plans_and_lowers():

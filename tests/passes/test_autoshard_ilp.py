@@ -8,6 +8,7 @@ import pytest
 
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError
 from graphpar.ir.graph import Role
 from graphpar.ir.layout import Layout
@@ -21,7 +22,7 @@ from graphpar.passes.autoshard.layers import layer_key, repeated_layers
 from graphpar.passes.autoshard.strategies import node_signature
 
 CLUSTER = get_cluster("dgx-a100")
-PEAK = CLUSTER.peak_flops("fp32")
+ROOF = Roofline.of(CLUSTER, "fp32")  # the roofline auto-shard prices compute by
 
 
 def training_graph(batch: int, **config):
@@ -48,7 +49,7 @@ def small_gpt():
 
 
 def reduced(graph, mesh: str, **kw) -> Reduced:
-    return Reduced(Problem(graph, mesh_for(mesh, CLUSTER), PEAK), **kw)
+    return Reduced(Problem(graph, mesh_for(mesh, CLUSTER), ROOF), **kw)
 
 
 @pytest.mark.parametrize("graph", ["small_gpt", "gpt125_batch1"])
@@ -156,7 +157,7 @@ def test_training_at_batch_one_finds_megatron(gpt125_batch1):
 
 def test_large_batch_small_model_is_data_parallel(small_gpt):
     plan = reduced(small_gpt, "4").solve()
-    batch = batch_factors(Problem(small_gpt, mesh_for("4", CLUSTER), PEAK))
+    batch = batch_factors(Problem(small_gpt, mesh_for("4", CLUSTER), ROOF))
     heavy = [n for n in small_gpt.nodes if n.op in ("matmul", "attention_with_lse",
                                                       "attention_backward")]
     for node in heavy:

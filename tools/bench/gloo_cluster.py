@@ -1,154 +1,29 @@
-"""Measure this machine as a cluster of gloo CPU processes, and write it as a cluster file.
+"""This machine as a cluster of gloo CPU processes: `graphpar calibrate` writing here.
 
-The `cpu` cluster preset's link numbers are placeholders. This benchmark starts two processes
-the way torchrun does (gloo over loopback), times all-gather and all-reduce over message sizes
-from 256 B to 16 MiB, and fits the cost model's alpha-beta formulas
-(graphpar/cost/communication.py; two ranks):
-
-    all_gather  t = a + M / (2 B)        M: the gathered output's bytes
-    all_reduce  t = 2 a + M / B          M: the buffer's bytes
-
-by least squares on both at once (a: latency per ring step in s, B: bandwidth in bytes/s). It
-also times a single-thread fp32 matmul (1024^3) for the peak FLOP/s the ILP divides by. The
-result is the `cpu` preset with those three numbers replaced, written as a cluster file (the
-timings go to ``<out>.timings.json`` beside it):
-
-    python tools/bench/gloo_cluster.py                  # table; writes gloo_cluster.json here
+    python tools/bench/gloo_cluster.py            # = graphpar calibrate --ranks 2 --out <here>
+    python tools/bench/gloo_cluster.py --quick    # any other calibrate option passes through
     graphpar compile --example gpt:tiny --mesh 2 --cluster tools/bench/gloo_cluster.json
 
-Timings are medians of repeated calls after a warm-up (measured, wall clock, rank 0).
+Writes `gloo_cluster.json` (the cluster file other benches use) and `gloo_cluster.timings.json`
+(every measurement and its fit) beside this script. What is measured and how it is fitted:
+docs/calibration.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
-import platform
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-SIZES = [2**k for k in range(8, 25, 2)]  # bytes of the message: 256 B .. 16 MiB
-REPEATS = 30
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def worker(out: Path) -> None:
-    """One rank: time the collectives; rank 0 writes what it measured to ``out``."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    rows = []
-    for size in SIZES:
-        elements = size // 4
-        reps = REPEATS if size <= 2**20 else 5
-        buffer = torch.ones(elements)
-        part = torch.ones(elements // 2)
-        parts = [torch.empty(elements // 2) for _ in range(2)]
-        gather = _median_seconds(lambda p=parts, x=part: dist.all_gather(p, x), reps)
-        reduce = _median_seconds(lambda x=buffer: dist.all_reduce(x), reps)
-        rows.append({"bytes": size, "all_gather_s": gather, "all_reduce_s": reduce})
-    if rank == 0:
-        out.write_text(json.dumps(rows))
-    dist.destroy_process_group()
-
-
-def fit(rows: list[dict]) -> tuple[float, float]:
-    """(latency a in s, bandwidth B in bytes/s) of the two-rank alpha-beta formulas."""
-    design, times = [], []
-    for r in rows:
-        design.append([1.0, r["bytes"] / 2])
-        times.append(r["all_gather_s"])
-        design.append([2.0, float(r["bytes"])])
-        times.append(r["all_reduce_s"])
-    (a, inverse_b), *_ = np.linalg.lstsq(np.array(design), np.array(times), rcond=None)
-    return max(float(a), 0.0), 1.0 / max(float(inverse_b), 1e-15)
-
-
-def matmul_flops() -> float:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        seconds = _median_seconds(lambda: a @ b, 10)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * 1024**3 / seconds
+OUT = Path(__file__).with_name("gloo_cluster.json")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).with_name("gloo_cluster.json")))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(Path(args.worker))
-        return 0
-    from graphpar.cost.cluster import get_cluster
-    from graphpar.runtime.launch import free_port, torchrun_env
+    from graphpar.cli.main import main as graphpar
 
-    with tempfile.TemporaryDirectory(prefix="graphpar-gloo-") as tmp:
-        result = Path(tmp) / "rows.json"
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(result)],
-                                  env=torchrun_env(rank, 2, port)) for rank in range(2)]
-        codes = [p.wait(timeout=600) for p in procs]
-        if any(codes):
-            print(f"gloo_cluster: a rank failed (exit codes {codes})", file=sys.stderr)
-            return 1
-        rows = json.loads(result.read_text())
-    latency, bandwidth = fit(rows)
-    flops = matmul_flops()
-    print(f"{'bytes':>10} {'all_gather us':>14} {'model us':>9} {'all_reduce us':>14} "
-          f"{'model us':>9}")
-    for r in rows:
-        r["all_gather_model_s"] = latency + r["bytes"] / (2 * bandwidth)
-        r["all_reduce_model_s"] = 2 * latency + r["bytes"] / bandwidth
-        print(f"{r['bytes']:>10} {1e6 * r['all_gather_s']:>14.1f} "
-              f"{1e6 * r['all_gather_model_s']:>9.1f} {1e6 * r['all_reduce_s']:>14.1f} "
-              f"{1e6 * r['all_reduce_model_s']:>9.1f}")
-    print(f"fit: latency {1e6 * latency:.1f} us per ring step, bandwidth "
-          f"{bandwidth / 1e9:.2f} GB/s; single-thread fp32 matmul {flops / 1e9:.1f} GFLOP/s "
-          "(all measured)")
-    base = get_cluster("cpu")
-    measured = dataclasses.replace(
-        base, name="cpu-measured", intra_node_latency=latency, intra_node_bandwidth=bandwidth,
-        inter_node_latency=max(base.inter_node_latency, latency),
-        inter_node_bandwidth=min(base.inter_node_bandwidth, bandwidth),
-        peak_flops_fp32=flops, peak_flops_fp16=flops / 2, peak_flops_bf16=flops / 2,
-        source=(f"Measured by tools/bench/gloo_cluster.py on {platform.node() or 'this host'} "
-                f"({platform.platform()}, {os.cpu_count()} CPUs): two gloo processes on "
-                "loopback, alpha-beta fit of all-gather and all-reduce, single-thread matmul. "
-                "Inter-node: the cpu preset's placeholders, never better than intra-node."))
-    out = Path(args.out)
-    out.write_text(json.dumps(measured.to_dict(), indent=2) + "\n")
-    timings = out.with_name(out.stem + ".timings.json")
-    timings.write_text(json.dumps({
-        "benchmark": "gloo_cluster", "units": {"*_s": "s (measured medians; *_model_s: fit)",
-                                               "bytes": "B"},
-        "fit": {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth,
-                "matmul_flops_fp32": flops},
-        "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out} (cluster file) and {timings}")
-    return 0
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults = [] if "--ranks" in argv else ["--ranks", "2"]
+    defaults += [] if "--out" in argv else ["--out", str(OUT)]
+    return graphpar(["calibrate", *defaults, *argv])
 
 
 if __name__ == "__main__":

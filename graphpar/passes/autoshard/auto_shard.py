@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph
 from graphpar.ir.mesh import Mesh
@@ -77,8 +78,8 @@ class AutoShard(GraphPass):
         mesh = mesh_for(self.mesh, get_cluster(self.cluster))
         _check_mesh_divides(graph, mesh, self.mesh)
         limit = self.memory_bytes(mesh)
-        plan = solve(graph, mesh, mesh.cluster.peak_flops(self.dtype), limit, self.time_limit,
-                     deadline=deadline)
+        plan = solve(graph, mesh, Roofline.of(mesh.cluster, self.dtype), limit,
+                     self.time_limit, deadline=deadline)
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
             "estimated_compute_s": round(plan.compute_seconds, 9),

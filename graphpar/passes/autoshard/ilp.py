@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphpar.cost.communication import resharding_cost_matrix
+from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
@@ -115,9 +116,10 @@ class Problem:
     """Every graph input's candidate layouts and every node's strategies on one mesh, the edges
     between them, and what each choice costs in time and memory."""
 
-    def __init__(self, graph: Graph, mesh: Mesh, peak_flops: float,
+    def __init__(self, graph: Graph, mesh: Mesh, roofline: Roofline | float,
                  deadline: Deadline = _NO_DEADLINE):
-        self.graph, self.mesh, self.peak_flops = graph, mesh, peak_flops
+        self.graph, self.mesh = graph, mesh
+        self.roofline = roofline = Roofline.coerce(roofline)
         self.deadline = deadline
         self.items: list = [*graph.inputs, *graph.nodes]
         self.index = {item: i for i, item in enumerate(self.items)}
@@ -126,7 +128,7 @@ class Problem:
         for node in graph.nodes:
             deadline.check("enumerating the strategies of nodes and inputs", len(self.choices),
                            len(self.items))
-            self.choices.append(node_strategies(node, mesh, peak_flops))
+            self.choices.append(node_strategies(node, mesh, roofline))
         self.training = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self._layouts: dict[Layout, int] = {}
         self._layout_list: list[Layout] = []
@@ -261,6 +263,19 @@ class Problem:
         compute, comm, memory = self.evaluate(picks)
         plan.compute_seconds, plan.comm_seconds, plan.memory_bytes = compute, comm, int(memory)
         return plan
+
+    def recost(self, plan: Plan) -> Plan:
+        """`plan` (made for this graph, perhaps under another cost model: a bare peak FLOP/s,
+        another cluster's rates) with its times and memory as this problem prices them."""
+        picks = []
+        for item, choices in zip(self.items, self.choices):
+            if isinstance(item, Node):
+                chosen = plan.node_strategy[item]
+                picks.append(next(i for i, c in enumerate(choices)
+                                  if (c.inputs, c.outputs) == (chosen.inputs, chosen.outputs)))
+            else:
+                picks.append(choices.index(plan.input_layout[item]))
+        return self.plan(picks, plan.name)
 
 
 # --- the reduced problem ------------------------------------------------------------------------
@@ -730,14 +745,15 @@ _SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mi
             "highs": _solve_mip("HIGHS")}
 
 
-def solve(graph: Graph, mesh: Mesh, peak_flops: float, memory_limit: float | None = None,
+def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
+          memory_limit: float | None = None,
           time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
           solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None) -> Plan:
     """The cheapest plan for `graph` on `mesh` (see the module docstring). `time_limit` bounds
     the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
     building the problem leaves of it is the solver's."""
     deadline = deadline or Deadline(time_limit)
-    problem = Problem(graph, mesh, peak_flops, deadline)
+    problem = Problem(graph, mesh, roofline, deadline)
     reduced = Reduced(problem, simplify=simplify, tie_layers=tie_layers)
     deadline.check("reducing the problem")
     return reduced.solve(memory_limit, max(deadline.left(), 1e-3), solver)

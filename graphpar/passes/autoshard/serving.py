@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Program, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
@@ -143,7 +144,7 @@ class ShardServing(Pass):
         base, *others = program
         mesh = mesh_for(str(self.tp), get_cluster(self.cluster))
         fixed = ctx.result(ServingLayouts)
-        reduced = Reduced(Problem(base, mesh, mesh.cluster.peak_flops("fp32")))
+        reduced = Reduced(Problem(base, mesh, Roofline.of(mesh.cluster, "fp32")))
         allow = _ServingFilter(reduced, varying_dims(base, others), fixed, self.plan)
         try:
             solved = reduced.solve(None, self.time_limit, allow=allow,

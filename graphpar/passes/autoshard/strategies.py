@@ -9,11 +9,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from graphpar.cost.compute import Roofline, op_seconds
 from graphpar.ir.graph import Node, Value
 from graphpar.ir.layout import Layout, Partial, Replicate, Shard
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import node_flops
 from graphpar.ir.registry import Trait, get_op
+from graphpar.ir.types import TensorType
 from graphpar.passes.autoshard.factors import FactorSpec, factor_spec
 
 
@@ -42,25 +44,44 @@ def node_signature(node: Node) -> tuple:
 _CACHE: dict[tuple, list[Strategy]] = {}
 
 
-def node_strategies(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
+def node_strategies(node: Node, mesh: Mesh, roofline: Roofline | float) -> list[Strategy]:
     """Every valid strategy, deduplicated; the all-replicated one is always first. Cached by
-    signature, so equal nodes share one (read-only) list."""
-    key = (node_signature(node), mesh, peak_flops)
+    signature, so equal nodes share one (read-only) list. `roofline` prices compute
+    (`graphpar.cost.compute`; a number is a peak FLOP/s with nothing else)."""
+    roofline = Roofline.coerce(roofline)
+    key = (node_signature(node), mesh, roofline)
     found = _CACHE.get(key)
     if found is None:
         if len(_CACHE) > 100_000:
             _CACHE.clear()
-        found = _CACHE[key] = _enumerate(node, mesh, peak_flops)
+        found = _CACHE[key] = _enumerate(node, mesh, roofline)
     return found
 
 
-def _enumerate(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
+def strategy_seconds(node: Node, mesh: Mesh, roofline: Roofline, inputs, outputs,
+                     split: int = 1, flops: int | None = None) -> float:
+    """Compute time of `node` on one device when its operands and results have the layouts
+    `inputs` / `outputs`: the node's FLOPs divided by `split` (how many devices share its
+    work) and the bytes of the shards one device reads and writes."""
+    def local(t, layout):
+        if layout is None or not isinstance(t, TensorType):
+            return t
+        return TensorType(layout.local_shape(t.shape, mesh), t.dtype)
+
+    operands = [local(getattr(v, "type", v), lay) for v, lay in zip(node.inputs, inputs)]
+    results = [local(o.type, lay) for o, lay in zip(node.outputs, outputs)]
+    total = node_flops(node) if flops is None else flops
+    return op_seconds(node.op, operands, results, node.attrs, roofline, total / split)
+
+
+def _enumerate(node: Node, mesh: Mesh, roofline: Roofline) -> list[Strategy]:
     spec = factor_spec(node)
     flops = node_flops(node)
     full = replicated(mesh)
-    plain = Strategy((None,) * len(mesh.shape),
-                     tuple(full if isinstance(v, Value) else None for v in node.inputs),
-                     tuple(full for _ in node.outputs), flops / peak_flops)
+    inputs = tuple(full if isinstance(v, Value) else None for v in node.inputs)
+    outputs = tuple(full for _ in node.outputs)
+    plain = Strategy((None,) * len(mesh.shape), inputs, outputs,
+                     strategy_seconds(node, mesh, roofline, inputs, outputs, 1, flops))
     if spec is None:
         return [plain]
     strategies, seen = [plain], {(plain.inputs, plain.outputs)}
@@ -70,15 +91,15 @@ def _enumerate(node: Node, mesh: Mesh, peak_flops: float) -> list[Strategy]:
     for assignment in itertools.product(*per_axis):
         if all(f is None for f in assignment):
             continue
-        strategy = _strategy(node, spec, mesh, assignment, flops / peak_flops)
+        strategy = _strategy(node, spec, mesh, assignment, roofline, flops)
         if strategy is not None and (strategy.inputs, strategy.outputs) not in seen:
             seen.add((strategy.inputs, strategy.outputs))
             strategies.append(strategy)
     return strategies
 
 
-def _strategy(node: Node, spec: FactorSpec, mesh: Mesh, assignment, seconds: float
-              ) -> Strategy | None:
+def _strategy(node: Node, spec: FactorSpec, mesh: Mesh, assignment, roofline: Roofline,
+              flops: int) -> Strategy | None:
     for f in set(assignment) - {None}:
         ways = math.prod(mesh.shape[a] for a, g in enumerate(assignment) if g == f)
         if spec.sizes[f] % ways:
@@ -121,7 +142,8 @@ def _strategy(node: Node, spec: FactorSpec, mesh: Mesh, assignment, seconds: flo
             return None
         outputs.append(layout)
     split = math.prod(mesh.shape[a] for a, f in enumerate(assignment) if f is not None)
-    return Strategy(tuple(assignment), tuple(inputs), tuple(outputs), seconds / split)
+    seconds = strategy_seconds(node, mesh, roofline, inputs, outputs, split, flops)
+    return Strategy(tuple(assignment), tuple(inputs), tuple(outputs), seconds)
 
 
 def _divides(layout: Layout, shape: tuple[int, ...], mesh: Mesh) -> bool:

@@ -33,6 +33,7 @@ import numpy as np
 
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.communication import resharding_cost
+from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError, PassError, ShardingError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
@@ -296,7 +297,7 @@ class _LayerCosts:
                  microbatches: int, forward: set[Node], optimizer: set[Node],
                  cache: dict | None = None):
         self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
-        self.peak = cluster.peak_flops(dtype)
+        self.roofline = Roofline.of(cluster, dtype)
         self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
         self.solves = 0
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
@@ -311,7 +312,7 @@ class _LayerCosts:
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}")
         costed = _without_boundary_outputs(sub)
         self.solves += 1
-        reduced = Reduced(Problem(costed, mesh, self.peak))
+        reduced = Reduced(Problem(costed, mesh, self.roofline))
         try:
             plan = None
             if family is not None:

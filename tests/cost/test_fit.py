@@ -1,0 +1,93 @@
+"""The cost model's fits: noiseless times made by the formulas give their coefficients back
+exactly; noisy ones leave residuals that say so."""
+
+import numpy as np
+import pytest
+
+from graphpar.cost.communication import collective_time
+from graphpar.cost.fit import fit_alpha_beta, fit_roofline, nnls, roofline_seconds
+
+# (M, K, N) matmuls: skinny ones below the ridge (memory-bound), square ones above it
+SHAPES = [(1, 1024, 1024), (4, 2048, 2048), (16, 256, 256), (32, 512, 512), (128, 1024, 1024),
+          (512, 1024, 1024)]
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+
+def _matmul(m, k, n):
+    return 2 * m * k * n, 4 * (m * k + k * n + m * n)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    design = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert nnls(design, np.array([2.0, 3.0, 5.0])) == pytest.approx([2.0, 3.0])
+    # the unconstrained answer has x[1] < 0; the constrained one sets it to 0
+    assert nnls(design, np.array([2.0, -3.0, -1.0])) == pytest.approx([1.0 / 2 * (2 - 1), 0.0])
+
+
+def test_roofline_fit_recovers_rate_bandwidth_and_overhead_from_both_regimes():
+    rate, bandwidth, overhead = 90e9, 12e9, 3e-6
+    samples = [(f, b, roofline_seconds(f, b, rate, bandwidth, overhead))
+               for f, b in map(lambda s: _matmul(*s), SHAPES)]
+    intensities = [f / b for f, b, _ in samples]
+    assert min(intensities) < rate / bandwidth < max(intensities)  # both regimes are there
+    fit = fit_roofline(samples)
+    assert fit.flops == pytest.approx(rate, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    assert fit.overhead == pytest.approx(overhead, rel=1e-6)
+    assert max(map(abs, fit.residuals)) < 1e-9
+
+
+def test_roofline_fit_of_a_memory_bound_class_has_no_flop_rate():
+    """Elementwise ops never reach the arithmetic roof: F is not measured, not invented."""
+    bandwidth, overhead = 20e9, 2e-6
+    samples = [(n, 12 * n, 12 * n / bandwidth + overhead) for n in (2**10, 2**14, 2**18, 2**22)]
+    fit = fit_roofline(samples)
+    assert fit.flops is None
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    assert fit.overhead == pytest.approx(overhead, rel=1e-6)
+
+
+def test_roofline_residuals_report_noise_in_the_callers_order():
+    rate, bandwidth = 50e9, 10e9
+    samples = [(f, b, max(f / rate, b / bandwidth)) for f, b in map(lambda s: _matmul(*s), SHAPES)]
+    slow = list(samples)
+    slow[2] = (slow[2][0], slow[2][1], slow[2][2] * 3)  # one shape ran three times slower
+    fit = fit_roofline(slow)
+    assert max(map(abs, fit.residuals)) > 0.05  # no roofline passes through that point
+    backwards = fit_roofline(slow[::-1])
+    assert backwards.residuals == pytest.approx(fit.residuals[::-1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ranks", [(2,), (4,), (2, 4, 8)])
+def test_alpha_beta_fit_recovers_each_collective_formula(kind, ranks):
+    latency, bandwidth = 300e-6, 1.3e9
+    samples = [(kind, n, m, collective_time(kind, m, n, bandwidth, latency))
+               for n in ranks for m in (256, 4096, 65536, 2**20, 2**24)]
+    fit = fit_alpha_beta(samples)
+    assert fit.latency == pytest.approx(latency, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-9)
+    assert max(map(abs, fit.residuals)) < 1e-9
+    # plugged back into the cost model's formula, the fit reproduces the measurements
+    for (k, n, m, seconds) in samples:
+        assert collective_time(k, m, n, fit.bandwidth, fit.latency) == pytest.approx(seconds)
+
+
+def test_one_link_fit_over_every_kind_at_once():
+    latency, bandwidth = 40e-6, 5e9
+    samples = [(k, n, m, collective_time(k, m, n, bandwidth, latency))
+               for k in KINDS for n in (2, 4) for m in (1024, 2**20)]
+    fit = fit_alpha_beta(samples)
+    assert (fit.latency, fit.bandwidth) == (pytest.approx(latency), pytest.approx(bandwidth))
+
+
+def test_alpha_beta_fit_says_when_time_does_not_grow_with_size():
+    fit = fit_alpha_beta([("all_reduce", 2, m, 1e-3) for m in (256, 4096, 2**20)])
+    assert fit.bandwidth is None and fit.latency == pytest.approx(0.5e-3)
+
+
+def test_a_fit_needs_two_samples():
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_roofline([(1.0, 1.0, 1.0)])
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_alpha_beta([("all_reduce", 2, 256, 1e-4)])

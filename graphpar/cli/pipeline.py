@@ -177,7 +177,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
     them in lockstep in its process), against eager PyTorch and torch.optim; then the step
     timed (`TIMED_STEPS` after `WARMUP_STEPS`), whole and per stage, beside `estimated` (the
     report's pipeline estimates)."""
-    from graphpar.cli.compile import TIMED_STEPS, WARMUP_STEPS, step_time_report
+    from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS, step_time_report
     from graphpar.runtime.schedules import timeline_of
 
     spec.real_module()  # weights are made only now, to run
@@ -208,7 +208,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
 
 
 def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
-    from graphpar.cli.compile import step_time_line
+    from graphpar.cli.common import step_time_line
     from graphpar.ir.printer import format_count
 
     p = s["pipeline"]

@@ -27,8 +27,8 @@ which leaves out time spent waiting in collectives. Estimated and measured figur
 apart in the JSON.
 
 The last repeat of each plan also times every node of rank 0's program: the per-op table sums,
-over all plans, what the cost model predicts for each op (compute: local FLOPs at the cluster's
-FLOP/s; collectives: alpha-beta on their buffer) against what it took, to show which op classes
+over all plans, what the cost model predicts for each op (compute: the roofline on its local
+shapes; collectives: alpha-beta on their buffer) against what it took, to show which op classes
 and collectives are mispriced (`--no-profile` skips it).
 """
 
@@ -50,6 +50,7 @@ import torch
 from graphpar.api import lower
 from graphpar.capture import Adam, Captured, capture_inference, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
@@ -141,12 +142,12 @@ def _decode_args(captured: Captured, vocab: int, past: int) -> tuple[torch.Tenso
     return tuple(args)
 
 
-def solve_plan(case: Case, mesh, name: str, peak_flops: float, memory_limit: float | None):
+def solve_plan(case: Case, mesh, name: str, memory_limit: float | None):
     """(plan, sharded capture) for plan `name` on `mesh`: the ILP's (as the auto-shard pass
-    solves it) or a hand plan, solved and written into a copy of the case's graph. Raises
-    NotApplicable or MemoryLimitError."""
+    solves it: compute priced by the roofline of the mesh's cluster) or a hand plan, solved
+    and written into a copy of the case's graph. Raises NotApplicable or MemoryLimitError."""
     graph = case.captured.graph.copy()
-    reduced = Reduced(Problem(graph, mesh, peak_flops))
+    reduced = Reduced(Problem(graph, mesh, Roofline.of(mesh.cluster, "fp32")))
     if name == "ilp":
         plan = reduced.solve(memory_limit, time_limit=60)
     else:
@@ -160,8 +161,7 @@ def measure_plan(case: Case, mesh, name: str, cluster, args) -> dict:
     row = {"model": case.model, "mode": case.mode, "mesh": "x".join(map(str, mesh.shape)),
            "plan": name}
     try:
-        plan, captured = solve_plan(case, mesh, name, cluster.peak_flops("fp32"),
-                                    float(cluster.device_memory))
+        plan, captured = solve_plan(case, mesh, name, float(cluster.device_memory))
     except NotApplicable as exc:
         return {**row, "status": f"n/a: {exc}"}
     except MemoryLimitError:
@@ -174,7 +174,7 @@ def measure_plan(case: Case, mesh, name: str, cluster, args) -> dict:
                                profile=args.profile)
     wall = time.perf_counter() - start
     if args.profile:
-        row["ops"] = op_breakdown(compiled.spmd, mesh, cluster, runs[-1].node_seconds[0])
+        row["ops"] = op_breakdown(compiled.spmd, mesh, runs[-1].node_seconds[0])
     steps = [s for r in runs for s in r.step_seconds]
     medians = [r.median for r in runs]
     measured = statistics.median(steps)
@@ -198,18 +198,18 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def op_breakdown(program, mesh, cluster, measured: dict[int, float]) -> dict[str, dict]:
+def op_breakdown(program, mesh, measured: dict[int, float]) -> dict[str, dict]:
     """Rank 0's step by op: per op name, its nodes, the seconds the cost model predicts for
-    them on this device (compute: local FLOPs at the cluster's FLOP/s; collectives: the
+    them on this device (compute: the roofline of its local shapes; collectives: the
     alpha-beta cost of their buffer) and the seconds they took (mean per timed step)."""
     from graphpar.cost.communication import node_comm_cost
-    from graphpar.ir.printer import node_flops
+    from graphpar.cost.compute import node_seconds
 
-    peak = cluster.peak_flops("fp32")
+    roofline = Roofline.of(mesh.cluster, "fp32")
     ops: dict[str, dict] = {}
     for index, node in enumerate(program.nodes):
         comm = node_comm_cost(node, mesh)
-        predicted = comm.seconds if comm is not None else node_flops(node) / peak
+        predicted = comm.seconds if comm is not None else node_seconds(node, roofline)
         entry = ops.setdefault(node.op, {"nodes": 0, "predicted_ms": 0.0, "measured_ms": 0.0})
         entry["nodes"] += 1
         entry["predicted_ms"] += predicted * 1e3

@@ -277,6 +277,8 @@ def summarize(rows: list[dict]) -> dict:
                 f"ilp_fastest_or_within_noise{suffix}": within})
         summary["median_abs_relative_error"] = statistics.median(
             abs(r["relative_error"]) for r in group)
+        summary["median_abs_relative_error_cpu"] = statistics.median(
+            abs(r["predicted_ms"] - r["measured_cpu_ms"]) / r["measured_cpu_ms"] for r in group)
         out["/".join(key)] = summary
     return out
 

@@ -84,6 +84,7 @@ def test_a_hung_program_is_killed_at_the_timeout():
     assert time.monotonic() - start < 15
 
 
+@pytest.mark.slow  # `--run-cpu`'s CLI test times steps in the default set
 def test_a_job_times_repeated_steps_inside_its_workers_and_still_runs():
     """`SpmdJob.time_steps`: one wall and CPU time per rank per timed step (warm-up steps not
     among them), a step as long as its slowest rank, and with `profile` every node's time,

@@ -58,6 +58,7 @@ class Calibration:
     link: AlphaBetaFit  # every kind together: the intra-node link
     notes: list[str] = field(default_factory=list)  # which numbers are not their own fit's
     seconds: float = 0.0  # measured, wall clock
+    compute_seconds: float = 0.0  # of which timing ops (wall clock)
     load_average: float = 0.0  # this machine's 1-minute load when it started
 
 
@@ -85,10 +86,12 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
              for c in compute_cases(dtype, quick=quick or dtype != torch.float32)]
     compute = measure_compute(cases, device, budget_s=0.04 if quick else 0.1,
                               progress=progress)
+    compute_seconds = time.perf_counter() - start
     collectives = measure_collectives(ranks, collective_sizes(quick), device=device,
                                       quick=quick, progress=progress)
     cal = fit(compute, collectives, ranks, PRESETS[base], device)
     cal.seconds, cal.load_average = time.perf_counter() - start, load
+    cal.compute_seconds = compute_seconds
     return cal
 
 
@@ -250,6 +253,7 @@ def timings(cal: Calibration) -> dict:
                   "bytes": "B", "flops": "FLOP"},
         "ranks": cal.ranks, "cpu": cpu_model(), "cpus": os.cpu_count(),
         "threads_per_rank": worker_threads(), "wall_seconds": cal.seconds,
+        "compute_wall_seconds": cal.compute_seconds,
         "load_average_1min_at_start": cal.load_average, "notes": cal.notes,
         "link": {"latency_s": cal.link.latency, "bandwidth_bytes_per_s": cal.link.bandwidth},
         "compute": compute_rows, "collectives": collective_rows,

@@ -35,6 +35,7 @@ from graphpar.runtime.schedules import (
 
 if TYPE_CHECKING:
     from graphpar.compiler import CompileResult, ModelSpec
+    from graphpar.cost.cluster import Cluster
     from graphpar.eager_check import EagerCheck
     from graphpar.passes.pipeline.plan import StagePlan
 
@@ -77,7 +78,7 @@ class PipelineCompiled:
                      for i, s in enumerate(self.plan.stages) if math.prod(s.logical_mesh) > 1}
         return self.on_submeshes(submeshes, cluster=cluster) if submeshes else self
 
-    def estimate(self, cluster: str = "cpu", dtype: str = "fp32") -> Timeline:
+    def estimate(self, cluster: str | Cluster = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
         cluster file, e.g. one `graphpar calibrate` measured): each phase's ops priced
         by the roofline of `graphpar.cost.compute` on the cluster's achieved rates, each

@@ -70,6 +70,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f.write(json.dumps(timings(cal), indent=2) + "\n")
     with atomic_output(out, "--out") as f:
         f.write(json.dumps(cal.cluster.to_dict(), indent=2) + "\n")
-    print(f"wrote {out} (cluster file: --cluster {out}) and {timing_file} "
-          f"(measured in {cal.seconds:.0f} s, {os.cpu_count()} CPUs)")
+    print(f"wrote {out} (cluster file: --cluster {out}) and {timing_file} (measured in "
+          f"{cal.seconds:.0f} s: ops {cal.compute_seconds:.0f} s, collectives "
+          f"{cal.seconds - cal.compute_seconds:.0f} s; {os.cpu_count()} CPUs, load average "
+          f"{cal.load_average:.1f} at the start)")
     return 0

@@ -204,12 +204,16 @@ def test_a_gradient_updated_on_another_stage_on_gloo_ranks(gpt_two_stages):
 
 
 def test_estimated_timeline_counts_every_flop_once_per_microbatch(gpt_two_stages, tmp_path):
+    import dataclasses
+
     from graphpar.cost.cluster import get_cluster
     from graphpar.ir.printer import node_flops
     from graphpar.passes.pipeline.partition import forward_backward_optimizer
 
     pipe = gpt_two_stages.with_schedule("1f1b")
-    timeline = pipe.estimate("cpu")
+    # Without a compute table the roofline is FLOPs at peak: the FLOPs can be counted.
+    flops_only = dataclasses.replace(get_cluster("cpu"), compute=())
+    timeline = pipe.estimate(flops_only)
     graph = pipe.captured.graph
     fwd, bwd, opt = forward_backward_optimizer(graph)
     per_microbatch = sum(node_flops(n) for n in graph.nodes if n in fwd or n in bwd)
@@ -219,6 +223,8 @@ def test_estimated_timeline_counts_every_flop_once_per_microbatch(gpt_two_stages
     assert sum(timeline.compute_seconds) * peak == pytest.approx(
         MICROBATCHES * per_microbatch + once, rel=1e-3)
     assert 0 < timeline.bubble_fraction < 1 and timeline.step_seconds > 0
+    # The preset's roofline adds each op's memory traffic beyond its FLOPs and a call overhead.
+    assert sum(pipe.estimate("cpu").compute_seconds) > sum(timeline.compute_seconds)
     pipe.run(*pipe.spec.inputs, *pipe.spec.targets)
     trace = pipe.trace(tmp_path / "pipeline.json")
     assert len([e for e in trace["traceEvents"] if e.get("ph") == "X"]) == len(

@@ -32,6 +32,7 @@ import torch
 
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, hand_plans
 from graphpar.passes.autoshard.ilp import (
@@ -103,7 +104,7 @@ def measure(graph, mesh_shape: str, cluster, solver: str, unsimplified: bool,
     mesh = mesh_for(mesh_shape, cluster)
     limit = float(cluster.device_memory) if memory_limit else None
     start = time.perf_counter()
-    problem = Problem(graph, mesh, cluster.peak_flops("fp32"))
+    problem = Problem(graph, mesh, Roofline.of(cluster, "fp32"))
     reduced = Reduced(problem)
     build_s = time.perf_counter() - start
     plan = reduced.solve(limit, time_limit=120, solver=solver)

@@ -29,6 +29,7 @@ from graphpar.cost.compute import Roofline
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Program, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
+from graphpar.ir.mesh import Mesh
 from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.auto_shard import ShardingPlans
 from graphpar.passes.autoshard.hand_plans import _axis_roles, _Filter
@@ -144,11 +145,8 @@ class ShardServing(Pass):
         base, *others = program
         mesh = mesh_for(str(self.tp), get_cluster(self.cluster))
         fixed = ctx.result(ServingLayouts)
-        reduced = Reduced(Problem(base, mesh, Roofline.of(mesh.cluster, "fp32")))
-        allow = _ServingFilter(reduced, varying_dims(base, others), fixed, self.plan)
         try:
-            solved = reduced.solve(None, self.time_limit, allow=allow,
-                                   name=f"serving-{self.plan}")
+            solved = solve_serving(base, others, mesh, self.plan, fixed, self.time_limit)
         except ShardingError as exc:
             raise ShardingError(f"no {self.plan} tensor-parallel plan for @{base.name} on "
                                 f"{self.tp} ranks: {exc}") from None
@@ -160,6 +158,19 @@ class ShardServing(Pass):
         ctx.result(ShardingPlans)[base.name] = solved
         shard_graph(base, mesh, solved)
         return True
+
+
+def solve_serving(base: Graph, others: Sequence[Graph], mesh: Mesh, plan: str = "auto",
+                  fixed: Mapping[str, Layout] | None = None, time_limit: float = 30.0,
+                  roofline: Roofline | float | None = None) -> Plan:
+    """The `plan` ("auto" or "megatron") for the program whose base graph is `base` and whose
+    other sizes are `others`, on `mesh`, keeping the weight layouts in `fixed` (by input
+    name); compute priced by `roofline` (default: the mesh's cluster in fp32). `base` is not
+    changed."""
+    roof = Roofline.of(mesh.cluster, "fp32") if roofline is None else roofline
+    reduced = Reduced(Problem(base, mesh, roof))
+    allow = _ServingFilter(reduced, varying_dims(base, others), dict(fixed or {}), plan)
+    return reduced.solve(None, time_limit, allow=allow, name=f"serving-{plan}")
 
 
 def plan_serving(programs: Mapping[str, tuple[Graph, Mapping[str, int],

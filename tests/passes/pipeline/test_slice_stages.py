@@ -8,6 +8,7 @@ import pytest
 
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError, PassError, UsageError
 from graphpar.ir.graph import OutputRole, Role
 from graphpar.models import get_model
@@ -60,7 +61,7 @@ def test_plan_puts_each_layer_forward_backward_and_update_on_one_stage(mlp_step)
 def test_one_device_one_microbatch_costs_what_the_whole_graph_ilp_costs(mlp_step):
     # On one device there is nothing to reshard or send: the layers' times add up exactly.
     search = slice_stages(mlp_step, "1x1", microbatches=1)
-    whole = solve(mlp_step, mesh_for("1x1"), get_cluster("dgx-a100").peak_flops("fp32"))
+    whole = solve(mlp_step, mesh_for("1x1"), Roofline.of(get_cluster("dgx-a100"), "fp32"))
     assert len(search.plan.stages) == 1
     assert search.plan.est_step_seconds == pytest.approx(whole.step_seconds, rel=1e-9)
 

@@ -101,6 +101,7 @@ def plan_report(graph: Graph, plan) -> dict[str, Any]:
     return {
         "mesh": str(graph.mesh),
         "cluster": graph.mesh.cluster.name if graph.mesh.cluster else None,
+        "compute_model": f"roofline, {plan.compute_model}" if plan.compute_model else None,
         "step_seconds_estimated": plan.step_seconds,
         "compute_seconds_estimated": plan.compute_seconds,
         "communication_seconds_estimated": plan.comm_seconds,

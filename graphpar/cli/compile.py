@@ -120,7 +120,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"  plan       mesh {p['mesh']} on {p['cluster']}: step "
               f"{p['step_seconds_estimated'] * 1e3:.3f} ms (compute "
               f"{p['compute_seconds_estimated'] * 1e3:.3f} + communication "
-              f"{p['communication_seconds_estimated'] * 1e3:.3f}, estimated), "
+              f"{p['communication_seconds_estimated'] * 1e3:.3f}, estimated; compute as a "
+              f"{p['compute_model'] or 'roofline'}), "
               f"{p['memory_bytes_per_device_estimated'] / 2**20:.1f} MiB per device (estimated), "
               f"{p['reshards']} reshards")
         print(f"  solver     {p['solver']['status']}, {p['solver']['variables']} variables, "

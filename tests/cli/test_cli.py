@@ -154,6 +154,8 @@ def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["plan"]["mesh"] == "2" and report["plan"]["solver"]["status"] == "OPTIMAL"
+    assert report["plan"]["compute_model"] == "roofline, cpu fp32"
+    assert "compute as a roofline, cpu fp32" in out
     assert report["run_cpu"]["max_abs_error"] < 1e-5
     assert report["run_cpu"]["bytes_measured"] == pytest.approx(
         report["run_cpu"]["bytes_predicted"])

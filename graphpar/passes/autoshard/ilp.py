@@ -73,6 +73,7 @@ class Plan:
     memory_bytes: int = 0
     stats: dict = field(default_factory=dict)
     name: str = "ilp"
+    compute_model: str = ""  # what priced compute: the roofline's name ("dgx-a100 fp32")
 
     @property
     def step_seconds(self) -> float:
@@ -254,7 +255,7 @@ class Problem:
         return compute, comm, memory
 
     def plan(self, picks: list[int], name: str = "ilp") -> Plan:
-        plan = Plan(self.mesh, {}, {}, name=name)
+        plan = Plan(self.mesh, {}, {}, name=name, compute_model=self.roofline.name)
         for item, choices, p in zip(self.items, self.choices, picks):
             if isinstance(item, Node):
                 plan.node_strategy[item] = choices[p]

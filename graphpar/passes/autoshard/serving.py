@@ -213,4 +213,4 @@ def _moved(plan: Plan, graph: Graph, base: Graph) -> Plan:
     return Plan(plan.mesh, {n: plan.node_strategy[b] for n, b in zip(graph.nodes, base.nodes)},
                 {v: plan.input_layout[b] for v, b in zip(graph.inputs, base.inputs)},
                 plan.compute_seconds, plan.comm_seconds, plan.memory_bytes, plan.stats,
-                plan.name)
+                plan.name, plan.compute_model)

@@ -4,9 +4,8 @@ is fed slices instead of whole sequences.
 - `TokenLatency`: a stage's latency for a slice of l tokens after c tokens of context,
   t(l, c) = t_fwd(l, 0) + t_ctx(l, c) with t_ctx = a0 + a1*l + a2*c + a3*l*c (Eq. 2.9),
   forward and backward together. `transformer_latency` derives it from graphpar's cost
-  model (the roofline of `graphpar.cost.compute` over the cluster's achieved rates, plus
-  sending the slice's activations to the next stage); `fit` fits it from measured points and
-  reports its error on held-back ones.
+  model (FLOPs over the cluster's peak, plus sending the slice's activations to the next
+  stage); `fit` fits it from measured points and reports its error on held-back ones.
 - `solve_token_slices`: the DP of Eq. 2.6-2.8, min over t_max of S*(L; t_max) + (K-1)*t_max,
   t_max ascending with the early stop and an epsilon gap (optimal within K*epsilon);
   `solve_batch_and_tokens` runs it per batch-slice size and splits the batch by a 1-D knapsack.
@@ -25,7 +24,6 @@ import numpy as np
 from numba import njit
 
 from graphpar.cost.cluster import get_cluster
-from graphpar.cost.compute import SKINNY_ROWS, Roofline
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -66,45 +64,32 @@ class TokenLatency:
 
 
 def transformer_latency(seq_len: int, hidden: int, heads: int, ffn: int,
-                        layers_per_stage: int, roofline: Roofline | float, itemsize: int = 4,
+                        layers_per_stage: int, peak_flops: float, itemsize: int = 4,
                         send_bandwidth: float = float("inf"), send_latency: float = 0.0,
                         overhead: float = 0.0) -> TokenLatency:
-    """The latency model of a stage of `layers_per_stage` transformer layers, batch 1, priced
-    by `roofline` (`graphpar.cost.compute`; a number: FLOPs at that peak and nothing else),
-    forward and backward (BACKWARD_FACTOR), plus sending the slice's activations [l, hidden]
-    forward and their gradients back (`send_latency` + bytes / `send_bandwidth`), plus
-    `overhead` seconds per layer per slice (kernel calls beyond the roofline's own).
+    """The latency model of a stage of `layers_per_stage` transformer layers, batch 1, from their
+    FLOPs at `peak_flops` (the cost model's roofline: dense matmuls at peak), forward and
+    backward (BACKWARD_FACTOR), plus sending the slice's activations [l, hidden] forward and
+    their gradients back (`send_latency` + bytes / `send_bandwidth`), plus `overhead` seconds
+    per layer per slice (kernel calls).
 
-    Per layer, a slice of l tokens after c tokens: the six matmuls (q, k, v, out: 4 h^2; the
-    MLP: 2 h f) cost 2 l (4 h^2 + 2 h f) FLOPs and read their weights and the slice's rows
-    (`gemm`, or `gemm_skinny` for l <= 16: a short slice reads every weight for a few rows);
-    attention q k^T and p v cost 2 * 2 h per (query, key) pair, and token i of the slice sees
-    c + i + 1 keys, so 4 h (l c + l (l+1) / 2) FLOPs at the `attention` rate. Only the 4 h l c
-    term depends on the context: t_ctx = a3 l c with a3 = 4 h / (attention FLOP/s) per layer,
-    the compute term of the roofline (Eq. 2.9's form is linear; `heads` changes how attention
-    is split, not its FLOPs, and is kept for the caller's record).
+    Per layer, a slice of l tokens after c tokens: the projections (q, k, v, out: 4 h^2) and the
+    MLP (2 h f) cost 2 l (4 h^2 + 2 h f) FLOPs; attention q k^T and p v cost 2 * 2 h per
+    (query, key) pair, and token i of the slice sees c + i + 1 keys, so 4 h (l c + l (l+1) / 2).
+    Only the 4 h l c term depends on the context: t_ctx = a3 l c with a3 = 4 h / peak per layer
+    (`heads` changes how attention is split, not its FLOPs; it is kept for the caller's record).
     """
     if min(seq_len, hidden, heads, ffn, layers_per_stage) < 1:
         raise PassError("transformer_latency: seq_len, hidden, heads, ffn and layers_per_stage "
                         "must be positive")
-    roof = Roofline.coerce(roofline)
-    scale = BACKWARD_FACTOR * layers_per_stage
+    scale = BACKWARD_FACTOR * layers_per_stage / peak_flops
     lengths = np.arange(seq_len + 1, dtype=np.float64)
-    weights = (4 * hidden * hidden + 2 * hidden * ffn) * itemsize
-    rows = lengths * (4 * hidden + 4 * hidden + 2 * (hidden + ffn)) * itemsize  # in + out
-    gemm_flops = 2 * lengths * (4 * hidden * hidden + 2 * hidden * ffn)
-    gemm = np.empty_like(lengths)
-    for name, pick in (("gemm_skinny", lengths <= SKINNY_ROWS), ("gemm", lengths > SKINNY_ROWS)):
-        rate = roof.rate(name)
-        gemm[pick] = np.maximum(gemm_flops[pick] / rate.flops,
-                                (weights + rows[pick]) / rate.bandwidth) + 6 * rate.overhead
-    attention = roof.rate("attention")
-    attn = 4 * hidden * lengths * (lengths + 1) / 2 / attention.flops + attention.overhead
+    flops = 2 * lengths * (4 * hidden * hidden + 2 * hidden * ffn) \
+        + 4 * hidden * lengths * (lengths + 1) / 2
     send = 2 * (send_latency + lengths * hidden * itemsize / send_bandwidth)
-    base = (gemm + attn) * scale + send + overhead * layers_per_stage
+    base = flops * scale + send + overhead * layers_per_stage
     base[0] = 0.0
-    return TokenLatency(tuple(float(x) for x in base),
-                        (0.0, 0.0, 0.0, 4.0 * hidden * scale / attention.flops))
+    return TokenLatency(tuple(float(x) for x in base), (0.0, 0.0, 0.0, 4.0 * hidden * scale))
 
 
 def fit(points: Sequence[tuple[int, int, float]], seq_len: int, holdout: float = 0.25,
@@ -351,7 +336,7 @@ class SliceTokens(GraphPass):
         ffn = self.ffn or 4 * hidden
         cluster = get_cluster(self.cluster)
         return transformer_latency(seq_len, hidden, heads, ffn, layers // self.stages,
-                                   Roofline.of(cluster, self.dtype), itemsize=4,
+                                   cluster.peak_flops(self.dtype), itemsize=4,
                                    send_bandwidth=cluster.intra_node_bandwidth,
                                    send_latency=cluster.intra_node_latency)
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from graphpar.compiler import ModelSpec
     from graphpar.eager_check import EagerCheck
     from graphpar.pipelined import PipelineCompiled
+    from graphpar.runtime.program import StepTimes
 
 
 @dataclass
@@ -110,13 +111,32 @@ class Compiled:
         step from the state compiled from the module: call it before `step()`."""
         from graphpar.eager_check import check_against_eager
 
+        outputs = self.run(*self.example_args(), processes=processes, backend=backend,
+                           poison=poison)
+        return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
+
+    def time_steps(self, steps: int = 5, warmup: int = 2, repeats: int = 1,
+                   args: Sequence[torch.Tensor] | None = None, profile: bool = False
+                   ) -> list[StepTimes]:
+        """Measure the step on one process per rank over gloo, on `args` (by default the
+        example it was compiled from): `repeats` times (one set of worker processes for all),
+        `warmup` untimed steps then `steps` timed ones each. Collectives use gloo's own
+        all-reduce (what a real run uses), not the bit-reproducible gather-and-sum of `run`.
+        `profile`: the last repeat also times every node of the device program."""
+        from graphpar.runtime.launch import SpmdJob
+
+        per_rank = self.rank_inputs(*(self.example_args() if args is None else args))
+        with SpmdJob(self.spmd, self.mesh, deterministic=False) as job:
+            return [job.time_steps(per_rank, steps, warmup, profile=profile and r == repeats - 1)
+                    for r in range(repeats)]
+
+    def example_args(self) -> tuple[torch.Tensor, ...]:
+        """The inputs it was compiled from, and for a training step the targets."""
         if self.spec is None:
             raise UsageError("this plan does not know the module it came from: compile it "
                              "with graphpar.compile, or give lower() its spec")
         train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
-        args = self.spec.inputs + (self.spec.targets if train else ())
-        outputs = self.run(*args, processes=processes, backend=backend, poison=poison)
-        return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
+        return self.spec.inputs + (self.spec.targets if train else ())
 
     def loss_index(self) -> int:
         return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)

@@ -127,9 +127,12 @@ class PipelineCompiled:
         """Bytes sent between stages in one step, from the programs' transfer lists."""
         return self.programs.step_bytes(self.microbatches)
 
-    def run(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
+    def run(self, *args: torch.Tensor, processes: bool = False, timed_steps: int = 0,
+            warmup: int = 0) -> list[torch.Tensor]:
         """One step on the full batch `args` (inputs then targets): the training graph's
-        outputs (mean loss, mean gradients, updates)."""
+        outputs (mean loss, mean gradients, updates). With `processes` and `timed_steps`, the
+        same processes then time that many more steps after `warmup` untimed ones
+        (`last_run.step_times`, `last_run.stage_compute_seconds`)."""
         names = self.captured.user_inputs
         if len(args) != len(names):
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
@@ -139,24 +142,26 @@ class PipelineCompiled:
             from graphpar.runtime.pipeline import run_multiprocess
 
             run = run_multiprocess(self.programs, self.schedule, self.captured.state, inputs,
-                                   sharded=self.sharded)
+                                   sharded=self.sharded, timed_steps=timed_steps, warmup=warmup)
         else:
             run = run_in_process(self.programs, self.schedule, self.captured.state, inputs,
                                  self.sharded)
         self.last_run = run
         return run.outputs
 
-    def check(self, processes: bool = False, per_microbatch: bool | None = None
-              ) -> EagerCheck:
+    def check(self, processes: bool = False, per_microbatch: bool | None = None,
+              timed_steps: int = 0, warmup: int = 0) -> EagerCheck:
         """Run one step on the example it was compiled from and compare every output with
         eager PyTorch and torch.optim: on the full batch, or (`per_microbatch`; the default
         for models with buffers the forward updates, i.e. batch norm, whose statistics differ
-        per microbatch) microbatch by microbatch with gradient accumulation."""
+        per microbatch) microbatch by microbatch with gradient accumulation. `timed_steps`,
+        `warmup`: as `run`'s."""
         from graphpar.eager_check import check_against_eager
 
         if self.spec is None:
             raise UsageError("this pipeline does not know the module it came from")
-        outputs = self.run(*self.spec.inputs, *self.spec.targets, processes=processes)
+        outputs = self.run(*self.spec.inputs, *self.spec.targets, processes=processes,
+                           timed_steps=timed_steps, warmup=warmup)
         if per_microbatch is None:
             per_microbatch = bool(self.captured.graph.inputs_with_role(Role.BUFFER)) and any(
                 o.target in {v.name for v in self.captured.graph.inputs_with_role(Role.BUFFER)}

@@ -170,3 +170,22 @@ def _publish(staging: Path, out: Path) -> None:
         if target.is_dir():
             shutil.rmtree(target)
         os.replace(item, target)
+
+
+TIMED_STEPS, WARMUP_STEPS = 5, 2  # --run-cpu's step timing: the median of 5 after 2 untimed
+
+
+def step_time_report(measured: dict, estimated: float) -> dict:
+    """Measured step time (`StepTimes.as_dict`) beside the estimate the plan was chosen by,
+    and their ratio (measured / estimated)."""
+    return {**measured, "step_seconds_estimated": estimated,
+            "step_time_ratio": (measured["step_seconds_measured"] / estimated
+                                if estimated > 0 else None)}
+
+
+def step_time_line(r: dict) -> str:
+    """`step time  X ms measured (median of K), Y ms estimated, ratio Z`."""
+    ratio = "n/a" if r["step_time_ratio"] is None else f"{r['step_time_ratio']:.3g}"
+    return (f"step time  {r['step_seconds_measured'] * 1e3:.3f} ms measured (median of "
+            f"{r['steps']}, min {r['step_seconds_min'] * 1e3:.3f} ms), "
+            f"{r['step_seconds_estimated'] * 1e3:.3f} ms estimated, ratio {ratio}")

@@ -9,12 +9,16 @@ import shutil
 from pathlib import Path
 
 from graphpar.cli.common import (
+    TIMED_STEPS,
+    WARMUP_STEPS,
     _existing_parent,
     _names,
     _publish,
     load_target,
     staging_dir,
     step,
+    step_time_line,
+    step_time_report,
 )
 from graphpar.errors import GraphparError, OutputError, UsageError
 
@@ -132,6 +136,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{r['bytes_predicted']:.0f} predicted")
         for line in r["error_lines"]:
             print(f"             {line}")
+        print(f"             {step_time_line(r)}")
     if "cuda" in s:
         from graphpar.cli.cuda import print_cuda_report
 
@@ -193,9 +198,12 @@ def run_on_cpu_ranks(result, compiled=None) -> dict:
         compiled = lower(result.captured, result.context, spec=result.spec,
                          optimizer=result.optimizer)
     check = compiled.check(processes=True)
-    return {"ranks": compiled.mesh.size,
-            "max_abs_error": check.max_abs_error,
-            "errors": check.as_dict(),
-            "error_lines": check.lines(),
-            "bytes_measured": max(compiled.bytes_sent, default=0.0),
-            "bytes_predicted": compiled.predicted_bytes}
+    report = {"ranks": compiled.mesh.size,
+              "max_abs_error": check.max_abs_error,
+              "errors": check.as_dict(),
+              "error_lines": check.lines(),
+              "bytes_measured": max(compiled.bytes_sent, default=0.0),
+              "bytes_predicted": compiled.predicted_bytes}
+    (times,) = compiled.time_steps(TIMED_STEPS, WARMUP_STEPS)
+    report.update(step_time_report(times.as_dict(), compiled.plan.step_seconds))
+    return report

@@ -145,11 +145,12 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                       "one process per stage)"):
                 spec.real_module()  # weights are made only now, to run
                 summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
-                    pipe, list(result.graph.attrs["token_slices"]), args.schedule, trace=args.trace,
-                    cluster=args.cluster)
+                    pipe, list(result.graph.attrs["token_slices"]), args.schedule,
+                    trace=args.trace, cluster=args.cluster)
         elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
-                summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
+                summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args,
+                                                         summary["pipeline"])
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
         (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -228,36 +229,50 @@ def token_slicing_report(result) -> dict:
 
 
 def token_timeline(plan, result):
-    """The step as GPipe over (microbatch, token slice) units (`token_schedule`), simulated on the
-    stage plan's estimates (forward : backward as 1 : 2), each unit's time the stage's per
+    """The step as GPipe over (microbatch, token slice) units (`token_schedule`), simulated on
+    the stage plan's estimates (forward : backward as 1 : 2), each unit's time the stage's per
     microbatch time times its slice's share (`TokenSlicing.slice_shares`). Estimated."""
     from graphpar.passes.pipeline.token_slicing import TokenSlicing
     from graphpar.runtime.schedules import simulate, token_schedule
 
     tokens = result.context.result(TokenSlicing)
     per_stage = [s.est_seconds for s in plan.stages]
-    schedule = token_schedule("gpipe", len(per_stage), len(tokens.batch_slices), len(tokens.slices))
+    schedule = token_schedule("gpipe", len(per_stage), len(tokens.batch_slices),
+                              len(tokens.slices))
     shares = list(tokens.slice_shares) * len(tokens.batch_slices)
     return simulate(schedule, [t / 3 for t in per_stage], [2 * t / 3 for t in per_stage],
                     [0.0] * (len(per_stage) - 1), microbatch_scale=shares)
 
 
-def run_pipeline_on_cpu(spec, pipe, args) -> dict:
+def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
     """One pipelined step on CPU processes, one per stage (a stage on several devices runs
-    them in lockstep in its process), against eager PyTorch and torch.optim."""
+    them in lockstep in its process), against eager PyTorch and torch.optim; then the step
+    timed (`TIMED_STEPS` after `WARMUP_STEPS`), whole and per stage, beside `estimated` (the
+    report's pipeline estimates)."""
+    from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS, step_time_report
     from graphpar.runtime.schedules import timeline_of
 
     spec.real_module()  # weights are made only now, to run
     pipe = pipe.sharded_as_planned(args.cluster)
-    check = pipe.check(processes=True)
+    check = pipe.check(processes=True, timed_steps=TIMED_STEPS, warmup=WARMUP_STEPS)
     run = pipe.last_run
+    timed = step_time_report(run.step_times.as_dict(),
+                             estimated["schedule_step_seconds_estimated"])
+    stages = []
+    for s, seconds in enumerate(run.stage_compute_seconds):
+        per_microbatch = sorted(seconds)[len(seconds) // 2] / pipe.microbatches
+        est = estimated["stages"][s]["seconds_per_microbatch_estimated"]
+        stages.append({"seconds_per_microbatch_measured": per_microbatch,
+                       "seconds_per_microbatch_estimated": est,
+                       "ratio": per_microbatch / est if est > 0 else None})
     report = {"ranks": args.run_cpu, "processes": pipe.stages,
               "max_abs_error": check.max_abs_error, "errors": check.as_dict(),
               "error_lines": check.lines(),
               "bytes_between_stages_measured": sum(run.bytes_sent),
               "bytes_between_stages_predicted": pipe.predicted_bytes,
-              "step_seconds_measured": timeline_of(run.spans).step_seconds,
-              "bubble_fraction_measured": timeline_of(run.spans).bubble_fraction}
+              "first_step_seconds_measured": timeline_of(run.spans).step_seconds,
+              "bubble_fraction_measured": timeline_of(run.spans).bubble_fraction,
+              **timed, "stages": stages}
     if args.trace:
         pipe.trace(args.trace)
         report["trace"] = args.trace
@@ -265,6 +280,7 @@ def run_pipeline_on_cpu(spec, pipe, args) -> dict:
 
 
 def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
+    from graphpar.cli.common import step_time_line
     from graphpar.ir.printer import format_count
 
     p = s["pipeline"]
@@ -302,11 +318,19 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
         print(f"  run-cpu    {r['ranks']} devices in {r['processes']} processes: max |error| vs "
               f"eager {r['max_abs_error']:.2e}; bytes between stages "
               f"{r['bytes_between_stages_measured']} measured, "
-              f"{r['bytes_between_stages_predicted']} predicted; step "
-              f"{r['step_seconds_measured'] * 1e3:.1f} ms, bubble "
+              f"{r['bytes_between_stages_predicted']} predicted; first step "
+              f"{r['first_step_seconds_measured'] * 1e3:.1f} ms, bubble "
               f"{r['bubble_fraction_measured']:.1%} (measured)")
         for line in r["error_lines"]:
             print(f"             {line}")
+        print(f"             {step_time_line(r)} (simulated schedule)")
+        for i, st in enumerate(r["stages"]):
+            ratio = "n/a" if st["ratio"] is None else f"{st['ratio']:.3g}"
+            print(f"             stage {i}: forward + backward "
+                  f"{st['seconds_per_microbatch_measured'] * 1e3:.3f} ms/microbatch measured "
+                  f"(median of {r['steps']} steps), "
+                  f"{st['seconds_per_microbatch_estimated'] * 1e3:.3f} ms estimated, "
+                  f"ratio {ratio}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")
     if "run_cpu_tokens" in s:

@@ -5,7 +5,9 @@ run's inputs), starts one worker per rank (:class:`graphpar.runtime.workers.Work
 runs the program on the ranks as often as asked: every worker prepares its program once
 (:class:`~graphpar.backends.interpreter.Interpreter` with a ``GlooCommunicator``) and runs it
 on each run's inputs, writing its outputs and byte records back to the directory.
-``run_multiprocess`` is one job with one run.
+``run_multiprocess`` is one job with one run. :meth:`SpmdJob.time_steps` times repeated steps
+inside the workers, so that starting the processes and moving tensors through the directory
+are not timed.
 
 `torchrun --nproc-per-node N -m graphpar.runtime.launch JOBDIR` runs a job directory's first
 run as well: the worker reads only torchrun's environment and the directory.
@@ -18,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +34,14 @@ from graphpar.ir.printer import print_graph
 from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.gloo import GlooCommunicator
-from graphpar.runtime.program import GraphArg, Inputs, MeshArg, SpmdResult, load_program
+from graphpar.runtime.program import (
+    GraphArg,
+    Inputs,
+    MeshArg,
+    SpmdResult,
+    StepTimes,
+    load_program,
+)
 from graphpar.runtime.workers import WorkerGroup, free_port, report_rank_error, torchrun_env
 
 __all__ = ["SpmdJob", "SpmdWorker", "free_port", "main", "run_multiprocess", "torchrun_env"]
@@ -67,6 +77,37 @@ class SpmdJob:
 
     def run(self, per_rank_inputs: Sequence[Inputs]) -> SpmdResult:
         """Every rank's outputs and byte records for these inputs (one set per rank)."""
+        world = self._send_inputs(per_rank_inputs)
+        self.group.wait(self.group.send("run", self.runs))
+        outputs, records = [], []
+        for rank in range(world):
+            data = torch.load(self.jobdir / f"result{rank}.{self.runs}.pt", weights_only=True)
+            outputs.append(data["outputs"])
+            records.append([CommRecord(**{**r, "axes": tuple(r["axes"])})
+                            for r in data["records"]])
+        return SpmdResult(outputs, records)
+
+    def time_steps(self, per_rank_inputs: Sequence[Inputs], steps: int = 5, warmup: int = 2,
+                   *, profile: bool = False) -> StepTimes:
+        """Run the program `warmup` times, then `steps` timed times, on these inputs (the same
+        ones every step; a training step's updates are not fed back, which changes no
+        timing). The workers time each step themselves, all ranks starting it together.
+        `profile`: also time every node (`StepTimes.node_seconds`)."""
+        if steps < 1 or warmup < 0:
+            raise BackendError(f"time_steps: steps={steps}, warmup={warmup}: give at least one "
+                               "timed step and no negative warm-up")
+        world = self._send_inputs(per_rank_inputs)
+        self.group.wait(self.group.send("time_steps", self.runs, steps, warmup, profile))
+        timings = [json.loads((self.jobdir / f"timing{rank}.{self.runs}.json").read_text())
+                   for rank in range(world)]
+        times = StepTimes([t["wall"] for t in timings], [t["cpu"] for t in timings], warmup)
+        if profile:
+            times.node_seconds = [{int(i): s for i, s in t["nodes"].items()} for t in timings]
+        return times
+
+    def _send_inputs(self, per_rank_inputs: Sequence[Inputs]) -> int:
+        """Write this run's inputs for every rank (starting the workers on the first run);
+        returns the world size."""
         world = self.mesh.size
         if len(per_rank_inputs) != world:
             raise BackendError(f"{len(per_rank_inputs)} input sets given for a {world}-rank "
@@ -76,14 +117,7 @@ class SpmdJob:
         self.runs += 1
         for rank, inputs in enumerate(per_rank_inputs):
             torch.save(_own_storage(inputs), self.jobdir / f"inputs{rank}.{self.runs}.pt")
-        self.group.wait(self.group.send("run", self.runs))
-        outputs, records = [], []
-        for rank in range(world):
-            data = torch.load(self.jobdir / f"result{rank}.{self.runs}.pt", weights_only=True)
-            outputs.append(data["outputs"])
-            records.append([CommRecord(**{**r, "axes": tuple(r["axes"])})
-                            for r in data["records"]])
-        return SpmdResult(outputs, records)
+        return world
 
     def close(self) -> None:
         """Stop the workers and remove the job directory."""
@@ -156,6 +190,57 @@ class SpmdWorker:
         write_result(self.jobdir / f"result{self.rank}.{number}.pt",
                      {"outputs": list(outputs),
                       "records": [r.as_dict() for r in self.comm.records]})
+
+
+    def time_steps(self, number: int, steps: int, warmup: int, profile: bool = False) -> None:
+        """Run on ``inputs<rank>.<number>.pt`` `warmup` + `steps` times, each after a barrier
+        so that all ranks start it together; write the timed steps' wall and CPU seconds (and
+        with `profile`, each node's mean seconds per timed step) to
+        ``timing<rank>.<number>.json``."""
+        inputs = torch.load(self.jobdir / f"inputs{self.rank}.{number}.pt", weights_only=True)
+        nodes: dict[int, float] = {}
+        interpreter = _profiled(self.interpreter, nodes) if profile else self.interpreter
+        wall, cpu = [], []
+        for i in range(warmup + steps):
+            self.comm.barrier()
+            self.comm.records.clear()
+            if i == warmup:
+                nodes.clear()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            interpreter.run(inputs)
+            self.comm.finish()
+            if i >= warmup:
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+        result = {"wall": wall, "cpu": cpu}
+        if profile:
+            result["nodes"] = {str(i): s / steps for i, s in nodes.items()}
+        path = self.jobdir / f"timing{self.rank}.{number}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(result))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def _profiled(interpreter: Interpreter, seconds: dict[int, float]) -> Interpreter:
+    """A copy of `interpreter` that adds each node's wall seconds to `seconds[index]`
+    (collectives included: their time is the wait for the group as well as the transfer)."""
+    import copy
+
+    def timed(index, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[index] = seconds.get(index, 0.0) + time.perf_counter() - start
+        return run
+
+    profiled = copy.copy(interpreter)
+    profiled.plan = [(i, node, fn if fn is None else timed(i, fn), *rest)
+                     for i, node, fn, *rest in interpreter.plan]
+    communicate = interpreter.communicate
+    profiled.communicate = lambda index, node, args: timed(index, communicate)(index, node,
+                                                                               args)
+    return profiled
 
 
 def main(argv: Sequence[str] | None = None) -> int:

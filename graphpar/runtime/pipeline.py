@@ -30,7 +30,14 @@ from graphpar.backends.interpreter import Interpreter
 from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.types import TensorType
-from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, validate
+from graphpar.runtime.schedules import (
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    Schedule,
+    Span,
+    validate,
+)
 
 __all__ = ["PipelineRun", "StageRunner", "assemble_outputs", "run_in_process",
            "split_microbatches"]
@@ -239,6 +246,10 @@ class PipelineRun:
     intra_stage_bytes: list[int] = field(default_factory=list)  # per stage: its collectives
     # microbatch tensors still held when the step ended (stash, received): 0 unless leaked
     tensors_left: int = 0
+    # repeated steps timed after it (run_multiprocess's timed_steps), measured: wall seconds
+    # per step and stage, and per stage its forward and backward seconds in each step
+    step_times: Any = None  # graphpar.runtime.program.StepTimes
+    stage_compute_seconds: list[list[float]] = field(default_factory=list)
 
 
 def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
@@ -348,13 +359,19 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                      state: Mapping[str, torch.Tensor],
                      inputs: Sequence[Mapping[str, torch.Tensor]],
                      timeout: float = 120.0,
-                     sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
+                     sharded: Mapping[int, Mapping[str, Any]] | None = None,
+                     timed_steps: int = 0, warmup: int = 0) -> PipelineRun:
     """One step with each stage in its own process (one rank per stage) over gloo, started by
     `runtime.workers.WorkerGroup`: each rank runs its stage's action list, sends and receives
     point to point, and times every action (the measured timeline).
 
     A stage in `sharded` runs each phase's SPMD program for all devices of its sub-mesh in
-    lockstep inside the stage's process (not yet one process per device)."""
+    lockstep inside the stage's process (not yet one process per device).
+
+    With `timed_steps`, the same processes then run `warmup` untimed and `timed_steps` timed
+    steps more, each from the starting state, every stage starting it together: the run's
+    `step_times` (wall seconds per step and stage) and `stage_compute_seconds` (each stage's
+    forward and backward seconds per step)."""
     import json
     import shutil
     import tempfile
@@ -408,6 +425,11 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
         group.wait(group.send("run"))
         results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
                    for s in range(stages)]
+        timings = []
+        if timed_steps:
+            group.wait(group.send("time_steps", timed_steps, warmup))
+            timings = [json.loads((jobdir / f"timing{s}.json").read_text())
+                       for s in range(stages)]
     finally:
         group.stop()
         shutil.rmtree(jobdir, ignore_errors=True)
@@ -415,8 +437,15 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
     start = min((span[2] for r in results for span in r["spans"]), default=0.0)
     spans = [Span(s, Action(ActionKind(kind), s, mb), t0 - start, t1 - start, rank=s)
              for s, r in enumerate(results) for kind, mb, t0, t1 in r["spans"]]
-    return PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
-                       [r["bytes_sent"] for r in results], spans)
+    run = PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
+                      [r["bytes_sent"] for r in results], spans)
+    if timings:
+        from graphpar.runtime.program import StepTimes
+
+        run.step_times = StepTimes([t["wall"] for t in timings], [t["cpu"] for t in timings],
+                                   warmup)
+        run.stage_compute_seconds = [t["compute"] for t in timings]
+    return run
 
 
 @dataclass
@@ -491,15 +520,56 @@ class PipelineWorker:
             for out, target in zip(device.outputs, targets):
                 out.target = target
             sharded[phase] = _DeviceProgram(device, device.mesh)
-        self.runner = StageRunner(self.program, job["microbatches"], tensors["state"],
-                                  tensors["inputs"], sharded)
+        self.tensors, self.sharded, self.microbatches = tensors, sharded, job["microbatches"]
+        self.runner = self._runner()
+
+    def _runner(self) -> StageRunner:
+        """A fresh runner of one step from the job's starting state and microbatches."""
+        return StageRunner(self.program, self.microbatches, self.tensors["state"],
+                           self.tensors["inputs"], self.sharded)
 
     def run(self) -> None:
-        import torch.distributed as dist
-
         from graphpar.runtime.launch import write_result
 
-        runner, pending = self.runner, []
+        runner = self.runner
+        spans = self._step(runner)
+        write_result(self.jobdir / f"result{self.rank}.pt",
+                     {"losses": runner.losses, "grad_outputs": runner.grad_outputs,
+                      "updates": runner.updates, "bytes_sent": runner.bytes_sent,
+                      "spans": spans})
+
+    def time_steps(self, steps: int, warmup: int) -> None:
+        """Run `warmup` + `steps` more steps, each from the starting state after a barrier (all
+        stages start together); write each timed step's wall seconds and this stage's compute
+        seconds (its forward and backward actions) and CPU seconds to ``timing<rank>.json``."""
+        import json
+        import os
+
+        import torch.distributed as dist
+
+        wall, cpu, compute = [], [], []
+        for i in range(warmup + steps):
+            runner = self._runner()
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            spans = self._step(runner)
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                wall.append(elapsed)
+                cpu.append(time.process_time() - start_cpu)
+                compute.append(sum(t1 - t0 for kind, _, t0, t1 in spans
+                                   if ActionKind(kind) in COMPUTE_KINDS))
+        path = self.jobdir / f"timing{self.rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps({"wall": wall, "cpu": cpu,
+                                                       "compute": compute}))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def _step(self, runner: StageRunner) -> list[tuple]:
+        """This stage's action list for one step; returns its spans (kind, microbatch, start,
+        end; wall-clock seconds)."""
+        import torch.distributed as dist
+
+        pending = []
         spans = []
         for action in self.actions:
             start = time.time()
@@ -537,10 +607,7 @@ class PipelineWorker:
             spans.append((kind.value, m, start, time.time()))
         for work, _ in pending:
             work.wait()
-        write_result(self.jobdir / f"result{self.rank}.pt",
-                     {"losses": runner.losses, "grad_outputs": runner.grad_outputs,
-                      "updates": runner.updates, "bytes_sent": runner.bytes_sent,
-                      "spans": spans})
+        return spans
 
     def _type(self, name: str, peer: int | None) -> TensorType:
         return self.types[name]

@@ -19,8 +19,8 @@ from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS, node_axes
 from graphpar.ir.verify import describe
 from graphpar.runtime.comm import CommRecord
 
-__all__ = ["GraphArg", "Inputs", "MeshArg", "SpmdResult", "check_program", "load_program",
-           "resolve_mesh"]
+__all__ = ["GraphArg", "Inputs", "MeshArg", "SpmdResult", "StepTimes", "check_program",
+           "load_program", "resolve_mesh"]
 
 Inputs = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 GraphArg = Graph | str | Sequence[Graph | str]
@@ -47,6 +47,55 @@ class SpmdResult(list):
         for r in self.records[rank]:
             out[r.node] = out.get(r.node, 0.0) + r.bytes_sent
         return out
+
+
+class StepTimes:
+    """Measured seconds of repeated steps of a device program: `wall[rank][i]` and
+    `cpu[rank][i]` (that rank's process CPU time) for timed step i, every rank starting each
+    step together. A step takes as long as its slowest rank: `step_seconds[i]` is the max over
+    ranks of step i's wall time."""
+
+    def __init__(self, wall: Sequence[Sequence[float]], cpu: Sequence[Sequence[float]],
+                 warmup: int = 0):
+        self.wall = [list(w) for w in wall]
+        self.cpu = [list(c) for c in cpu]
+        self.warmup = warmup  # untimed steps run before them
+        # when profiled: per rank, each node's (by graph position) mean seconds per step
+        self.node_seconds: list[dict[int, float]] = []
+
+    @property
+    def step_seconds(self) -> list[float]:
+        return [max(per_rank) for per_rank in zip(*self.wall)]
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_seconds)
+
+    @property
+    def median(self) -> float:
+        return _median(self.step_seconds)
+
+    @property
+    def min(self) -> float:
+        return min(self.step_seconds)
+
+    @property
+    def cpu_median(self) -> float:
+        """The median over steps of the max over ranks of CPU seconds (well below the wall
+        time when the ranks wait on each other or share cores with other work)."""
+        return _median([max(per_rank) for per_rank in zip(*self.cpu)])
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "warmup_steps": self.warmup,
+                "step_seconds_measured": self.median, "step_seconds_min": self.min,
+                "step_seconds_each": self.step_seconds,
+                "cpu_seconds_measured": self.cpu_median}
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 # ------------------------------------------------------------------------- program checks

@@ -161,6 +161,17 @@ def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
         report["run_cpu"]["bytes_predicted"])
     assert "{" in (tmp_path / "mlp_tiny.gpir").read_text()  # layouts in the IR dump
     assert "run-cpu    2 ranks" in out
+    # the measured step time beside the estimate the plan was chosen by, and their ratio
+    run = report["run_cpu"]
+    assert run["step_seconds_estimated"] == report["plan"]["step_seconds_estimated"]
+    assert run["steps"] == 5 and len(run["step_seconds_each"]) == 5
+    assert 0 < run["step_seconds_min"] <= run["step_seconds_measured"]
+    assert run["step_time_ratio"] == pytest.approx(
+        run["step_seconds_measured"] / run["step_seconds_estimated"])
+    assert (f"step time  {run['step_seconds_measured'] * 1e3:.3f} ms measured (median of 5, "
+            f"min {run['step_seconds_min'] * 1e3:.3f} ms), "
+            f"{run['step_seconds_estimated'] * 1e3:.3f} ms estimated, ratio "
+            f"{run['step_time_ratio']:.3g}") in out
 
 
 @pytest.mark.slow

@@ -31,6 +31,17 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
     assert run["errors"] and all(e["tolerance_used"] <= 1 for e in run["errors"].values()), (
         run["error_lines"])
     assert run["bytes_between_stages_measured"] == run["bytes_between_stages_predicted"] > 0
+    # the step timed after the checked one, beside the simulated schedule's estimate, and
+    # each stage's forward + backward per microbatch beside the stage's estimate
+    assert run["steps"] == 5 and len(run["step_seconds_each"]) == 5
+    assert run["step_seconds_estimated"] == pipe["schedule_step_seconds_estimated"]
+    assert run["step_time_ratio"] == pytest.approx(
+        run["step_seconds_measured"] / run["step_seconds_estimated"])
+    assert [s["seconds_per_microbatch_estimated"] for s in run["stages"]] == [
+        s["seconds_per_microbatch_estimated"] for s in pipe["stages"]]
+    assert all(0 < s["seconds_per_microbatch_measured"] < run["step_seconds_measured"]
+               for s in run["stages"])
+    assert "ms estimated, ratio" in out and "stage 1: forward + backward" in out
     ir_file = next(f for f in report["files"] if f.endswith(".gpir"))
     program = parse_program((tmp_path / "out" / ir_file).read_text())
     names = [g.name for g in program]

@@ -147,6 +147,21 @@ def test_a_sharded_stage_on_gloo_ranks(gpt_two_stages):
                          processes=True)
 
 
+@pytest.mark.slow
+def test_gloo_ranks_time_repeated_steps_after_the_checked_one(gpt_two_stages):
+    """`timed_steps`: the stage processes run more steps from the starting state (a sharded
+    stage too) and time them; the checked step's outputs are the first step's."""
+    pipe = gpt_two_stages.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    check = pipe.check(processes=True, timed_steps=2, warmup=1)
+    assert check.within_tolerance, "\n".join(check.lines())
+    run = pipe.last_run
+    times = run.step_times
+    assert times.steps == 2 and times.warmup == 1 and len(times.wall) == 2
+    assert [len(s) for s in run.stage_compute_seconds] == [2, 2]
+    for stage, seconds in enumerate(run.stage_compute_seconds):
+        assert all(0 < c <= w for c, w in zip(seconds, times.wall[stage]))
+
+
 def moved_update_plan(pipe):
     """A plan as slice-stages gives it (every node's stage, microbatches, logical meshes) in
     which lm_head's update sits on the other stage than its gradient."""

@@ -82,3 +82,41 @@ def test_a_hung_program_is_killed_at_the_timeout():
         run_spmd_multiprocess([text.replace("PEER", "1"), text.replace("PEER", "0")],
                               [{"x": torch.ones(4)}] * 2, timeout=4)
     assert time.monotonic() - start < 15
+
+
+@pytest.mark.slow  # `--run-cpu`'s CLI test times steps in the default set
+def test_a_job_times_repeated_steps_inside_its_workers_and_still_runs():
+    """`SpmdJob.time_steps`: one wall and CPU time per rank per timed step (warm-up steps not
+    among them), a step as long as its slowest rank, and with `profile` every node's time,
+    collectives included; the same workers then run as before."""
+    from graphpar.ir.parser import parse
+    from graphpar.runtime.launch import SpmdJob
+
+    _, inputs, mesh, expected = mlp_case()
+    with SpmdJob(MLP, mesh, timeout=60) as job:
+        times = job.time_steps(inputs, steps=3, warmup=1)
+        profiled = job.time_steps(inputs, steps=1, warmup=0, profile=True)
+        outputs = job.run(inputs)
+    assert times.node_seconds == []
+    nodes = parse(MLP).nodes
+    assert "all_reduce" in {n.op for n in nodes}
+    assert [sorted(per_rank) for per_rank in profiled.node_seconds] == [
+        list(range(len(nodes)))] * 4
+    assert all(s >= 0 for per_rank in profiled.node_seconds for s in per_rank.values())
+    assert len(times.wall) == len(times.cpu) == 4
+    assert all(len(w) == 3 for w in times.wall) and times.warmup == 1
+    assert times.step_seconds == [max(w[i] for w in times.wall) for i in range(3)]
+    assert times.min == min(times.step_seconds) <= times.median <= max(times.step_seconds)
+    assert times.as_dict()["step_seconds_each"] == times.step_seconds
+    torch.testing.assert_close(unshard([o[0] for o in outputs], Layout.parse("{S(0),R}"), mesh),
+                               expected)
+
+
+def test_step_times_take_the_slowest_rank_and_the_median_over_steps():
+    from graphpar.runtime.program import StepTimes
+
+    times = StepTimes(wall=[[1.0, 5.0, 2.0, 9.0], [3.0, 1.0, 1.0, 1.0]],
+                      cpu=[[0.5, 0.5, 0.5, 0.5], [1.0, 2.0, 3.0, 4.0]], warmup=2)
+    assert times.step_seconds == [3.0, 5.0, 2.0, 9.0]
+    assert times.median == 4.0 and times.min == 2.0 and times.steps == 4
+    assert times.cpu_median == 2.5

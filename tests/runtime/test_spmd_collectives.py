@@ -221,8 +221,11 @@ graph @every_op(
   %7 = all_reduce(%6) {axes=[0, 1], n=4, op="avg"}            : f32[4,4]
   %8 = send(%7) {dst=1, tag=3}                                : f32[4,4]
   %9 = recv() {src=3, shape=[4, 4], dtype="f32", tag=3}       : f32[4,4]
+  %10 = send_tiles(%9) {src=[0, 1], dst=[4, 5], dim=0, tag=1} : f32[4,4]
+  %11 = recv_tile() {src=[4, 5], dst=[0, 1], shape=[2, 4], dtype="f32", tag=2} : f32[2,4]
   return %8 output,
-         %9 output
+         %10 output,
+         %11 output
 }
 """
 

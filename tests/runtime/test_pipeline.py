@@ -140,11 +140,75 @@ def test_a_stage_sharded_on_two_devices(gpt_two_stages):
     assert_matches_eager(pipe)
 
 
+def cross_mesh_prediction(pipe):
+    """Per stage, what the cost model says its received tensors cost inside it: Alpa's local
+    all-gather of the tiles (`cross_mesh_cost(...).bytes_inside`), and that every tensor
+    crosses once (`bytes_across` == its bytes)."""
+    from graphpar.cost.communication import cross_mesh_cost
+    from graphpar.passes.pipeline.lower_mpmd import transfers
+
+    meshes = runtime.stage_meshes(pipe.stages, pipe.sharded)
+    inside = [0] * pipe.stages
+    for phase, _, dst, plan in transfers(pipe.programs, pipe.devices):
+        if plan.dim is None and plan.tiles > 1:  # no dim divides: sent whole to each device
+            assert plan.bytes_across == plan.tiles * plan.type.nbytes
+            continue
+        cost = cross_mesh_cost(plan.type.nbytes, meshes[dst], 1.0, 0.0)
+        assert cost.bytes_across == plan.bytes_across == plan.type.nbytes
+        inside[dst] += cost.bytes_inside * (1 if phase == "U" else pipe.microbatches)
+    return inside
+
+
+def assert_one_process_per_device(pipe):
+    """One gloo process per device: equal to eager, every rank ran its stage's actions, the
+    tiles crossed once (measured == predicted) and were all-gathered inside the receiving
+    sub-mesh exactly as the cost model prices it."""
+    run = assert_matches_eager(pipe, processes=True)
+    ranks = {s.rank: s.stage for s in run.spans}
+    assert ranks == {r: s for s, devices in enumerate(pipe.devices) for r in devices}
+    for rank, stage in ranks.items():
+        assert len([s for s in run.spans if s.rank == rank]) == len(pipe.schedule[stage])
+    assert run.gathered_bytes == cross_mesh_prediction(pipe)
+    for s in pipe.sharded:  # its phases' collectives ran on its own process groups
+        assert run.intra_stage_bytes[s] > run.gathered_bytes[s]
+    return run
+
+
+@pytest.fixture(scope="module")
+def gpt_on_one_plus_two(gpt_two_stages):
+    # stages of 1 and 2 devices: 3 ranks, stage 1's phases planned by the ILP on 1x2
+    return gpt_two_stages.on_submeshes({1: "1x2"})
+
+
+def test_a_sharded_stage_on_three_gloo_ranks(gpt_on_one_plus_two):
+    pipe = gpt_on_one_plus_two.with_schedule("1f1b")
+    run = assert_one_process_per_device(pipe)
+    # every tensor tiles evenly here: each byte crossed once
+    assert sum(run.bytes_sent) == pipe.programs.step_bytes(pipe.microbatches)
+    assert run.gathered_bytes[0] == 0 < run.gathered_bytes[1]
+
+
 @pytest.mark.slow
-def test_a_sharded_stage_on_gloo_ranks(gpt_two_stages):
-    # the sharded stage's devices run in lockstep inside its stage's process
-    assert_matches_eager(gpt_two_stages.with_schedule("zb").on_submeshes({1: "1x2"}),
-                         processes=True)
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_a_sharded_stage_on_three_gloo_ranks_other_schedules(gpt_on_one_plus_two, schedule):
+    assert_one_process_per_device(gpt_on_one_plus_two.with_schedule(schedule))
+
+
+@pytest.mark.slow
+def test_a_tensor_no_dim_of_which_divides_goes_whole_to_each_device(gpt_two_stages):
+    # a sub-mesh of 3: GPT tiny's activations (2 x 32 x 64) have no dim 3 divides
+    pipe = gpt_two_stages.on_submeshes({1: "1x3"}).with_schedule("1f1b")
+    run = assert_one_process_per_device(pipe)
+    forward = pipe.programs.bytes_sent(0)[0] * pipe.microbatches
+    assert sum(run.bytes_sent) == pipe.programs.step_bytes(pipe.microbatches) + 2 * forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_unequal_sub_meshes_of_two_and_four_on_six_gloo_ranks(gpt_two_stages, schedule):
+    pipe = gpt_two_stages.on_submeshes({0: "1x2", 1: "2x2"}).with_schedule(schedule)
+    assert pipe.devices == [(0, 1), (2, 3, 4, 5)]
+    assert_one_process_per_device(pipe)
 
 
 def moved_update_plan(pipe):
@@ -222,10 +286,20 @@ def test_sharded_stages_every_schedule(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
 def test_eight_devices_on_gloo_ranks_every_schedule(name):
-    # 4 stages x sub-meshes of 2 devices: 8 devices, one gloo process per stage
+    # 4 stages x sub-meshes of 2 devices: 8 devices, one gloo process each
     pipe = captured_pipeline(name, 4).on_submeshes({0: "1x2", 1: "2x1", 2: "1x2", 3: "2x1"})
     for schedule in sorted(SCHEDULES):
-        assert_matches_eager(pipe.with_schedule(schedule), processes=True)
+        assert_one_process_per_device(pipe.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_unequal_sub_meshes_on_eight_gloo_ranks_every_schedule(name):
+    # 4 stages on 1 + 1 + 2 + 4 devices
+    pipe = captured_pipeline(name, 4).on_submeshes({2: "1x2", 3: "2x2"})
+    assert pipe.devices == [(0,), (1,), (2, 3), (4, 5, 6, 7)]
+    for schedule in sorted(SCHEDULES):
+        assert_one_process_per_device(pipe.with_schedule(schedule))
 
 
 @pytest.mark.slow

@@ -195,15 +195,6 @@ def test_a_sharded_stage_on_three_gloo_ranks_other_schedules(gpt_on_one_plus_two
 
 
 @pytest.mark.slow
-def test_a_tensor_no_dim_of_which_divides_goes_whole_to_each_device(gpt_two_stages):
-    # a sub-mesh of 3: GPT tiny's activations (2 x 32 x 64) have no dim 3 divides
-    pipe = gpt_two_stages.on_submeshes({1: "1x3"}).with_schedule("1f1b")
-    run = assert_one_process_per_device(pipe)
-    forward = pipe.programs.bytes_sent(0)[0] * pipe.microbatches
-    assert sum(run.bytes_sent) == pipe.programs.step_bytes(pipe.microbatches) + 2 * forward
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_unequal_sub_meshes_of_two_and_four_on_six_gloo_ranks(gpt_two_stages, schedule):
     pipe = gpt_two_stages.on_submeshes({0: "1x2", 1: "2x2"}).with_schedule(schedule)

@@ -105,7 +105,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
         if args.run_cpu:
-            with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
+            with step("running the pipeline on CPU ranks (gloo, one process per device)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
@@ -172,15 +172,16 @@ def pipeline_report(plan, pipe, schedule: str) -> dict:
 
 
 def run_pipeline_on_cpu(spec, pipe, args) -> dict:
-    """One pipelined step on CPU processes, one per stage (a stage on several devices runs
-    them in lockstep in its process), against eager PyTorch and torch.optim."""
+    """One pipelined step on CPU processes, one per device (a stage on several devices runs
+    its phases' SPMD programs over process groups of its sub-mesh, and tensors cross between
+    sub-meshes as tiles), against eager PyTorch and torch.optim."""
     from graphpar.runtime.schedules import timeline_of
 
     spec.real_module()  # weights are made only now, to run
     pipe = pipe.sharded_as_planned(args.cluster)
     check = pipe.check(processes=True)
     run = pipe.last_run
-    report = {"ranks": args.run_cpu, "processes": pipe.stages,
+    report = {"ranks": args.run_cpu, "processes": sum(len(d) for d in pipe.devices),
               "max_abs_error": check.max_abs_error, "errors": check.as_dict(),
               "error_lines": check.lines(),
               "bytes_between_stages_measured": sum(run.bytes_sent),

@@ -19,8 +19,8 @@ MICROBATCHES = 4
 BATCH = 8
 
 
-def captured_pipeline(name: str, stages: int, schedule: str = "gpipe"):
-    ex = get_model(name, "tiny", train=True, batch_size=BATCH)
+def captured_pipeline(name: str, stages: int, schedule: str = "gpipe", **config):
+    ex = get_model(name, "tiny", train=True, batch_size=BATCH, **config)
     spec = ModelSpec(name, ex.module, tuple(ex.inputs), ex.loss_fn, tuple(ex.targets))
     micro = [t[:BATCH // MICROBATCHES] for t in (*ex.inputs, *ex.targets)]
     captured = capture_training(copy.deepcopy(ex.module), micro[:len(ex.inputs)], ex.loss_fn,
@@ -305,3 +305,19 @@ def test_the_stage_dp_plan_on_eight_devices_runs_equal_to_eager():
                             keep_grads=True, pipeline="auto", microbatches=MICROBATCHES)
     assert sum(s.submesh[0] * s.submesh[1] for s in pipe.plan.stages) == 8
     assert_matches_eager(pipe, processes=True)
+
+
+@pytest.mark.slow
+def test_a_parameter_tied_across_stages():
+    # GPT with its LM head tied to the token embedding: the weight is read by the first stage
+    # (embedding) and the last (LM head); its update is the first stage's, and the last
+    # stage's gradient contribution is sent back with the backward and summed there
+    pipe = captured_pipeline("gpt", 2, tie_embeddings=True)
+    assert pipe.captured.graph.attrs["tied"] == (("tok_emb.weight", "lm_head.weight"),)
+    readers = {s.stage for s in pipe.programs.stages for phase in "FB"
+               if "lm_head.weight" in (pipe.programs.stages[s.stage].program(phase)
+                                       .inputs_by_name())}
+    assert readers == {0, 1}
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))
+    assert_one_process_per_device(pipe.with_schedule("1f1b").on_submeshes({1: "1x2"}))

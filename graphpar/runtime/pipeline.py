@@ -9,8 +9,10 @@ and `incoming` takes, so the same runner serves
 
 - `run_in_process`: every stage in this process, actions interleaved in a valid order, the
   transfers through mailboxes (the reference execution of a schedule), and
-- `run_multiprocess`: one process per stage over gloo, through `runtime.workers.WorkerGroup`,
-  the transfers as point-to-point sends, each rank timing its own actions.
+- `run_multiprocess`: one process per device over gloo, through `runtime.workers.WorkerGroup`:
+  a stage's devices run its sharded phases over process groups of its sub-mesh, tensors
+  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), each rank times its own
+  actions.
 
 After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
 loss is a mean over the batch), and U applies it once. The reported loss is the mean of the

@@ -124,10 +124,16 @@ def test_four_gloo_ranks_every_schedule(name):
         assert_matches_eager(pipe.with_schedule(schedule), processes=True)
 
 
-def test_a_stage_sharded_on_two_devices(gpt_two_stages):
+@pytest.fixture(scope="module")
+def gpt_on_one_plus_two(gpt_two_stages):
+    # stages of 1 and 2 devices: 3 ranks, stage 1's phases planned by the ILP on 1x2
+    return gpt_two_stages.on_submeshes({1: "1x2"})
+
+
+def test_a_stage_sharded_on_two_devices(gpt_on_one_plus_two):
     # stages of 1 and 2 devices (3 in all): stage 1's phases are planned by the auto-shard ILP
     # on its 1x2 sub-mesh and run as SPMD programs, each device on its own shards
-    pipe = gpt_two_stages.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    pipe = gpt_on_one_plus_two.with_schedule("1f1b")
     phases = pipe.sharded[1]
     assert set(phases) == {"F", "B", "I", "W", "U"}
     assert all(p.mesh.size == 2 for p in phases.values())
@@ -172,12 +178,6 @@ def assert_one_process_per_device(pipe):
     for s in pipe.sharded:  # its phases' collectives ran on its own process groups
         assert run.intra_stage_bytes[s] > run.gathered_bytes[s]
     return run
-
-
-@pytest.fixture(scope="module")
-def gpt_on_one_plus_two(gpt_two_stages):
-    # stages of 1 and 2 devices: 3 ranks, stage 1's phases planned by the ILP on 1x2
-    return gpt_two_stages.on_submeshes({1: "1x2"})
 
 
 def test_a_sharded_stage_on_three_gloo_ranks(gpt_on_one_plus_two):

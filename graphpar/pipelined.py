@@ -23,7 +23,12 @@ from graphpar.errors import UsageError
 from graphpar.ir.graph import Node, Role
 from graphpar.passes.pipeline.partition import equal_flops_stages, follow_forward
 from graphpar.passes.pipeline.stage_programs import PipelinePrograms, split_stages
-from graphpar.runtime.pipeline import PipelineRun, run_in_process, split_microbatches
+from graphpar.runtime.pipeline import (
+    PipelineRun,
+    run_in_process,
+    split_microbatches,
+    stage_meshes,
+)
 from graphpar.runtime.schedules import (
     SCHEDULES,
     Schedule,
@@ -123,9 +128,25 @@ class PipelineCompiled:
         return len(self.programs.stages)
 
     @property
+    def devices(self) -> list[tuple[int, ...]]:
+        """Each stage's devices as global ranks: the stages' sub-meshes laid out in order (a
+        stage sharded on a sub-mesh has its size, any other one device)."""
+        return [m.device_ids for m in stage_meshes(self.stages, self.sharded)]
+
+    @property
     def predicted_bytes(self) -> int:
-        """Bytes sent between stages in one step, from the programs' transfer lists."""
-        return self.programs.step_bytes(self.microbatches)
+        """Bytes sent between stages in one step, from the programs' transfer lists, each
+        tensor as the tiles it crosses in (`graphpar.ir.cross_mesh`)."""
+        from graphpar.passes.pipeline.lower_mpmd import step_bytes_across
+
+        return step_bytes_across(self.programs, self.devices, self.microbatches)
+
+    def mpmd_program(self):
+        """The MPMD program of these stages on their sub-meshes (`lower_mpmd`), with the tile
+        sends between them."""
+        from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
+
+        return lower_mpmd(self.programs, self.devices)
 
     def run(self, *args: torch.Tensor, processes: bool = False, timed_steps: int = 0,
             warmup: int = 0) -> list[torch.Tensor]:

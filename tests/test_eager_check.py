@@ -112,3 +112,16 @@ def test_pipelined_compile_from_python_matches_eager():
     assert check.within_tolerance, "\n".join(check.lines())
     with pytest.raises(graphpar.errors.UsageError, match="pass mode='train'"):
         graphpar.compile(ex.module, ex.inputs, mesh="2", pipeline=2)
+
+
+def test_a_tied_parameter_is_keyed_by_both_of_its_names():
+    # one tensor, two names: stepped once, and a graph naming it either way finds it
+    ex = get_model("gpt", "tiny", train=True, tie_embeddings=True)
+    expected = eager_results(spec_of(ex), True, Adam())
+    for kind, suffix in (("gradients", ""), ("parameters", ""),
+                         ("optimizer state", ".exp_avg"), ("optimizer state", ".exp_avg_sq")):
+        first = expected[kind, "tok_emb.weight" + suffix]
+        assert expected[kind, "lm_head.weight" + suffix] is first
+    untied = eager_results(spec_of(get_model("gpt", "tiny", train=True)), True, Adam())
+    assert len([k for k in expected if k[0] == "parameters"]) == len(
+        [k for k in untied if k[0] == "parameters"])  # the same names as the untied model

@@ -148,7 +148,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                     pipe, list(result.graph.attrs["token_slices"]), args.schedule,
                     trace=args.trace, cluster=args.cluster)
         elif args.run_cpu:
-            with step("running the pipeline on CPU ranks (gloo, one process per stage)"):
+            with step("running the pipeline on CPU ranks (gloo, one process per device)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args,
                                                          summary["pipeline"])
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
@@ -245,8 +245,9 @@ def token_timeline(plan, result):
 
 
 def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
-    """One pipelined step on CPU processes, one per stage (a stage on several devices runs
-    them in lockstep in its process), against eager PyTorch and torch.optim; then the step
+    """One pipelined step on CPU processes, one per device (a stage on several devices runs
+    its phases' SPMD programs over process groups of its sub-mesh, and tensors cross between
+    sub-meshes as tiles), against eager PyTorch and torch.optim; then the step
     timed (`TIMED_STEPS` after `WARMUP_STEPS`), whole and per stage, beside `estimated` (the
     report's pipeline estimates)."""
     from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS, step_time_report
@@ -265,7 +266,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
         stages.append({"seconds_per_microbatch_measured": per_microbatch,
                        "seconds_per_microbatch_estimated": est,
                        "ratio": per_microbatch / est if est > 0 else None})
-    report = {"ranks": args.run_cpu, "processes": pipe.stages,
+    report = {"ranks": args.run_cpu, "processes": sum(len(d) for d in pipe.devices),
               "max_abs_error": check.max_abs_error, "errors": check.as_dict(),
               "error_lines": check.lines(),
               "bytes_between_stages_measured": sum(run.bytes_sent),

@@ -23,6 +23,15 @@ on its `OpDef` below, the one map between ops and steps.
                                                       (S -> P(sum))
     send(x)           {dst, tag}                      send x to global rank dst; result: x
     recv()            {src, shape, dtype, tag}        a tensor from global rank src
+    send_tiles(x)     {src, dst, dim, tag}            x cut into len(dst) tiles along dim: tile
+                                                      j from global rank src[j] to dst[j]
+                                                      (no dim: x whole to each dst); result: x
+    recv_tile()       {src, dst, shape, dtype, tag}   the tile for my rank dst[j], from src[j]
+
+send_tiles / recv_tile are a tensor crossing between two pipeline stages' sub-meshes
+(`graphpar.ir.cross_mesh`): every device of the sending sub-mesh runs send_tiles (and sends
+the tiles whose src is its rank), every device of the receiving one runs recv_tile, then an
+all_gather over its mesh joins the tiles (Alpa's local all-gather).
 
 `op` is one of "sum", "avg", "max", "min". The attributes map 1:1 from a cost-model
 `Step` (`graphpar.cost.communication`): lower-spmd's `emit_step` appends the node.
@@ -61,7 +70,7 @@ GROUP_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """Collectives over a group of devices: every member runs the node together."""
 LOCAL_OPS = ("local_slice", "local_zero", "local_pad")
 """Rank-dependent but free: no communication."""
-P2P_OPS = ("send", "recv")
+P2P_OPS = ("send", "recv", "send_tiles", "recv_tile")
 COMM_OPS = GROUP_OPS + P2P_OPS
 """The ops that communicate."""
 SPMD_OPS = COMM_OPS + LOCAL_OPS
@@ -73,8 +82,9 @@ def is_spmd_op(op: str) -> bool:
 
 
 def comm_kind(op: str) -> StepKind | None:
-    """The cost model's kind for an SPMD op (`send` is SEND_RECV; `recv` sends nothing: None)."""
-    if op not in SPMD_OPS or op == "recv":
+    """The cost model's kind for an SPMD op (`send` is SEND_RECV; a receive sends nothing:
+    None)."""
+    if op not in SPMD_OPS or op in ("recv", "recv_tile"):
         return None
     return StepKind(get_op(op).comm_kind)
 
@@ -206,18 +216,50 @@ def _send_type(operands, attrs):
     return [x]
 
 
-def _recv_type(operands, attrs):
+def _received_type(operands, attrs, op) -> TensorType:
     if operands:
-        raise TypeError(f"recv takes no operands, got {len(operands)}")
-    _rank_attr(attrs, "src", "recv")
+        raise TypeError(f"{op} takes no operands, got {len(operands)}")
     shape, name = attrs.get("shape"), attrs.get("dtype")
     if not isinstance(shape, (tuple, list)) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise TypeError(f"recv: shape must be a list of sizes, got {shape!r}")
+        raise TypeError(f"{op}: shape must be a list of sizes, got {shape!r}")
     if name not in DTYPE_NAMES.values():
-        raise TypeError(f"recv: dtype must be an IR dtype name ({', '.join(DTYPE_NAMES.values())})"
-                        f", got {name!r}")
-    return [TensorType(tuple(shape), torch_dtype(name))]
+        raise TypeError(f"{op}: dtype must be an IR dtype name "
+                        f"({', '.join(DTYPE_NAMES.values())}), got {name!r}")
+    return TensorType(tuple(shape), torch_dtype(name))
+
+
+def _recv_type(operands, attrs):
+    _rank_attr(attrs, "src", "recv")
+    return [_received_type(operands, attrs, "recv")]
+
+
+def _tile_ranks(attrs, op) -> int:
+    """Check `src` and `dst` (one global rank per tile) and `tag`; the number of tiles."""
+    src, dst = attrs.get("src"), attrs.get("dst")
+    for key, ranks in (("src", src), ("dst", dst)):
+        if not isinstance(ranks, (tuple, list)) or not ranks:
+            raise TypeError(f"{op}: {key} must be a list of global ranks, one per tile, got "
+                            f"{ranks!r}")
+        for r in ranks:
+            _rank_attr({key: r, "tag": attrs.get("tag", 0)}, key, op)
+    if len(src) != len(dst) or len(set(dst)) != len(dst) or set(src) & set(dst):
+        raise TypeError(f"{op}: src {list(src)} and dst {list(dst)} must name one sender and "
+                        "one distinct receiver per tile, on two disjoint sub-meshes")
+    return len(dst)
+
+
+def _send_tiles_type(operands, attrs):
+    x = _tensor(operands, "send_tiles")
+    n = _tile_ranks(attrs, "send_tiles")
+    if attrs.get("dim") is not None:
+        _divided(x, _dim(attrs, "dim", x, "send_tiles"), n, "send_tiles")
+    return [x]
+
+
+def _recv_tile_type(operands, attrs):
+    _tile_ranks(attrs, "recv_tile")
+    return [_received_type(operands, attrs, "recv_tile")]
 
 
 # ------------------------------------------------------------------------- references
@@ -247,6 +289,8 @@ _TYPE_RULES = {
     "local_pad": _local_pad_type,
     "send": _send_type,
     "recv": _recv_type,
+    "send_tiles": _send_tiles_type,
+    "recv_tile": _recv_tile_type,
 }
 
 _DOCS = {
@@ -261,6 +305,10 @@ _DOCS = {
     "local_pad": "local_pad(x) {axes, n, dim}: x in place in zeros n x larger (S -> P), free",
     "send": "send(x) {dst, tag}: send x to global rank dst; the result is x",
     "recv": "recv() {src, shape, dtype, tag}: receive a tensor from global rank src",
+    "send_tiles": "send_tiles(x) {src, dst, dim, tag}: x cut into len(dst) tiles along dim, "
+                  "tile j sent by global rank src[j] to dst[j] (no dim: x whole to each)",
+    "recv_tile": "recv_tile() {src, dst, shape, dtype, tag}: the tile for my rank dst[j], "
+                 "from src[j]",
 }
 
 
@@ -275,6 +323,8 @@ _COMM_KINDS = {
     "all_to_all": StepKind.ALL_TO_ALL,
     "send": StepKind.SEND_RECV,
     "recv": StepKind.SEND_RECV,
+    "send_tiles": StepKind.SEND_RECV,
+    "recv_tile": StepKind.SEND_RECV,
     "local_slice": StepKind.LOCAL_SLICE,
     "local_zero": StepKind.LOCAL_ZERO,
     "local_pad": StepKind.LOCAL_PAD,

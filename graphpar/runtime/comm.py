@@ -167,11 +167,19 @@ class Communicator:
     arguments, and records bytes (`records`, `bytes_sent`).
     """
 
-    def __init__(self, mesh: Mesh, rank: int):
+    def __init__(self, mesh: Mesh, rank: int, global_ranks: Sequence[int] | None = None,
+                 world_size: int | None = None):
         if not 0 <= rank < mesh.size:
             raise BackendError(f"rank {rank} is not in mesh {mesh} ({mesh.size} devices)")
         self.mesh = mesh
         self.rank = rank
+        # the mesh may be a sub-mesh of a larger world (a pipeline stage): its positions are
+        # these global ranks, which sends and receives name
+        self.global_ranks = tuple(range(mesh.size) if global_ranks is None else global_ranks)
+        if len(self.global_ranks) != mesh.size:
+            raise BackendError(f"mesh {mesh} has {mesh.size} devices but {len(self.global_ranks)}"
+                               " global ranks were given")
+        self._world = mesh.size if world_size is None else world_size
         self.device = mesh.device_ids[rank]
         self.coordinate = mesh.coordinate(self.device)
         self.records: list[CommRecord] = []
@@ -186,7 +194,11 @@ class Communicator:
 
     @property
     def world_size(self) -> int:
-        return self.mesh.size
+        return self._world
+
+    @property
+    def global_rank(self) -> int:
+        return self.global_ranks[self.rank]
 
     def axes(self, axes: int | Sequence[int]) -> tuple[int, ...]:
         """Mesh axes as an ascending tuple (the group order's convention)."""
@@ -279,13 +291,41 @@ class Communicator:
         self.record("recv", out, (), 2, peer=src)
         return out
 
+    def send_tiles(self, x: torch.Tensor, src: Sequence[int], dst: Sequence[int],
+                   dim: int | None, tag: int = 0) -> torch.Tensor:
+        """Send the tiles of `x` this rank is the sender of: `x` cut into len(dst) tiles along
+        `dim` (None: `x` whole), tile j from global rank src[j] to dst[j]. Returns `x`."""
+        for peer, tile in self.my_tiles(x, src, dst, dim):
+            self.send(tile, peer, tag)
+        return x
+
+    def my_tiles(self, x: torch.Tensor, src: Sequence[int], dst: Sequence[int],
+                 dim: int | None) -> list[tuple[int, torch.Tensor]]:
+        """(receiving rank, tile) of every tile of `x` this rank sends."""
+        tiles = (list(torch.chunk(x, len(dst), dim)) if dim is not None
+                 else [x] * len(dst))
+        return [(d, tiles[j].contiguous()) for j, (s, d) in enumerate(zip(src, dst))
+                if s == self.global_rank]
+
+    def tile_source(self, src: Sequence[int], dst: Sequence[int]) -> int:
+        """The global rank that sends this rank its tile."""
+        if self.global_rank not in dst:
+            raise BackendError(f"rank {self.global_rank} receives no tile: the tiles go to "
+                               f"ranks {list(dst)}")
+        return src[list(dst).index(self.global_rank)]
+
+    def recv_tile(self, shape: Sequence[int], dtype: torch.dtype, src: Sequence[int],
+                  dst: Sequence[int], tag: int = 0) -> torch.Tensor:
+        """Receive this rank's tile (`shape`, `dtype`) of a `send_tiles`."""
+        return self.recv(shape, dtype, self.tile_source(src, dst), tag)
+
     def finish(self) -> None:
         """Wait until everything this rank sent has been delivered."""
 
     def check_peer(self, peer: int) -> None:
-        if not 0 <= peer < self.world_size or peer == self.rank:
-            raise BackendError(f"rank {self.rank}: peer rank {peer} is not another rank of the "
-                               f"{self.world_size}-rank world")
+        if not 0 <= peer < self.world_size or peer == self.global_rank:
+            raise BackendError(f"rank {self.global_rank}: peer rank {peer} is not another rank "
+                               f"of the {self.world_size}-rank world")
 
     # ----------------------------------------------------------------- local steps (free)
 
@@ -333,6 +373,18 @@ class Communicator:
             try:
                 return self.recv(attrs["shape"], torch_dtype(attrs["dtype"]), attrs["src"],
                                  attrs.get("tag", 0))
+            finally:
+                self._node = None
+        if op in ("send_tiles", "recv_tile"):
+            from graphpar.ir.registry import dtype as torch_dtype
+
+            self._node = index
+            try:
+                if op == "send_tiles":
+                    return self.send_tiles(args[0], attrs["src"], attrs["dst"],
+                                           attrs.get("dim"), attrs.get("tag", 0))
+                return self.recv_tile(attrs["shape"], torch_dtype(attrs["dtype"]),
+                                      attrs["src"], attrs["dst"], attrs.get("tag", 0))
             finally:
                 self._node = None
         axes = node_axes(node)

@@ -29,7 +29,7 @@ from graphpar.runtime.comm import (
     reduce_tensors,
 )
 
-__all__ = ["CommunicationError", "GlooCommunicator", "all_axes"]
+__all__ = ["CommunicationError", "GlooCommunicator", "all_axes", "new_process_groups"]
 
 
 class CommunicationError(BackendError):
@@ -52,36 +52,63 @@ def all_axes(ndim: int) -> list[tuple[int, ...]]:
     return [c for k in range(1, ndim + 1) for c in itertools.combinations(range(ndim), k)]
 
 
+def new_process_groups(mesh: Mesh, axes: Iterable[Sequence[int]] | None,
+                       global_ranks: Sequence[int], me: int
+                       ) -> dict[tuple[int, ...], tuple[tuple[int, ...], object]]:
+    """One gloo process group per mesh-axis group of `mesh` for each axes tuple in `axes`
+    (every combination if None), in sorted order, the mesh's positions played by
+    `global_ranks`. `new_group` is collective over the whole world: every rank calls this for
+    every mesh with the same arguments in the same order, members or not. Returns the groups
+    global rank `me` is in: axes -> (mesh positions in group order, process group)."""
+    wanted = all_axes(mesh.ndim) if axes is None else sorted(
+        {tuple(sorted(mesh.axes(tuple(a)))) for a in axes})
+    mine: dict[tuple[int, ...], tuple[tuple[int, ...], object]] = {}
+    for ax in wanted:
+        for devices in mesh.groups(ax):
+            positions = tuple(mesh.device_ids.index(d) for d in devices)
+            if len(positions) == 1:
+                continue
+            members = [global_ranks[p] for p in positions]
+            pg = dist.new_group(members, backend="gloo")
+            if me in members:
+                mine[ax] = (positions, pg)
+    return mine
+
+
 class GlooCommunicator(Communicator):
     """This process's rank of `mesh`, over an initialized torch.distributed world whose size is
-    the mesh's (rank r plays device `mesh.device_ids[r]`).
+    the mesh's (rank r plays device `mesh.device_ids[r]`), or, with `global_ranks`, a sub-mesh
+    of a larger world whose positions those global ranks play (a pipeline stage).
 
     `axes`: the mesh-axis tuples collectives will use (every combination if None); process
     groups are made for exactly these, in sorted order, so every rank must pass the same.
+    Ranks outside a sub-mesh must make the same groups too (`new_process_groups`).
     """
 
     def __init__(self, mesh: Mesh, rank: int | None = None,
-                 axes: Iterable[Sequence[int]] | None = None, *, deterministic: bool = True):
+                 axes: Iterable[Sequence[int]] | None = None, *, deterministic: bool = True,
+                 global_ranks: Sequence[int] | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise BackendError("GlooCommunicator needs torch.distributed initialized "
                                "(init_process_group('gloo', ...)) first")
-        world = dist.get_world_size()
-        if world != mesh.size:
-            raise BackendError(f"the torch.distributed world has {world} ranks but mesh {mesh} "
-                               f"has {mesh.size} devices")
-        super().__init__(mesh, dist.get_rank() if rank is None else rank)
+        world, me = dist.get_world_size(), dist.get_rank()
+        if global_ranks is None:
+            if world != mesh.size:
+                raise BackendError(f"the torch.distributed world has {world} ranks but mesh "
+                                   f"{mesh} has {mesh.size} devices")
+            global_ranks = range(mesh.size)
+        global_ranks = tuple(global_ranks)
+        if not all(0 <= r < world for r in global_ranks):
+            raise BackendError(f"mesh {mesh} is played by ranks {list(global_ranks)}, not all "
+                               f"in the {world}-rank torch.distributed world")
+        if rank is None:
+            if me not in global_ranks:
+                raise BackendError(f"rank {me} plays no device of mesh {mesh} (ranks "
+                                   f"{list(global_ranks)})")
+            rank = global_ranks.index(me)
+        super().__init__(mesh, rank, global_ranks, world)
         self.deterministic = deterministic
-        wanted = all_axes(mesh.ndim) if axes is None else sorted(
-            {tuple(sorted(mesh.axes(tuple(a)))) for a in axes})
-        self._process_groups: dict[tuple[int, ...], tuple[tuple[int, ...], object]] = {}
-        for ax in wanted:
-            for devices in mesh.groups(ax):
-                ranks = tuple(mesh.device_ids.index(d) for d in devices)
-                if len(ranks) == 1:
-                    continue
-                pg = dist.new_group(list(ranks), backend="gloo")
-                if self.rank in ranks:
-                    self._process_groups[ax] = (ranks, pg)
+        self._process_groups = new_process_groups(mesh, axes, global_ranks, self.global_rank)
         self._sends: list[tuple[object, torch.Tensor]] = []
 
     # ----------------------------------------------------------------- helpers
@@ -104,8 +131,9 @@ class GlooCommunicator(Communicator):
         with _communicating(f"all_gather over ranks {list(ranks)}"):
             dist.all_gather(parts, send, group=pg)
         # all_gather fills parts in the process group's rank order: ascending global rank
-        by_rank = dict(zip(sorted(ranks), parts))
-        out = [by_rank[r] for r in ranks]
+        members = [self.global_ranks[p] for p in ranks]
+        by_rank = dict(zip(sorted(members), parts))
+        out = [by_rank[r] for r in members]
         return [p.view(torch.bool) for p in out] if x.dtype == torch.bool else out
 
     def _native_all_reduce(self, x: torch.Tensor, axes: tuple[int, ...], op: str

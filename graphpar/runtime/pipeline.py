@@ -9,8 +9,10 @@ and `incoming` takes, so the same runner serves
 
 - `run_in_process`: every stage in this process, actions interleaved in a valid order, the
   transfers through mailboxes (the reference execution of a schedule), and
-- `run_multiprocess`: one process per stage over gloo, through `runtime.workers.WorkerGroup`,
-  the transfers as point-to-point sends, each rank timing its own actions.
+- `run_multiprocess`: one process per device over gloo, through `runtime.workers.WorkerGroup`:
+  a stage's devices run its sharded phases over process groups of its sub-mesh, tensors
+  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), each rank times its own
+  actions.
 
 After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
 loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
@@ -19,6 +21,7 @@ microbatch losses.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +30,10 @@ from typing import Any, Protocol
 import torch
 
 from graphpar.backends.interpreter import Interpreter
-from graphpar.errors import GraphparError, ScheduleError
+from graphpar.errors import BackendError, GraphparError, ScheduleError
+from graphpar.ir.cross_mesh import stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
 from graphpar.runtime.schedules import (
     COMPUTE_KINDS,
@@ -39,8 +44,8 @@ from graphpar.runtime.schedules import (
     validate,
 )
 
-__all__ = ["PipelineRun", "StageRunner", "assemble_outputs", "run_in_process",
-           "split_microbatches"]
+__all__ = ["PipelineRun", "PipelineWorker", "StageRunner", "assemble_outputs", "gather_whole",
+           "run_in_process", "run_multiprocess", "split_microbatches", "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
 
@@ -89,10 +94,14 @@ class StageRunner:
     def __init__(self, program: StageProgramLike, microbatches: int,
                  state: Mapping[str, torch.Tensor],
                  inputs: Sequence[Mapping[str, torch.Tensor]],
-                 sharded: Mapping[str, Any] | None = None) -> None:
+                 sharded: Mapping[str, Any] | None = None, comm: Any = None) -> None:
         self.program = program
         # phase -> ShardedPhase (device_program, mesh): run on the stage's sub-mesh
         self.sharded = dict(sharded or {})
+        # this process's device of the stage's sub-mesh (a GlooCommunicator): sharded phases
+        # run their SPMD program for that device only; None: for every device in lockstep
+        self.comm = comm
+        self.device_interpreters: dict[str, Interpreter] = {}
         self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent, measured
         self.stage = program.stage
         self.microbatches = microbatches
@@ -143,6 +152,8 @@ class StageRunner:
         sharded = self.sharded.get(phase)
         if sharded is None:
             return self.interpreters[phase].run(args)
+        if self.comm is not None:
+            return self._execute_on_device(phase, sharded.device_program, args)
         from graphpar.runtime.spmd import run_spmd_in_process, shard_tensor, unshard
 
         program, mesh = sharded.device_program, sharded.mesh
@@ -152,6 +163,26 @@ class StageRunner:
         self.intra_stage_bytes += int(sum(outputs.bytes_sent))
         return [unshard([rank[i] for rank in outputs], out.value.layout, mesh)
                 for i, out in enumerate(program.outputs)]
+
+    def _execute_on_device(self, phase: str, program: Graph, args: dict[str, torch.Tensor]
+                           ) -> list[torch.Tensor]:
+        """This device's part of a sharded phase: its shards in, the phase's SPMD program over
+        the sub-mesh's process groups, each output made whole again by an all-gather over the
+        sub-mesh (the phase boundary)."""
+        from graphpar.runtime.spmd import shard_tensor
+
+        comm = self.comm
+        interpreter = self.device_interpreters.get(phase)
+        if interpreter is None:
+            interpreter = self.device_interpreters[phase] = Interpreter(program, comm)
+        device = comm.mesh.device_ids[comm.rank]
+        local = {v.name: shard_tensor(args[v.name], v.layout, comm.mesh, device)
+                 for v in program.inputs}
+        before = comm.bytes_sent
+        outputs = [gather_whole(comm, t, out.value.layout)
+                   for t, out in zip(interpreter.run(local), program.outputs)]
+        self.intra_stage_bytes += int(comm.bytes_sent - before)
+        return outputs
 
     def _backward_done(self, m: int) -> None:
         if m in self.backward_done:
@@ -217,7 +248,6 @@ class StageRunner:
             if action.kind is ActionKind.SEND_B or n not in self.program.keep_after_forward:
                 if action.kind is ActionKind.SEND_F or action.microbatch in self.backward_done:
                     env.pop(n, None)
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         return tensors
 
     def incoming(self, action: Action, names: Sequence[str],
@@ -226,6 +256,31 @@ class StageRunner:
 
     def mean_loss(self) -> torch.Tensor | None:
         return mean_loss(self.losses)
+
+
+def gather_whole(comm: Any, local: torch.Tensor, layout: Any) -> torch.Tensor:
+    """The whole tensor on every device of `comm`'s mesh, from each device's `local` part of
+    it in `layout`: an all-gather over every mesh axis (group order is rank order), then
+    `unshard`. A replicated tensor is whole already."""
+    from graphpar.runtime.spmd import unshard
+
+    if layout is None or layout.is_replicated:
+        return local
+    axes = tuple(range(comm.mesh.ndim))
+    parts = comm.all_gather(local.unsqueeze(0), axes, 0).unbind(0)
+    return unshard(list(parts), layout, comm.mesh)
+
+
+def stage_meshes(stages: int, sharded: Mapping[int, Mapping[str, Any]] | None
+                 ) -> list[Mesh]:
+    """Each stage's sub-mesh, its devices global ranks laid out stage after stage: a stage in
+    `sharded` has the shape its phases were planned on, any other one device."""
+    shapes = []
+    for s in range(stages):
+        planned = next(iter(((sharded or {}).get(s) or {}).values()), None)
+        shapes.append(tuple(planned.mesh.shape) if planned is not None else (1,))
+    devices = stage_devices(stages, [math.prod(shape) for shape in shapes])
+    return [Mesh(shape, d) for shape, d in zip(shapes, devices)]
 
 
 def mean_loss(losses: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
@@ -241,9 +296,14 @@ class PipelineRun:
     """One pipelined step: the training graph's outputs and what the run measured."""
 
     outputs: list[torch.Tensor]  # in the order of the training graph's outputs
-    bytes_sent: list[int]  # per stage, activations and gradients, measured
+    bytes_sent: list[int]  # per stage, activations and gradients across meshes, measured
     spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
-    intra_stage_bytes: list[int] = field(default_factory=list)  # per stage: its collectives
+    # per stage, inside its sub-mesh: its phases' collectives and the all-gathers that make a
+    # phase's outputs whole (measured; the in-process lockstep counts the collectives only)
+    intra_stage_bytes: list[int] = field(default_factory=list)
+    # per stage: the local all-gathers that join the tiles it received (Alpa's local
+    # all-gather; measured on gloo ranks only)
+    gathered_bytes: list[int] = field(default_factory=list)
     # microbatch tensors still held when the step ended (stash, received): 0 unless leaked
     tensors_left: int = 0
     # repeated steps timed after it (run_multiprocess's timed_steps), measured: wall seconds
@@ -296,6 +356,7 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
     microbatches = len(inputs)
     runners = [StageRunner(p, microbatches, state, inputs, (sharded or {}).get(p.stage))
                for p in stages]
+    meshes = stage_meshes(len(stages), sharded)
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
     position = [0] * len(stages)
     start = time.perf_counter()
@@ -304,7 +365,7 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
         for s, actions in schedule.items():
             while position[s] < len(actions):
                 action = actions[position[s]]
-                if not _step(action, runners, mailbox, programs):
+                if not _step(action, runners, mailbox, programs, meshes):
                     break
                 position[s] += 1
                 moved = True
@@ -320,14 +381,21 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
                        sum(len(env) for r in runners for env in r.env))
 
 
+def _bytes_across(t: torch.Tensor, src: Mesh, dst: Mesh) -> int:
+    """What moving `t` from sub-mesh `src` to `dst` sends across, as its tiles."""
+    return tile_transfer(TensorType.of(t), src.device_ids, dst.device_ids).bytes_across
+
+
 def _step(action: Action, runners: list[StageRunner], mailbox: dict,
-          programs: PipelineProgramsLike) -> bool:
+          programs: PipelineProgramsLike, meshes: Sequence[Mesh]) -> bool:
     """Run `action` if it can run now; False if it waits for a transfer."""
     s, kind, m = action.stage, action.kind, action.microbatch
     runner = runners[s]
     if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
         peer = s + 1 if kind is ActionKind.SEND_F else s - 1
         mailbox[kind, m, peer] = runner.outgoing(action)
+        runner.bytes_sent += sum(_bytes_across(t, meshes[s], meshes[peer])
+                                 for t in mailbox[kind, m, peer])
     elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
         sent = ActionKind.SEND_F if kind is ActionKind.RECV_F else ActionKind.SEND_B
         if (sent, m, s) not in mailbox:
@@ -343,8 +411,7 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
             return False
         received = {name: runners[src].grad_sums[name] for src, name in pending}
         for src, name in pending:  # sent by the stage that summed them
-            t = received[name]
-            runners[src].bytes_sent += t.numel() * t.element_size()
+            runners[src].bytes_sent += _bytes_across(received[name], meshes[src], meshes[s])
         start = time.perf_counter()
         runner.update(received)
         runner.spans.append((action, start, time.perf_counter()))
@@ -353,7 +420,7 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
     return True
 
 
-# ------------------------------------------------------------------ one process per stage
+# ------------------------------------------------------------------ one process per device
 
 def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                      state: Mapping[str, torch.Tensor],
@@ -361,17 +428,20 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                      timeout: float = 120.0,
                      sharded: Mapping[int, Mapping[str, Any]] | None = None,
                      timed_steps: int = 0, warmup: int = 0) -> PipelineRun:
-    """One step with each stage in its own process (one rank per stage) over gloo, started by
-    `runtime.workers.WorkerGroup`: each rank runs its stage's action list, sends and receives
-    point to point, and times every action (the measured timeline).
+    """One step with one process per device over gloo, started by
+    `runtime.workers.WorkerGroup`: the devices of stage s are the global ranks of its sub-mesh
+    (`stage_meshes`), each runs its stage's action list and times every action (the measured
+    timeline).
 
-    A stage in `sharded` runs each phase's SPMD program for all devices of its sub-mesh in
-    lockstep inside the stage's process (not yet one process per device).
+    A stage in `sharded` runs each phase's SPMD program, every device its own part, the
+    collectives over process groups of the stage's sub-mesh. A tensor crosses between stages
+    as tiles (`graphpar.ir.cross_mesh`): each tile once from one sending device to one
+    receiving device, then an all-gather inside the receiving sub-mesh.
 
     With `timed_steps`, the same processes then run `warmup` untimed and `timed_steps` timed
-    steps more, each from the starting state, every stage starting it together: the run's
-    `step_times` (wall seconds per step and stage) and `stage_compute_seconds` (each stage's
-    forward and backward seconds per step)."""
+    steps more, each from the starting state, every rank starting it together: the run's
+    `step_times` (wall seconds per step and rank) and `stage_compute_seconds` (each stage's
+    forward and backward seconds per step, on its first device)."""
     import json
     import shutil
     import tempfile
@@ -382,9 +452,11 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
 
     validate(schedule)
     stages = len(programs.stages)
+    meshes = stage_meshes(stages, sharded)
+    world = sum(mesh.size for mesh in meshes)
     jobdir = Path(tempfile.mkdtemp(prefix="graphpar-pipeline-"))
-    group = WorkerGroup(stages, "graphpar.runtime.pipeline:PipelineWorker", jobdir,
-                        timeout=timeout, name="pipeline stage")
+    group = WorkerGroup(world, "graphpar.runtime.pipeline:PipelineWorker", jobdir,
+                        timeout=timeout, name="pipeline")
     try:
         job = {"microbatches": len(inputs), "stages": [],
                "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
@@ -410,6 +482,8 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                         "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
                        jobdir / f"tensors{s}.pt")
             job["stages"].append({
+                "mesh": list(meshes[s].shape),
+                "devices": list(meshes[s].device_ids),
                 "graphs": graphs,
                 "spmd": spmd,
                 "send_forward": list(program.send_forward),
@@ -417,35 +491,58 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                 "keep_after_forward": sorted(program.keep_after_forward),
                 "grads": list(program.grads),
                 "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
-                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
-                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
+                # a gradient's tag is its place in grad_transfers, as in lower_mpmd
+                "grads_out": [[tag, dst, n] for tag, (src, dst, n)
+                              in enumerate(programs.grad_transfers) if src == s],
+                "grads_in": [[tag, src, n] for tag, (src, dst, n)
+                             in enumerate(programs.grad_transfers) if dst == s],
             })
         (jobdir / "job.json").write_text(json.dumps(job))
         group.start()
         group.wait(group.send("run"))
-        results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
-                   for s in range(stages)]
+        results = [torch.load(jobdir / f"result{r}.pt", weights_only=False)
+                   for r in range(world)]
         timings = []
         if timed_steps:
             group.wait(group.send("time_steps", timed_steps, warmup))
-            timings = [json.loads((jobdir / f"timing{s}.json").read_text())
-                       for s in range(stages)]
+            timings = [json.loads((jobdir / f"timing{r}.json").read_text())
+                       for r in range(world)]
     finally:
         group.stop()
         shutil.rmtree(jobdir, ignore_errors=True)
-    runners = [_Finished(**r) for r in results]
+    leads = [results[mesh.device_ids[0]] for mesh in meshes]
+    for mesh in meshes:  # the devices of a stage end the step with the same results
+        for rank in mesh.device_ids[1:]:
+            _check_replica(results[mesh.device_ids[0]], results[rank], mesh.device_ids[0], rank)
+    runners = [_Finished(**{k: r[k] for k in ("losses", "grad_outputs", "updates")})
+               for r in leads]
     start = min((span[2] for r in results for span in r["spans"]), default=0.0)
-    spans = [Span(s, Action(ActionKind(kind), s, mb), t0 - start, t1 - start, rank=s)
-             for s, r in enumerate(results) for kind, mb, t0, t1 in r["spans"]]
+    spans = [Span(r["stage"], Action(ActionKind(kind), r["stage"], mb), t0 - start, t1 - start,
+                  rank=rank)
+             for rank, r in enumerate(results) for kind, mb, t0, t1 in r["spans"]]
+
+    def per_stage(key: str) -> list[int]:
+        return [int(sum(results[r][key] for r in mesh.device_ids)) for mesh in meshes]
+
     run = PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
-                      [r["bytes_sent"] for r in results], spans)
+                      per_stage("bytes_sent"), spans, per_stage("intra_stage_bytes"),
+                      gathered_bytes=per_stage("gathered_bytes"))
     if timings:
         from graphpar.runtime.program import StepTimes
 
         run.step_times = StepTimes([t["wall"] for t in timings], [t["cpu"] for t in timings],
                                    warmup)
-        run.stage_compute_seconds = [t["compute"] for t in timings]
+        run.stage_compute_seconds = [timings[mesh.device_ids[0]]["compute"] for mesh in meshes]
     return run
+
+
+def _check_replica(lead: dict, other: dict, lead_rank: int, rank: int) -> None:
+    for key in ("losses", "grad_outputs", "updates"):
+        for name, t in lead[key].items():
+            if not torch.equal(t, other[key][name]):
+                raise BackendError(f"ranks {lead_rank} and {rank} play devices of the same "
+                                   f"pipeline stage but ended the step with different "
+                                   f"{key.replace('_', ' ')} {name!r}")
 
 
 @dataclass
@@ -455,8 +552,6 @@ class _Finished:
     losses: dict
     grad_outputs: dict
     updates: dict
-    bytes_sent: int
-    spans: list
 
     def mean_loss(self) -> torch.Tensor | None:
         return mean_loss(self.losses)
@@ -485,48 +580,68 @@ class _DeviceProgram:
     mesh: Any
 
 
+def _parse_with_targets(path, targets: Sequence[str | None]) -> Graph:
+    from graphpar.ir.parser import parse
+
+    graph = parse(path.read_text(), path.name)
+    for out, target in zip(graph.outputs, targets):
+        out.target = target  # output targets do not print
+    return graph
+
+
 class PipelineWorker:
-    """Rank `rank` of a pipeline job: stage `rank`'s runner, its action list, gloo transfers."""
+    """Global rank `rank` of a pipeline job: one device of one stage's sub-mesh; its stage's
+    runner, its action list, its tiles sent and received over gloo."""
 
     def __init__(self, jobdir, rank: int, world: int) -> None:
         import json
         from pathlib import Path
 
-        from graphpar.ir.parser import parse
+        from graphpar.runtime.gloo import GlooCommunicator, new_process_groups
 
         self.jobdir, self.rank = Path(jobdir), rank
         job = json.loads((self.jobdir / "job.json").read_text())
-        spec = job["stages"][rank]
-        graphs = {}
-        for phase, targets in spec["graphs"].items():
-            path = self.jobdir / f"stage{rank}_{phase}.gpir"
-            g = parse(path.read_text(), path.name)
-            for out, target in zip(g.outputs, targets):
-                out.target = target
-            graphs[phase] = g
-        self.program = _LoadedStage(rank, graphs, tuple(spec["send_forward"]),
-                                    tuple(spec["send_backward"]),
-                                    frozenset(spec["keep_after_forward"]), tuple(spec["grads"]))
+        self.meshes = [Mesh(tuple(spec["mesh"]), tuple(spec["devices"]))
+                       for spec in job["stages"]]
+        if sum(mesh.size for mesh in self.meshes) != world:
+            raise BackendError(f"WORLD_SIZE={world} but the pipeline's sub-meshes have "
+                               f"{sum(m.size for m in self.meshes)} devices")
+        self.stage = next(s for s, mesh in enumerate(self.meshes) if rank in mesh.device_ids)
+        # new_group is collective over the world: every rank makes every stage's groups, in
+        # stage order, and keeps its own stage's
+        for s, mesh in enumerate(self.meshes):
+            if s == self.stage:
+                self.comm = GlooCommunicator(mesh, global_ranks=mesh.device_ids)
+            else:
+                new_process_groups(mesh, None, mesh.device_ids, rank)
+        spec = job["stages"][self.stage]
+        graphs = {phase: _parse_with_targets(self.jobdir / f"stage{self.stage}_{phase}.gpir",
+                                             targets)
+                  for phase, targets in spec["graphs"].items()}
+        program = _LoadedStage(self.stage, graphs, tuple(spec["send_forward"]),
+                               tuple(spec["send_backward"]),
+                               frozenset(spec["keep_after_forward"]), tuple(spec["grads"]))
         self.peers = job["stages"]
         self.types = {n: TensorType(tuple(shape), getattr(torch, dtype))
                       for n, (shape, dtype) in job["types"].items()}
-        self.actions = [Action(ActionKind(k), rank, mb) for k, mb in spec["actions"]]
+        self.actions = [Action(ActionKind(k), self.stage, mb) for k, mb in spec["actions"]]
         self.spec = spec
-        tensors = torch.load(self.jobdir / f"tensors{rank}.pt", weights_only=True)
+        tensors = torch.load(self.jobdir / f"tensors{self.stage}.pt", weights_only=True)
         sharded = {}
         for phase, targets in spec["spmd"].items():
-            path = self.jobdir / f"stage{rank}_{phase}_spmd.gpir"
-            device = parse(path.read_text(), path.name)
-            for out, target in zip(device.outputs, targets):
-                out.target = target
+            device = _parse_with_targets(
+                self.jobdir / f"stage{self.stage}_{phase}_spmd.gpir", targets)
             sharded[phase] = _DeviceProgram(device, device.mesh)
-        self.tensors, self.sharded, self.microbatches = tensors, sharded, job["microbatches"]
+        self.program, self.tensors, self.sharded = program, tensors, sharded
+        self.microbatches = job["microbatches"]
         self.runner = self._runner()
+        self.bytes_across = 0  # the tiles this device sent to other stages
+        self.gathered_bytes = 0  # the all-gathers joining the tiles it received
 
     def _runner(self) -> StageRunner:
         """A fresh runner of one step from the job's starting state and microbatches."""
         return StageRunner(self.program, self.microbatches, self.tensors["state"],
-                           self.tensors["inputs"], self.sharded)
+                           self.tensors["inputs"], self.sharded, comm=self.comm)
 
     def run(self) -> None:
         from graphpar.runtime.launch import write_result
@@ -534,13 +649,15 @@ class PipelineWorker:
         runner = self.runner
         spans = self._step(runner)
         write_result(self.jobdir / f"result{self.rank}.pt",
-                     {"losses": runner.losses, "grad_outputs": runner.grad_outputs,
-                      "updates": runner.updates, "bytes_sent": runner.bytes_sent,
-                      "spans": spans})
+                     {"stage": self.stage, "losses": runner.losses,
+                      "grad_outputs": runner.grad_outputs, "updates": runner.updates,
+                      "bytes_sent": self.bytes_across,
+                      "intra_stage_bytes": runner.intra_stage_bytes + self.gathered_bytes,
+                      "gathered_bytes": self.gathered_bytes, "spans": spans})
 
     def time_steps(self, steps: int, warmup: int) -> None:
         """Run `warmup` + `steps` more steps, each from the starting state after a barrier (all
-        stages start together); write each timed step's wall seconds and this stage's compute
+        ranks start together); write each timed step's wall seconds and this device's compute
         seconds (its forward and backward actions) and CPU seconds to ``timing<rank>.json``."""
         import json
         import os
@@ -565,49 +682,50 @@ class PipelineWorker:
         os.replace(path.with_suffix(".tmp"), path)
 
     def _step(self, runner: StageRunner) -> list[tuple]:
-        """This stage's action list for one step; returns its spans (kind, microbatch, start,
+        """This device's action list for one step; returns its spans (kind, microbatch, start,
         end; wall-clock seconds)."""
-        import torch.distributed as dist
-
-        pending = []
         spans = []
         for action in self.actions:
             start = time.time()
             kind, m = action.kind, action.microbatch
             if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                peer = action.peer
-                for tag, t in enumerate(runner.outgoing(action)):
-                    buf = t.contiguous()
-                    pending.append((dist.isend(buf, dst=peer, tag=tag), buf))
+                names = (self.spec["send_forward"] if kind is ActionKind.SEND_F
+                         else self.spec["send_backward"])
+                for tag, (name, t) in enumerate(zip(names, runner.outgoing(action))):
+                    self._send(name, t, action.peer, tag)
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                peer = action.peer
                 key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
-                names = self.peers[peer][key]
-                tensors = []
-                for tag, name in enumerate(names):
-                    ty = self._type(name, peer)
-                    out = torch.empty(ty.shape, dtype=ty.dtype)
-                    dist.recv(out, src=peer, tag=tag)
-                    tensors.append(out)
-                runner.incoming(action, names, tensors)
+                names = self.peers[action.peer][key]
+                runner.incoming(action, names, [self._recv(name, action.peer, tag)
+                                                for tag, name in enumerate(names)])
             elif kind is ActionKind.UPDATE:
-                for dst, name in self.spec["grads_out"]:
-                    buf = runner.grad_sums[name].contiguous()
-                    pending.append((dist.isend(buf, dst=dst, tag=0), buf))
-                    runner.bytes_sent += buf.numel() * buf.element_size()
-                received = {}
-                for src, name in self.spec["grads_in"]:
-                    ty = self._type(name, None)
-                    out = torch.empty(ty.shape, dtype=ty.dtype)
-                    dist.recv(out, src=src, tag=0)
-                    received[name] = out
-                runner.update(received)
+                for tag, dst, name in self.spec["grads_out"]:
+                    self._send(name, runner.grad_sums[name], dst, tag)
+                runner.update({name: self._recv(name, src, tag)
+                               for tag, src, name in self.spec["grads_in"]})
             else:
                 runner.compute(action)
             spans.append((kind.value, m, start, time.time()))
-        for work, _ in pending:
-            work.wait()
+        self.comm.finish()
         return spans
 
-    def _type(self, name: str, peer: int | None) -> TensorType:
-        return self.types[name]
+    def _send(self, name: str, t: torch.Tensor, stage: int, tag: int) -> None:
+        """This device's tiles of `t` (whole on every device of its stage) to `stage`."""
+        plan = tile_transfer(self.types[name], self.meshes[self.stage].device_ids,
+                             self.meshes[stage].device_ids)
+        before = self.comm.bytes_sent
+        self.comm.send_tiles(t, plan.senders, plan.dst, plan.dim, tag)
+        self.bytes_across += int(self.comm.bytes_sent - before)
+
+    def _recv(self, name: str, stage: int, tag: int) -> torch.Tensor:
+        """`name` from `stage`: this device's tile, then the tiles joined by an all-gather
+        over this stage's sub-mesh."""
+        plan = tile_transfer(self.types[name], self.meshes[stage].device_ids,
+                             self.meshes[self.stage].device_ids)
+        tile = plan.tile_type
+        t = self.comm.recv_tile(tile.shape, tile.dtype, plan.senders, plan.dst, tag)
+        if plan.gathered:
+            before = self.comm.bytes_sent
+            t = self.comm.all_gather(t, tuple(range(self.comm.mesh.ndim)), plan.dim)
+            self.gathered_bytes += int(self.comm.bytes_sent - before)
+        return t

@@ -138,6 +138,11 @@ class _Lockstep:
                 comm.check_peer(peer)
             except BackendError as exc:
                 raise node_error(graph, node, exc) from exc
+        if node.op in ("send_tiles", "recv_tile"):
+            try:
+                return self.tiles(rank, index, node, args)
+            except BackendError as exc:
+                raise node_error(graph, node, exc) from exc
         if node.op == "send":  # to `peer`
             self.mailbox.setdefault((rank, peer, tag), deque()).append(args[0].clone())
             comm.record("send", args[0], (), 2, peer=peer, node=index)
@@ -187,6 +192,26 @@ class _Lockstep:
             self.comms[m].record(node.op, x, axes, len(members), node=self.waiting[m][0])
         for m, out in zip(members, outs):
             self.advance(m, out)
+        return True
+
+    def tiles(self, rank: int, index: int, node: Node, args: list) -> bool:
+        """send_tiles: this rank's tiles into the mailbox; recv_tile: its tile, once sent."""
+        comm, attrs, tag = self.comms[rank], node.attrs, node.attrs.get("tag", 0)
+        if node.op == "send_tiles":
+            for peer, tile in comm.my_tiles(args[0], attrs["src"], attrs["dst"],
+                                            attrs.get("dim")):
+                comm.check_peer(peer)
+                self.mailbox.setdefault((rank, peer, tag), deque()).append(tile.clone())
+                comm.record("send", tile, (), 2, peer=peer, node=index)
+            self.advance(rank, args[0])
+            return True
+        peer = comm.tile_source(attrs["src"], attrs["dst"])
+        queue = self.mailbox.get((peer, rank, tag))
+        if not queue:
+            return False
+        message = queue.popleft()
+        comm.record("recv", message, (), 2, peer=peer, node=index)
+        self.advance(rank, message)
         return True
 
     def deadlock(self) -> str:

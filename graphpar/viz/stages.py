@@ -12,7 +12,9 @@ is read from the IR alone (names, meshes, `send`/`recv` attributes), so a `.gpir
 - `submeshes`: each distinct sub-mesh once, with its colour;
 - `transfers`: matched pairs, a `send` in one stage's graph and the `recv` that takes it in
   another (same phase, the sender's lead device is the receiver's `src`, the receiver's lead
-  device is the sender's `dst`, same tag and type), with type and bytes;
+  device is the sender's `dst`, same tag and type), with type and bytes; between sub-meshes
+  of several devices a `send_tiles` and its `recv_tile` (the first tile's devices are the
+  leads);
 - `unmatched`: sends or receives with no partner (a truncated or hand-edited program);
 - `token_slices`, `batch_slices`: the token slicing (TeraPipe) the stage graphs' attributes
   record, when `slice-tokens` ran: tokens per slice and sequences per microbatch.
@@ -118,18 +120,24 @@ def _match_transfers(members: Mapping[int, list[tuple[int, Graph, str]]],
     for s, entries in members.items():
         for index, graph, phase in entries:
             for i, node in enumerate(graph.nodes):
-                if node.op == "send":
-                    key = (PHASES[phase], lead[s], node.attrs.get("dst"), node.attrs.get("tag"))
+                # tiles: the first tile goes from the sending stage's lead device to the
+                # receiving stage's (`graphpar.ir.cross_mesh`)
+                if node.op in ("send", "send_tiles"):
+                    dst = node.attrs.get("dst")
+                    key = (PHASES[phase], lead[s], dst[0] if isinstance(dst, (list, tuple))
+                           else dst, node.attrs.get("tag"))
                     sends[key] = (s, index, i, node)
-                elif node.op == "recv":
-                    key = (PHASES[phase], node.attrs.get("src"), lead[s], node.attrs.get("tag"))
+                elif node.op in ("recv", "recv_tile"):
+                    src = node.attrs.get("src")
+                    key = (PHASES[phase], src[0] if isinstance(src, (list, tuple)) else src,
+                           lead[s], node.attrs.get("tag"))
                     recvs[key] = (s, index, i, node)
     transfers, unmatched = [], []
     for key in sorted(sends, key=_sort_key):
         s, gi, ni, node = sends[key]
         partner = recvs.pop(key, None)
         sent_type = node.input_values[0].type
-        if partner is None or partner[3].output.type != sent_type:
+        if partner is None or partner[3].output.type != _received_type(node):
             unmatched.append({"op": "send", "stage": s, "graph": gi, "node": ni,
                               "to_stage": stage_at.get(key[2]), "tag": key[3]})
             if partner is not None:
@@ -144,6 +152,17 @@ def _match_transfers(members: Mapping[int, list[tuple[int, Graph, str]]],
         unmatched.append({"op": "recv", "stage": s, "graph": gi, "node": ni,
                           "from_stage": stage_at.get(key[1]), "tag": key[3]})
     return transfers, unmatched
+
+
+def _received_type(send: Node):
+    """What one receiving device gets of a `send` or `send_tiles`: the tensor, or its tile."""
+    from graphpar.ir.cross_mesh import TileTransfer
+
+    whole = send.input_values[0].type
+    if send.op == "send":
+        return whole
+    a = send.attrs
+    return TileTransfer(whole, tuple(a["src"]), tuple(a["dst"]), a.get("dim")).tile_type
 
 
 def _sort_key(key: tuple) -> tuple:

@@ -118,3 +118,34 @@ def test_mpmd_send_recv_become_nccl_calls_that_deliver_the_same_tensors(mlp_step
                 env[out.target] = t
     assert sends > 0
     assert not any(listing_box.queues.values()) and not any(interpreter_box.queues.values())
+
+
+def test_tile_sends_become_one_nccl_call_per_tile(mlp_step):
+    # stage 1 on two devices: into it every tensor crosses as 2 tiles, each device receives
+    # its own; out of it each tile is sent by the device the plan names
+    from graphpar.ir.cross_mesh import tile_transfer
+
+    _, programs = mlp_step
+    devices = [(0,), (1, 2)]
+    program = lower_mpmd(programs, devices)
+    sent, received = defaultdict(int), defaultdict(int)
+    for graph in program:
+        if not graph.find("send_tiles") and not graph.find("recv_tile"):
+            continue
+        for rank, device in enumerate(graph.mesh.device_ids):
+            listing = lower_to_listing(graph, graph.mesh, rank)
+            for call in listing.calls:
+                if call.kind == "nccl.send":
+                    sent[device, call["peer"]] += call["count"] * 4
+                elif call.kind == "nccl.recv":
+                    received[call["peer"], device] += call["count"] * 4
+    assert sent == received and sent
+    expected = defaultdict(int)
+    for graph in program:
+        for node in graph.find("send_tiles"):
+            plan = tile_transfer(node.inputs[0].type, devices[0] if 0 in graph.mesh.device_ids
+                                 else devices[1], node.attrs["dst"])
+            for src, dst in zip(plan.senders, plan.dst):
+                expected[src, dst] += plan.tile_type.nbytes
+    assert sent == expected
+    assert {pair for pair in sent} == {(0, 1), (0, 2), (1, 0)}

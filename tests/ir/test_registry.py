@@ -200,7 +200,8 @@ def test_communicating_ops_declare_their_comm_kind():
     kinds = {n: op.comm_kind for n, op in all_ops().items() if op.comm_kind is not None}
     assert kinds == {"all_reduce": "all_reduce", "all_gather": "all_gather",
                      "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
-                     "send": "send_recv", "recv": "send_recv", "local_slice": "local_slice",
+                     "send": "send_recv", "recv": "send_recv", "send_tiles": "send_recv",
+                     "recv_tile": "send_recv", "local_slice": "local_slice",
                      "local_zero": "local_zero", "local_pad": "local_pad"}
 
 

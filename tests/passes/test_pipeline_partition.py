@@ -10,7 +10,7 @@ from graphpar.capture import Adam, capture_training
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, OutputRole, Role
 from graphpar.ir.parser import parse_program
-from graphpar.ir.printer import print_program
+from graphpar.ir.printer import print_graph, print_program
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import verify
 from graphpar.models import get_model
@@ -156,9 +156,36 @@ def test_bad_assignments_are_named(gpt_step):
         forward_backward_optimizer(Graph("empty"))
 
 
+def _messages(program):
+    """Every message the MPMD program's graphs send and receive, one per tile:
+    {(sending device, receiving device, tag, phase): type} for sends and for receives."""
+    sends, recvs = {}, {}
+    for graph in program:
+        phase = graph.name.split("_")[1]
+        for node in graph.nodes:
+            a = node.attrs
+            if node.op == "send":
+                sends[graph.mesh.device_ids[0], a["dst"], a["tag"], phase] = node.inputs[0].type
+            elif node.op == "recv":
+                recvs[a["src"], graph.mesh.device_ids[0], a["tag"], phase] = node.output.type
+            elif node.op == "send_tiles":
+                whole = node.inputs[0].type
+                tile = (whole if "dim" not in a else TensorType(tuple(
+                    n // len(a["dst"]) if d == a["dim"] else n
+                    for d, n in enumerate(whole.shape)), whole.dtype))
+                assert set(a["src"]) <= set(graph.mesh.device_ids)
+                for src, dst in zip(a["src"], a["dst"]):
+                    sends[src, dst, a["tag"], phase] = tile
+            elif node.op == "recv_tile":
+                assert tuple(a["dst"]) == graph.mesh.device_ids  # one tile per device
+                for src, dst in zip(a["src"], a["dst"]):
+                    recvs[src, dst, a["tag"], phase] = node.output.type
+    return sends, recvs
+
+
 def test_mpmd_program_sends_what_the_stages_exchange(gpt_step):
     from graphpar.ir.graph import Program
-    from graphpar.passes.pipeline.lower_mpmd import lower_mpmd, stage_devices
+    from graphpar.passes.pipeline.lower_mpmd import lower_mpmd, stage_devices, step_bytes_across
     from graphpar.passes.pipeline.stage_programs import split_stages
 
     _, captured = gpt_step
@@ -174,20 +201,27 @@ def test_mpmd_program_sends_what_the_stages_exchange(gpt_step):
     text = print_program(program)
     assert print_program(parse_program(text)) == text
     assert isinstance(parse_program(text), Program)
-    # every send has its receive on the peer's first device: same tag, same type
-    sends, recvs = {}, {}
-    for graph in program:
-        me = graph.mesh.device_ids[0]
-        for node in graph.find("send"):
-            sends[me, node.attrs["dst"], node.attrs["tag"], graph.name.split("_")[1]] = \
-                node.inputs[0].type
-        for node in graph.find("recv"):
-            recvs[node.attrs["src"], me, node.attrs["tag"], graph.name.split("_")[1]] = \
-                node.output.type
+    # every tile sent has its receive on its device: same tag, same type
+    sends, recvs = _messages(program)
     assert sends == recvs and sends
     # the stage sub-meshes are declared in the program
     assert {gr.mesh.device_ids for gr in program} == set(devices)
-    # per microbatch, the forward and backward graphs send what the programs predict
-    per_microbatch = sum(n.inputs[0].type.nbytes for gr in program if "update" not in gr.name
-                         for n in gr.find("send"))
+    # per microbatch, each byte the stages exchange crosses once: what the programs predict
+    per_microbatch = sum(t.nbytes for key, t in sends.items() if key[3] != "update")
     assert per_microbatch == sum(sum(programs.bytes_sent(s)) for s in range(4))
+    assert step_bytes_across(programs, devices, 4) == programs.step_bytes(4)
+    # into the sub-mesh of two devices: each device its tile from stage 0, then the local
+    # all-gather; out of it: the tiles of a gradient, sent by both of its devices in turn
+    assert programs.types[programs.stages[0].send_forward[0]].shape == (2, 32, 64)
+    forward1 = next(gr for gr in program if gr.name == "stage1_forward")
+    lines = [" ".join(line.split()) for line in print_graph(forward1).splitlines()
+             if line.lstrip().startswith("%") and " = " in line]
+    assert lines[:2] == [
+        '%0 = recv_tile() {src=[0, 0], dst=[1, 2], shape=[1, 32, 64], dtype="f32", tag=0} '
+        ': f32[1,32,64]',
+        '%1 = all_gather(%0) {axes=[0], n=2, dim=0} : f32[2,32,64]']
+    backward1 = next(gr for gr in program if gr.name == "stage1_backward")
+    assert {tuple(n.attrs["src"]) for n in backward1.find("send_tiles")} == {(1,)}
+    forward1_sends = forward1.find("send_tiles")
+    assert forward1_sends and all(
+        (tuple(n.attrs["src"]), tuple(n.attrs["dst"])) == ((1,), (3,)) for n in forward1_sends)

@@ -19,8 +19,8 @@ MICROBATCHES = 4
 BATCH = 8
 
 
-def captured_pipeline(name: str, stages: int, schedule: str = "gpipe"):
-    ex = get_model(name, "tiny", train=True, batch_size=BATCH)
+def captured_pipeline(name: str, stages: int, schedule: str = "gpipe", **config):
+    ex = get_model(name, "tiny", train=True, batch_size=BATCH, **config)
     spec = ModelSpec(name, ex.module, tuple(ex.inputs), ex.loss_fn, tuple(ex.targets))
     micro = [t[:BATCH // MICROBATCHES] for t in (*ex.inputs, *ex.targets)]
     captured = capture_training(copy.deepcopy(ex.module), micro[:len(ex.inputs)], ex.loss_fn,
@@ -124,10 +124,16 @@ def test_four_gloo_ranks_every_schedule(name):
         assert_matches_eager(pipe.with_schedule(schedule), processes=True)
 
 
-def test_a_stage_sharded_on_two_devices(gpt_two_stages):
+@pytest.fixture(scope="module")
+def gpt_on_one_plus_two(gpt_two_stages):
+    # stages of 1 and 2 devices: 3 ranks, stage 1's phases planned by the ILP on 1x2
+    return gpt_two_stages.on_submeshes({1: "1x2"})
+
+
+def test_a_stage_sharded_on_two_devices(gpt_on_one_plus_two):
     # stages of 1 and 2 devices (3 in all): stage 1's phases are planned by the auto-shard ILP
     # on its 1x2 sub-mesh and run as SPMD programs, each device on its own shards
-    pipe = gpt_two_stages.with_schedule("1f1b").on_submeshes({1: "1x2"})
+    pipe = gpt_on_one_plus_two.with_schedule("1f1b")
     phases = pipe.sharded[1]
     assert set(phases) == {"F", "B", "I", "W", "U"}
     assert all(p.mesh.size == 2 for p in phases.values())
@@ -140,11 +146,60 @@ def test_a_stage_sharded_on_two_devices(gpt_two_stages):
     assert_matches_eager(pipe)
 
 
+def cross_mesh_prediction(pipe):
+    """Per stage, what the cost model says its received tensors cost inside it: Alpa's local
+    all-gather of the tiles (`cross_mesh_cost(...).bytes_inside`), and that every tensor
+    crosses once (`bytes_across` == its bytes)."""
+    from graphpar.cost.communication import cross_mesh_cost
+    from graphpar.passes.pipeline.lower_mpmd import transfers
+
+    meshes = runtime.stage_meshes(pipe.stages, pipe.sharded)
+    inside = [0] * pipe.stages
+    for phase, _, dst, plan in transfers(pipe.programs, pipe.devices):
+        if plan.dim is None and plan.tiles > 1:  # no dim divides: sent whole to each device
+            assert plan.bytes_across == plan.tiles * plan.type.nbytes
+            continue
+        cost = cross_mesh_cost(plan.type.nbytes, meshes[dst], 1.0, 0.0)
+        assert cost.bytes_across == plan.bytes_across == plan.type.nbytes
+        inside[dst] += cost.bytes_inside * (1 if phase == "U" else pipe.microbatches)
+    return inside
+
+
+def assert_one_process_per_device(pipe):
+    """One gloo process per device: equal to eager, every rank ran its stage's actions, the
+    tiles crossed once (measured == predicted) and were all-gathered inside the receiving
+    sub-mesh exactly as the cost model prices it."""
+    run = assert_matches_eager(pipe, processes=True)
+    ranks = {s.rank: s.stage for s in run.spans}
+    assert ranks == {r: s for s, devices in enumerate(pipe.devices) for r in devices}
+    for rank, stage in ranks.items():
+        assert len([s for s in run.spans if s.rank == rank]) == len(pipe.schedule[stage])
+    assert run.gathered_bytes == cross_mesh_prediction(pipe)
+    for s in pipe.sharded:  # its phases' collectives ran on its own process groups
+        assert run.intra_stage_bytes[s] > run.gathered_bytes[s]
+    return run
+
+
+def test_a_sharded_stage_on_three_gloo_ranks(gpt_on_one_plus_two):
+    pipe = gpt_on_one_plus_two.with_schedule("1f1b")
+    run = assert_one_process_per_device(pipe)
+    # every tensor tiles evenly here: each byte crossed once
+    assert sum(run.bytes_sent) == pipe.programs.step_bytes(pipe.microbatches)
+    assert run.gathered_bytes[0] == 0 < run.gathered_bytes[1]
+
+
 @pytest.mark.slow
-def test_a_sharded_stage_on_gloo_ranks(gpt_two_stages):
-    # the sharded stage's devices run in lockstep inside its stage's process
-    assert_matches_eager(gpt_two_stages.with_schedule("zb").on_submeshes({1: "1x2"}),
-                         processes=True)
+@pytest.mark.parametrize("schedule", ["gpipe", "zb"])
+def test_a_sharded_stage_on_three_gloo_ranks_other_schedules(gpt_on_one_plus_two, schedule):
+    assert_one_process_per_device(gpt_on_one_plus_two.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_unequal_sub_meshes_of_two_and_four_on_six_gloo_ranks(gpt_two_stages, schedule):
+    pipe = gpt_two_stages.on_submeshes({0: "1x2", 1: "2x2"}).with_schedule(schedule)
+    assert pipe.devices == [(0, 1), (2, 3, 4, 5)]
+    assert_one_process_per_device(pipe)
 
 
 @pytest.mark.slow
@@ -243,10 +298,20 @@ def test_sharded_stages_every_schedule(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
 def test_eight_devices_on_gloo_ranks_every_schedule(name):
-    # 4 stages x sub-meshes of 2 devices: 8 devices, one gloo process per stage
+    # 4 stages x sub-meshes of 2 devices: 8 devices, one gloo process each
     pipe = captured_pipeline(name, 4).on_submeshes({0: "1x2", 1: "2x1", 2: "1x2", 3: "2x1"})
     for schedule in sorted(SCHEDULES):
-        assert_matches_eager(pipe.with_schedule(schedule), processes=True)
+        assert_one_process_per_device(pipe.with_schedule(schedule))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "llama", "bert", "moe", "wide_resnet"])
+def test_unequal_sub_meshes_on_eight_gloo_ranks_every_schedule(name):
+    # 4 stages on 1 + 1 + 2 + 4 devices
+    pipe = captured_pipeline(name, 4).on_submeshes({2: "1x2", 3: "2x2"})
+    assert pipe.devices == [(0,), (1,), (2, 3), (4, 5, 6, 7)]
+    for schedule in sorted(SCHEDULES):
+        assert_one_process_per_device(pipe.with_schedule(schedule))
 
 
 @pytest.mark.slow
@@ -261,3 +326,19 @@ def test_the_stage_dp_plan_on_eight_devices_runs_equal_to_eager():
                             keep_grads=True, pipeline="auto", microbatches=MICROBATCHES)
     assert sum(s.submesh[0] * s.submesh[1] for s in pipe.plan.stages) == 8
     assert_matches_eager(pipe, processes=True)
+
+
+@pytest.mark.slow
+def test_a_parameter_tied_across_stages():
+    # GPT with its LM head tied to the token embedding: the weight is read by the first stage
+    # (embedding) and the last (LM head); its update is the first stage's, and the last
+    # stage's gradient contribution is sent back with the backward and summed there
+    pipe = captured_pipeline("gpt", 2, tie_embeddings=True)
+    assert pipe.captured.graph.attrs["tied"] == (("tok_emb.weight", "lm_head.weight"),)
+    readers = {s.stage for s in pipe.programs.stages for phase in "FB"
+               if "lm_head.weight" in (pipe.programs.stages[s.stage].program(phase)
+                                       .inputs_by_name())}
+    assert readers == {0, 1}
+    for schedule in sorted(SCHEDULES):
+        assert_matches_eager(pipe.with_schedule(schedule))
+    assert_one_process_per_device(pipe.with_schedule("1f1b").on_submeshes({1: "1x2"}))

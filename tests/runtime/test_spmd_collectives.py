@@ -226,9 +226,18 @@ graph @every_op(
 }
 """
 
+# ... and the tile ops of a tensor crossing between two sub-meshes (ranks 4 and 5 are another
+# stage's: a program that only type-checks here, run by tests/ir/test_cross_mesh.py)
+EVERY_OP_TEXT = ALL_OPS_TEXT.replace("""  return %8 output,
+         %9 output""", """  %10 = send_tiles(%9) {src=[0, 1], dst=[4, 5], dim=0, tag=1} : f32[4,4]
+  %11 = recv_tile() {src=[4, 5], dst=[0, 1], shape=[2, 4], dtype="f32", tag=2} : f32[2,4]
+  return %8 output,
+         %10 output,
+         %11 output""")
+
 
 def test_ops_are_registered_typed_and_round_trip():
-    g = parse(ALL_OPS_TEXT)
+    g = parse(EVERY_OP_TEXT)
     verify(g)
     assert parse(print_graph(g)) == g
     for op in SPMD_OPS:
@@ -239,7 +248,7 @@ def test_a_device_program_counts_flops_of_its_compute_only():
     """Communication is priced by bytes (cost.collectives); FLOPs counted for it too would
     charge it twice in the roofline and in the report's compute estimate: a matmul followed
     by every kind of collective costs exactly the matmul's 2·M·N·K."""
-    body = ALL_OPS_TEXT.replace("    %x: f32[4,8] input,\n",
+    body = EVERY_OP_TEXT.replace("    %x: f32[4,8] input,\n",
                                 "    %a: f32[4,16] input,\n    %w: f32[16,8] param,\n")
     body = body.replace("{\n  %0 = all_reduce(%x)", "{\n  %x = matmul(%a, %w) : f32[4,8]\n"
                         "  %0 = all_reduce(%x)", 1)

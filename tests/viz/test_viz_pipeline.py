@@ -16,7 +16,9 @@ from graphpar.viz.stages import SUBMESH_PALETTE
 
 BLUE, ORANGE, GREEN = SUBMESH_PALETTE[:3]
 
-# Three stages as lower_mpmd prints them: stage 1 on a sub-mesh of two devices, a value relayed
+# Three stages joined by plain send/recv between the stages' lead devices (lower_mpmd writes
+# tile sends where a sub-mesh has several devices: TILES below): stage 1 on a sub-mesh of two
+# devices, a value relayed
 # through stage 1, a gradient sent from the last stage's update to the first's (two bands
 # apart), estimates in one graph's attrs, and one send nobody receives.
 THREE_STAGES = """\
@@ -102,6 +104,56 @@ def test_stages_are_bands_coloured_by_submesh_with_matched_transfers():
         transfer("update", 0, "f32[8,8]", 256, (2, 4, 0), (0, 1, 0))]
     assert data["unmatched"] == [
         {"op": "send", "stage": 2, "graph": 3, "node": 4, "to_stage": 1, "tag": 5}]
+
+
+# Stage 0 on one device, stage 1 on two: the activation crosses as two tiles and is
+# all-gathered, its gradient comes back from stage 1's first device, as lower_mpmd writes them.
+TILES = """\
+mesh @mesh0 = <[1]> {bandwidth=[1.0], latency=[0.0]}
+mesh @mesh1 = <[2]> {bandwidth=[1.0], latency=[0.0], devices=[1, 2]}
+graph @stage0_forward(
+    %x: f32[2,8] input,
+) on @mesh0 {
+  %0 = send_tiles(%x) {src=[0, 0], dst=[1, 2], tag=0, dim=0} : f32[2,8]
+  return %0 output
+}
+
+graph @stage1_forward(
+) on @mesh1 {
+  %0 = recv_tile() {src=[0, 0], dst=[1, 2], shape=[1, 8], dtype="f32", tag=0} : f32[1,8]
+  %1 = all_gather(%0) {axes=[0], n=2, dim=0}            : f32[2,8]
+  %2 = sum(%1) {dims=none, keepdim=false}               : f32[]
+  return %2 loss
+}
+
+graph @stage1_backward(
+    %g: f32[2,8] input,
+) on @mesh1 {
+  %0 = send_tiles(%g) {src=[1], dst=[0], tag=0}         : f32[2,8]
+  return %0 output
+}
+
+graph @stage0_backward(
+) on @mesh0 {
+  %0 = recv_tile() {src=[1], dst=[0], shape=[2, 8], dtype="f32", tag=0} : f32[2,8]
+  return %0 output
+}
+"""
+
+
+def test_tile_sends_pair_with_their_tile_receives():
+    data = program_data(parse_program(TILES))["pipeline"]
+    assert data["transfers"] == [
+        transfer("forward", 0, "f32[2,8]", 64, (0, 0, 0), (1, 1, 0)),
+        transfer("backward", 0, "f32[2,8]", 64, (1, 2, 0), (0, 3, 0))]
+    assert data["unmatched"] == []
+    # a receiver expecting another tile shape does not take it
+    wrong = TILES.replace("shape=[1, 8], dtype=\"f32\", tag=0} : f32[1,8]",
+                          "shape=[2, 4], dtype=\"f32\", tag=0} : f32[2,4]")
+    wrong = wrong.replace("n=2, dim=0}            : f32[2,8]", "n=2, dim=1}            : f32[2,8]")
+    data = program_data(parse_program(wrong))["pipeline"]
+    assert [t["phase"] for t in data["transfers"]] == ["backward"]
+    assert [(u["op"], u["stage"]) for u in data["unmatched"]] == [("send", 0), ("recv", 1)]
 
 
 def test_a_transfer_needs_the_same_phase_tag_and_type():

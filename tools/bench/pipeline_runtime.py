@@ -1,4 +1,4 @@
-"""Measure pipelined training steps on gloo CPU ranks, one process per stage, per schedule.
+"""Measure pipelined training steps on gloo CPU ranks, one process per device, per schedule.
 
 For each schedule the step runs once to warm up and once measured; each rank times its own
 actions (wall clock). The table gives the measured step time and bubble fraction, the
@@ -7,7 +7,14 @@ does the schedule model predict the runtime?), the cost model's transfer time fo
 between stages, and (p-1)/(m+p-1), GPipe's and 1F1B's bubble with uniform stages and free
 transfers. Every step is also checked against eager PyTorch.
 
+With `--submeshes` some stages run on sub-meshes of several devices (their phases sharded by
+the auto-shard ILP, one process per device): the second table gives the bytes that crossed
+between sub-meshes (measured, as tiles: each byte once) beside what a naive transfer would
+send (every receiving device the whole tensor) and the local all-gathers inside the
+receiving sub-meshes (measured against `cross_mesh_cost`).
+
     python tools/bench/pipeline_runtime.py            # table; writes pipeline_runtime.json here
+    python tools/bench/pipeline_runtime.py --quick --submeshes 1,1x2 --out cross_mesh.json
 
 Timings are measured on a shared machine; run it on an idle one for numbers to quote.
 """
@@ -26,12 +33,32 @@ from graphpar.pipelined import compile_pipeline
 from graphpar.runtime.schedules import COMPUTE_KINDS, ActionKind, simulate
 
 
-def measure(pipe, schedule: str) -> dict:
+def cross_mesh_bytes(pipe) -> dict:
+    """Per step, bytes between sub-meshes as tiles (predicted), sent naively (every receiving
+    device the whole tensor) and gathered inside the receiving sub-meshes (cost model)."""
+    from graphpar.cost.communication import cross_mesh_cost
+    from graphpar.passes.pipeline.lower_mpmd import transfers
+    from graphpar.runtime.pipeline import stage_meshes
+
+    meshes = stage_meshes(pipe.stages, pipe.sharded)
+    naive = inside = 0
+    for phase, _, dst, plan in transfers(pipe.programs, pipe.devices):
+        times = 1 if phase == "U" else pipe.microbatches
+        naive += times * plan.tiles * plan.type.nbytes
+        if plan.gathered:
+            inside += times * cross_mesh_cost(plan.type.nbytes, meshes[dst], 1.0, 0.0
+                                              ).bytes_inside
+    return {"bytes_across_naive": naive, "bytes_gathered_inside_predicted": int(inside)}
+
+
+def measure(pipe, schedule: str, warm_up: bool = True) -> dict:
     pipe = pipe.with_schedule(schedule)
-    pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)  # warm-up
-    start = time.perf_counter()
+    if warm_up:
+        pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)
+    start, cpu = time.perf_counter(), _cpu_seconds()
     check = pipe.check(processes=True)
     wall = time.perf_counter() - start
+    cpu = _cpu_seconds() - cpu
     spans = pipe.last_run.spans
     stages = pipe.stages
     step = max(s.end_s for s in spans) - min(s.start_s for s in spans)
@@ -67,25 +94,52 @@ def measure(pipe, schedule: str) -> dict:
         "bubble_fraction_uniform_formula": (stages - 1) / (m + stages - 1),
         "bytes_between_stages_measured": sum(pipe.last_run.bytes_sent),
         "bytes_between_stages_predicted": pipe.predicted_bytes,
+        "bytes_gathered_inside_measured": sum(pipe.last_run.gathered_bytes),
+        **cross_mesh_bytes(pipe),
+        "devices": [len(d) for d in pipe.devices],
         "equal_to_eager": check.within_tolerance,
         "wall_seconds_including_process_start": wall,
+        "cpu_seconds_including_process_start": cpu,
     }
 
 
-def main() -> None:
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (the rank processes)."""
+    import resource
+
+    own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
+                                                     resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--submeshes", default="",
+                        help="each stage's sub-mesh, comma-separated (e.g. 1,1x2: stage 1 "
+                             "sharded on 2 devices); default one device per stage")
+    parser.add_argument("--quick", action="store_true",
+                        help="gpt tiny as bundled (2 layers, d_model 64), 1F1B only, no "
+                             "warm-up run")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
-    args = parser.parse_args()
-    ex = get_model("gpt", "tiny", train=True, batch_size=2 * args.microbatches, n_layers=4,
-                   d_model=128)
+    args = parser.parse_args(argv)
+    submeshes = [m.strip() for m in args.submeshes.split(",") if m.strip()]
+    stages = len(submeshes) or args.stages
+    size = {} if args.quick else {"n_layers": 4, "d_model": 128}
+    ex = get_model("gpt", "tiny", train=True, batch_size=2 * args.microbatches, **size)
     pipe = compile_pipeline(ex.module, ex.inputs, loss_fn=ex.loss_fn, targets=ex.targets,
-                            optimizer=Adam(), stages=args.stages,
-                            microbatches=args.microbatches)
-    rows = [measure(pipe, name) for name in ("gpipe", "1f1b", "zb")]
-    print(f"gpt tiny (4 layers, d_model 128), {args.stages} stages x 1 gloo rank, "
-          f"{args.microbatches} microbatches; times measured (wall clock, shared machine)")
+                            optimizer=Adam(), stages=stages, microbatches=args.microbatches,
+                            keep_grads=True)
+    sharded = {s: m for s, m in enumerate(submeshes) if m not in ("1", "1x1")}
+    if sharded:
+        pipe = pipe.on_submeshes(sharded)
+    schedules = ("1f1b",) if args.quick else ("gpipe", "1f1b", "zb")
+    rows = [measure(pipe, name, warm_up=not args.quick) for name in schedules]
+    model = "bundled size" if args.quick else "4 layers, d_model 128"
+    print(f"gpt tiny ({model}), {stages} stages on {'+'.join(map(str, rows[0]['devices']))} "
+          f"gloo ranks (one per device), {args.microbatches} microbatches; times measured "
+          "(wall clock, shared machine)")
     print(f"{'schedule':8} {'step ms':>8} {'sim ms':>8} {'est ms':>7} {'bubble':>7} {'sim':>6} "
           f"{'est':>5} {'(p-1)/(m+p-1)':>13} {'bytes':>9} {'eager':>5}")
     for r in rows:
@@ -96,8 +150,19 @@ def main() -> None:
               f"{r['bubble_fraction_estimated_by_cost_model']:5.2f} "
               f"{r['bubble_fraction_uniform_formula']:13.2f} "
               f"{r['bytes_between_stages_measured']:9d} {str(r['equal_to_eager']):>5}")
+    print("\nbytes per step between and inside sub-meshes (B); seconds for the whole check")
+    print(f"{'schedule':8} {'across meas.':>12} {'predicted':>10} {'naive':>10} "
+          f"{'gathered meas.':>14} {'cost model':>10} {'wall s':>7} {'CPU s':>6}")
+    for r in rows:
+        print(f"{r['schedule']:8} {r['bytes_between_stages_measured']:12d} "
+              f"{r['bytes_between_stages_predicted']:10d} {r['bytes_across_naive']:10d} "
+              f"{r['bytes_gathered_inside_measured']:14d} "
+              f"{r['bytes_gathered_inside_predicted']:10d} "
+              f"{r['wall_seconds_including_process_start']:7.1f} "
+              f"{r['cpu_seconds_including_process_start']:6.1f}")
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

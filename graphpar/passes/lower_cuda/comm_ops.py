@@ -1,5 +1,5 @@
 """lower-cuda for communication: NCCL calls on a communicator per mesh-axis group, the free
-rank-local steps, and send/recv between stages."""
+rank-local steps, and send/recv (whole tensors or tiles) between stages."""
 
 from __future__ import annotations
 
@@ -163,6 +163,41 @@ def _recv(low: Lowering, node: Node) -> None:
 
 
 
+def _send_tiles(low: Lowering, node: Node) -> None:
+    """The tiles this device sends (`graphpar.ir.cross_mesh`): one nccl.send each, from a
+    dense copy of the tile where its slice of the tensor is not dense already."""
+    a = node.attrs
+    x = low.view(node.inputs[0])
+    dim = a.get("dim")
+    for j, (src, dst) in enumerate(zip(a["src"], a["dst"])):
+        if src != low.device:
+            continue
+        if dim is None:
+            tile = low.contiguous(node.inputs[0])
+        else:
+            d = dim % len(x.shape)
+            chunk = x.shape[d] // len(a["dst"])
+            shape = x.shape[:d] + (chunk,) + x.shape[d + 1:]
+            tile = View(x.buf, x.offset + j * chunk * x.strides[d], shape, x.strides, x.dtype)
+            if not tile.contiguous:
+                tile = low.materialize(Pending(("leaf", tile), shape, x.dtype))
+        low.emit("nccl.send", [("sendbuff", low.addr(tile)), ("count", math.prod(tile.shape)),
+                               ("datatype", dtype_name(tile.dtype)), ("peer", dst),
+                               ("comm", "world")], [tile], [])
+    low.bind(node.output, x)
+
+
+def _recv_tile(low: Lowering, node: Node) -> None:
+    a = node.attrs
+    t = node.output.type
+    out = low.new_view(t.shape, t.dtype)
+    peer = a["src"][list(a["dst"]).index(low.device)]
+    low.emit("nccl.recv", [("recvbuff", low.addr(out)), ("count", t.numel),
+                           ("datatype", dtype_name(t.dtype)), ("peer", peer),
+                           ("comm", "world")], [], [out])
+    low.bind(node.output, out)
+
+
 HANDLERS.update({
     "all_reduce": _collective,
     "all_gather": _collective,
@@ -173,4 +208,6 @@ HANDLERS.update({
     "local_pad": _local_pad,
     "send": _send,
     "recv": _recv,
+    "send_tiles": _send_tiles,
+    "recv_tile": _recv_tile,
 })

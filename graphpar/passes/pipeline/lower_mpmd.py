@@ -10,7 +10,10 @@ stage and returns the gradients it adds to its accumulators; the update reads th
 gradient another stage's update reads is sent at the start of the producer's update graph.
 
 Each value crossing from one stage to the next is sent once per microbatch; values bound for
-stages further on are relayed by the stages between (received and sent on unchanged).
+stages further on are relayed by the stages between (received and sent on unchanged). Between
+sub-meshes of several devices a value crosses as tiles, each tile once, and the receiving
+sub-mesh all-gathers them (Alpa's local all-gather, `graphpar.ir.cross_mesh`); the pipeline
+runtime executes the same tile plan.
 """
 
 from __future__ import annotations
@@ -19,27 +22,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from graphpar.errors import PassError
+from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole, Program, Value
 from graphpar.ir.mesh import Mesh
-from graphpar.ir.types import dtype_name
+from graphpar.ir.types import TensorType, dtype_name
 from graphpar.passes.pipeline.stage_programs import PipelinePrograms
 
-__all__ = ["ShardedPhase", "lower_mpmd", "shard_stages", "stage_devices"]
-
-
-def stage_devices(stages: int, devices_per_stage: Sequence[int] | None = None
-                  ) -> list[tuple[int, ...]]:
-    """Global ranks of each stage's sub-mesh, stages laid out in order: by default one device
-    each."""
-    sizes = list(devices_per_stage or [1] * stages)
-    if len(sizes) != stages or any(n < 1 for n in sizes):
-        raise PassError(f"{stages} stages need {stages} sub-mesh sizes of at least 1, got "
-                        f"{sizes}")
-    out, first = [], 0
-    for n in sizes:
-        out.append(tuple(range(first, first + n)))
-        first += n
-    return out
+__all__ = ["ShardedPhase", "lower_mpmd", "shard_stages", "stage_devices", "step_bytes_across",
+           "transfers"]
 
 
 def lower_mpmd(programs: PipelinePrograms,
@@ -47,29 +37,30 @@ def lower_mpmd(programs: PipelinePrograms,
     """The MPMD program of `programs`: graphs `stage<s>_forward`, `stage<s>_backward` and
     `stage<s>_update` for each stage s, each on the sub-mesh `devices[s]` (default: device s).
 
-    Stages on more than one device run their graphs replicated here (every device of the
-    sub-mesh the whole stage) and send from their first device to the next stage's first."""
+    Every device of a sub-mesh runs its stage's graphs (here unsharded; `shard_stages` plans
+    the phases' SPMD programs). Between two single devices a tensor is a `send` and a `recv`;
+    where either side has several devices it crosses as tiles (`graphpar.ir.cross_mesh`):
+    `send_tiles` on the sender, `recv_tile` and an `all_gather` over the receiving sub-mesh."""
     stages = len(programs.stages)
     devices = [tuple(d) for d in (devices or stage_devices(stages))]
     if len(devices) != stages:
         raise PassError(f"{stages} stages need {stages} sub-meshes, got {len(devices)}")
     meshes = [Mesh((len(d),), d) for d in devices]
-    lead = [d[0] for d in devices]  # the device that sends and receives for its stage
     graphs = []
     for program in programs.stages:
         s = program.stage
         previous = programs.stages[s - 1].send_forward if s > 0 else ()
         following = programs.stages[s + 1].send_backward if s + 1 < stages else ()
         forward = _with_transfers(
-            programs, program.forward, f"stage{s}_forward", received=previous,
-            src=lead[s - 1] if s else None, sent=program.send_forward,
-            dst=lead[s + 1] if s + 1 < stages else None,
+            programs, program.forward, f"stage{s}_forward", devices[s], received=previous,
+            src=devices[s - 1] if s else None, sent=program.send_forward,
+            dst=devices[s + 1] if s + 1 < stages else None,
             returned=sorted(program.keep_after_forward))
         backward = _with_transfers(
-            programs, program.backward, f"stage{s}_backward", received=following,
-            src=lead[s + 1] if s + 1 < stages else None, sent=program.send_backward,
-            dst=lead[s - 1] if s else None, returned=list(program.grads))
-        update = _update_with_transfers(programs, s, program.update, lead)
+            programs, program.backward, f"stage{s}_backward", devices[s], received=following,
+            src=devices[s + 1] if s + 1 < stages else None, sent=program.send_backward,
+            dst=devices[s - 1] if s else None, returned=list(program.grads))
+        update = _update_with_transfers(programs, s, program.update, devices)
         for g in (forward, backward, update):
             if g is not None:
                 g.mesh = meshes[s]
@@ -77,11 +68,47 @@ def lower_mpmd(programs: PipelinePrograms,
     return Program.of(graphs)
 
 
-def _with_transfers(programs: PipelinePrograms, body: Graph | None, name: str, *,
-                    received: Sequence[str], src: int | None, sent: Sequence[str],
-                    dst: int | None, returned: Sequence[str]) -> Graph | None:
-    """`body` (a copy) with receives in front, sends at the end, returning `returned` by name
-    (what is available of it) besides its own loss and updates."""
+_SENDS = ("send", "send_tiles")
+
+
+def _receive(graph: Graph, ty: TensorType, src: Sequence[int], here: Sequence[int], tag: int,
+             before) -> Value:
+    """The nodes that receive a `ty` tensor from sub-mesh `src` on sub-mesh `here`; the
+    tensor, whole on every device of `here`."""
+    if len(src) == 1 and len(here) == 1:
+        return graph.create("recv", [], {"src": src[0], "shape": ty.shape,
+                                         "dtype": dtype_name(ty.dtype), "tag": tag},
+                            before=before).output
+    plan = tile_transfer(ty, src, here)
+    tile = plan.tile_type
+    value = graph.create("recv_tile", [], {"src": list(plan.senders), "dst": list(plan.dst),
+                                           "shape": tile.shape, "dtype": dtype_name(ty.dtype),
+                                           "tag": tag}, before=before).output
+    if plan.gathered:  # Alpa's local all-gather, over the receiving sub-mesh's own links
+        value = graph.create("all_gather", [value], {"axes": [0], "n": plan.tiles,
+                                                     "dim": plan.dim}, before=before).output
+    return value
+
+
+def _send(graph: Graph, value: Value, here: Sequence[int], dst: Sequence[int], tag: int,
+          before=None) -> None:
+    """The node that sends `value` (whole on every device of `here`) to sub-mesh `dst`."""
+    if len(here) == 1 and len(dst) == 1:
+        graph.create("send", [value], {"dst": dst[0], "tag": tag}, before=before)
+        return
+    plan = tile_transfer(value.type, here, dst)
+    attrs = {"src": list(plan.senders), "dst": list(plan.dst), "tag": tag}
+    if plan.dim is not None:
+        attrs["dim"] = plan.dim
+    graph.create("send_tiles", [value], attrs, before=before)
+
+
+def _with_transfers(programs: PipelinePrograms, body: Graph | None, name: str,
+                    here: Sequence[int], *, received: Sequence[str], src: Sequence[int] | None,
+                    sent: Sequence[str], dst: Sequence[int] | None, returned: Sequence[str]
+                    ) -> Graph | None:
+    """`body` (a copy) on sub-mesh `here` with receives in front, sends at the end, returning
+    `returned` by name (what is available of it) besides its own loss and updates."""
     if body is None and not received and not sent:
         return None
     graph = body.copy() if body is not None else Graph(name)
@@ -94,19 +121,16 @@ def _with_transfers(programs: PipelinePrograms, body: Graph | None, name: str, *
             available[out.target] = out.value
     first = next(iter(graph.nodes), None)
     for tag, value_name in enumerate(received):
-        ty = programs.types[value_name]
-        recv = graph.create("recv", [], {"src": src, "shape": ty.shape,
-                                         "dtype": dtype_name(ty.dtype), "tag": tag},
-                            before=first)
+        value = _receive(graph, programs.types[value_name], src, here, tag, first)
         old = available.get(value_name)
         if old is not None and old.is_input:
-            graph.replace_all_uses(old, recv.output)
+            graph.replace_all_uses(old, value)
             graph.inputs.remove(old)
-        available[value_name] = recv.output
+        available[value_name] = value
     for tag, value_name in enumerate(sent):
         if value_name not in available:  # a relay this stage neither reads nor makes
             available[value_name] = graph.add_input(value_name, programs.types[value_name])
-        graph.create("send", [available[value_name]], {"dst": dst, "tag": tag})
+        _send(graph, available[value_name], here, dst, tag)
     keep = set(returned)
     graph.outputs = [o for o in graph.outputs
                      if o.role is not OutputRole.OUTPUT or o.target in keep]
@@ -116,7 +140,7 @@ def _with_transfers(programs: PipelinePrograms, body: Graph | None, name: str, *
         if value is not None and value_name not in returning and not value.is_input:
             graph.add_output(value, OutputRole.OUTPUT, value_name)
     if not graph.outputs:  # every graph returns something: the last send's operand
-        sends = graph.find("send")
+        sends = [n for n in graph.nodes if n.op in _SENDS]
         if not sends:
             return None
         graph.add_output(sends[-1].output, OutputRole.OUTPUT, None)
@@ -124,32 +148,61 @@ def _with_transfers(programs: PipelinePrograms, body: Graph | None, name: str, *
 
 
 def _update_with_transfers(programs: PipelinePrograms, s: int, body: Graph | None,
-                           lead: Sequence[int]) -> Graph | None:
+                           devices: Sequence[Sequence[int]]) -> Graph | None:
     """Stage s's update, sending the gradients other stages update first and receiving the
     ones it updates from others."""
-    outgoing = [(dst, n) for src, dst, n in programs.grad_transfers if src == s]
-    incoming = [(src, n) for src, dst, n in programs.grad_transfers if dst == s]
+    # a gradient's tag is its place in grad_transfers: the same for its sender and receiver
+    outgoing = [(tag, dst, n) for tag, (src, dst, n) in enumerate(programs.grad_transfers)
+                if src == s]
+    incoming = [(tag, src, n) for tag, (src, dst, n) in enumerate(programs.grad_transfers)
+                if dst == s]
     if body is None and not outgoing:
         return None
     graph = body.copy() if body is not None else Graph(f"stage{s}_update")
     graph.name = f"stage{s}_update"
     first = next(iter(graph.nodes), None)
     inputs = graph.inputs_by_name()
-    for tag, (dst, value_name) in enumerate(outgoing):
+    for tag, dst, value_name in outgoing:
         grad = inputs.get(value_name) or graph.add_input(value_name,
                                                          programs.types[value_name])
-        graph.create("send", [grad], {"dst": lead[dst], "tag": tag}, before=first)
-    for tag, (src, value_name) in enumerate(incoming):
-        ty = programs.types[value_name]
-        recv = graph.create("recv", [], {"src": lead[src], "shape": ty.shape,
-                                         "dtype": dtype_name(ty.dtype), "tag": tag},
-                            before=first)
+        _send(graph, grad, devices[s], devices[dst], tag, before=first)
+    for tag, src, value_name in incoming:
+        value = _receive(graph, programs.types[value_name], devices[src], devices[s], tag,
+                         first)
         old = inputs[value_name]
-        graph.replace_all_uses(old, recv.output)
+        graph.replace_all_uses(old, value)
         graph.inputs.remove(old)
     if not graph.outputs:
-        graph.add_output(graph.find("send")[-1].output, OutputRole.OUTPUT, None)
+        sends = [n for n in graph.nodes if n.op in _SENDS]
+        graph.add_output(sends[-1].output, OutputRole.OUTPUT, None)
     return graph
+
+
+def transfers(programs: PipelinePrograms, devices: Sequence[Sequence[int]]
+              ) -> list[tuple[str, int, int, TileTransfer]]:
+    """Every tensor that crosses between stages once per microbatch ("F", "B") or once per
+    step ("U", the gradients another stage updates): (phase, from stage, to stage, plan)."""
+    out = []
+    for program in programs.stages:
+        s = program.stage
+        for name in program.send_forward:
+            out.append(("F", s, s + 1,
+                        tile_transfer(programs.types[name], devices[s], devices[s + 1])))
+        for name in program.send_backward:
+            out.append(("B", s, s - 1,
+                        tile_transfer(programs.types[name], devices[s], devices[s - 1])))
+    for src, dst, name in programs.grad_transfers:
+        out.append(("U", src, dst,
+                    tile_transfer(programs.types[name], devices[src], devices[dst])))
+    return out
+
+
+def step_bytes_across(programs: PipelinePrograms, devices: Sequence[Sequence[int]],
+                      microbatches: int) -> int:
+    """Bytes that cross between sub-meshes in one step of `microbatches` microbatches, every
+    tensor as its tiles (`PipelinePrograms.step_bytes` when every tensor tiles evenly)."""
+    return sum(plan.bytes_across * (1 if phase == "U" else microbatches)
+               for phase, _, _, plan in transfers(programs, devices))
 
 
 @dataclass(frozen=True)

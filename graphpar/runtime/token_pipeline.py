@@ -113,7 +113,9 @@ class TokenStage:
         self.updates: dict[str, torch.Tensor] = {}
         self.items_backward = 0  # backward items done: received gradients wait for all
         self.spans: list[tuple[Action, float, float]] = []
-        self.extra_bytes = 0  # summed gradients sent to another stage's update
+        # bytes this stage sent to others (measured): activations and their gradients as
+        # they leave, plus summed gradients sent to another stage's update
+        self.sent_bytes = 0
 
     def _runner(self, action: Action) -> tuple[SliceRunner, Action, int, int]:
         m, j = token_unit(action.microbatch, self.slices)
@@ -140,7 +142,9 @@ class TokenStage:
 
     def outgoing(self, action: Action) -> list[torch.Tensor]:
         runner, local, _, _ = self._runner(action)
-        return runner.outgoing(local)
+        tensors = runner.outgoing(local)
+        self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
 
     def incoming(self, action: Action, names: Sequence[str],
                  tensors: Sequence[torch.Tensor]) -> None:
@@ -194,7 +198,7 @@ class TokenStage:
 
     @property
     def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self.runners) + self.extra_bytes
+        return self.sent_bytes
 
     @property
     def tensors_left(self) -> int:
@@ -260,7 +264,7 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
                     for src, p in pending:
                         t = stages[src].grad_outputs[p]
                         received[p] = received[p] + t if p in received else t
-                        stages[src].extra_bytes += t.numel() * t.element_size()
+                        stages[src].sent_bytes += t.numel() * t.element_size()
                     stages[s].update(received)
                 else:
                     stages[s].compute(a)
@@ -475,7 +479,7 @@ class TokenPipelineWorker:
                 for dst, param in self.spec["grads_out"]:
                     buf = sums[param].contiguous()
                     pending.append((dist.isend(buf, dst=dst, tag=0), buf))
-                    stage.extra_bytes += buf.numel() * buf.element_size()
+                    stage.sent_bytes += buf.numel() * buf.element_size()
                 received: dict[str, torch.Tensor] = {}
                 for src, param in self.spec["grads_in"]:
                     held = stage.update_runner.state if stage.update_runner else {}

@@ -22,7 +22,12 @@ def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(load_bench, tmp
     # the ILP alone is never worse than the one-level plan and the equal slicing it contains
     for kind in ("intra-op only", "equal layer"):
         assert best["two-level"] <= best[kind] * (1 + 1e-12), kind
+    assert entry["never_worse"] and entry["beaten_by"] == []
+    assert bench.beaten_by({"two-level+hand": 2.0, "megatron": 1.0}) == ["megatron"]
     variants = {r["variant"] for r in entry["rows"]}
     assert {"megatron dp=2 tp=1 pp=1", "megatron dp=1 tp=2 pp=1", "megatron dp=1 tp=1 pp=2"
             } <= variants
-    assert "estimated step milliseconds" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "estimated step milliseconds" in out and "never worse" in out
+    row = next(line for line in out.splitlines() if line.startswith("mlp:tiny"))
+    assert row.split()[-4] == "yes"  # the never-worse column

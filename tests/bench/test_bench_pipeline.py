@@ -22,7 +22,30 @@ def test_pipeline_bench_writes_rows_and_two_level_is_never_worse(load_bench, tmp
     # the ILP alone is never worse than the one-level plan and the equal slicing it contains
     for kind in ("intra-op only", "equal layer"):
         assert best["two-level"] <= best[kind] * (1 + 1e-12), kind
+    assert entry["never_worse"] and entry["beaten_by"] == []
+    assert bench.beaten_by({"two-level+hand": 2.0, "megatron": 1.0}) == ["megatron"]
     variants = {r["variant"] for r in entry["rows"]}
     assert {"megatron dp=2 tp=1 pp=1", "megatron dp=1 tp=2 pp=1", "megatron dp=1 tp=1 pp=2"
             } <= variants
-    assert "estimated step milliseconds" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "estimated step milliseconds" in out and "never worse" in out
+    row = next(line for line in out.splitlines() if line.startswith("mlp:tiny"))
+    assert row.split()[-4] == "yes"  # the never-worse column
+
+
+def test_two_level_plan_is_never_worse_on_a_small_case(load_bench):
+    # Every variant of the benchmark on a 3-layer MLP, 2 devices, 4 microbatches: the
+    # two-level search with the hand layouts as choices is at most each of them.
+    from graphpar.capture import Adam, capture_training
+    from graphpar.cost.cluster import get_cluster
+    from graphpar.models import get_model
+
+    bench = load_bench("pipeline")
+    ex = get_model("mlp", "tiny", train=True, n_layers=3)
+    graph = capture_training(ex.module, ex.inputs, ex.loss_fn, ex.targets,
+                             optimizer=Adam(lr=1e-3), name="mlp").graph
+    rows = bench.run_variants(graph, "1x2", 4, get_cluster("dgx-a100"))
+    best = bench.summarize(rows)
+    assert set(best) == set(bench.KINDS)
+    assert bench.beaten_by(best) == []
+    assert best["two-level+hand"] < best["intra-op only"]  # pipelining pays here

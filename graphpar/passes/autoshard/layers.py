@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from graphpar.ir.graph import Graph, Node, Value
@@ -74,19 +75,20 @@ class LayerGroup:
         return tuple(layer.nodes[k] for layer in self.layers)
 
 
-def repeated_layers(graph: Graph) -> list[LayerGroup]:
+def repeated_layers(graph: Graph, within: Collection[Node] | None = None) -> list[LayerGroup]:
     """The groups of two or more identical layers in `graph`, by stack and then by first
     layer. A stack whose layers differ (a mixture-of-experts layer every other block) gives
-    one group per kind of layer. Linear in the graph's size."""
+    one group per kind of layer. With `within` (e.g. the forward ops), only those nodes and
+    the inputs they read make up the layers. Linear in the graph's size."""
     nodes: dict[tuple[str, int], list[Node]] = defaultdict(list)
     inputs: dict[tuple[str, int], list[Value]] = defaultdict(list)
     for node in graph.nodes:
         where = layer_of(node.module)
-        if where is not None:
+        if where is not None and (within is None or node in within):
             nodes[where].append(node)
     for value in graph.inputs:
         where = layer_of(value.name)
-        if where is not None:
+        if where is not None and (within is None or any(u in within for u in value.users)):
             inputs[where].append(value)
     by_shape: dict[tuple, list[Layer]] = defaultdict(list)
     for (stack, index) in sorted(set(nodes) | set(inputs)):

@@ -10,6 +10,7 @@ update always land in one stage.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ import numpy as np
 from numba import njit
 
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Node, Role, Value
+from graphpar.ir.graph import Graph, Node, Role, Value
 from graphpar.ir.registry import get_op
+from graphpar.passes.autoshard.layers import repeated_layers
 
 DEFAULT_DELTA = 0.6  # Alpa's default slack on FLOPs per layer
 
@@ -67,51 +69,126 @@ def received_bytes(chain: Chain, first: int, last: int) -> float:
     return total
 
 
-def cluster_bounds(chain: Chain, layers: int, delta: float = DEFAULT_DELTA
-                   ) -> list[tuple[int, int]]:
+def cluster_bounds(chain: Chain, layers: int, delta: float = DEFAULT_DELTA,
+                   starts: Sequence[int] | None = None) -> list[tuple[int, int]]:
     """Eq. 6: (first op, last op) of each of `layers` layers. The FLOP bound is raised to the
     largest single op's FLOPs when one op alone exceeds it, and doubled in slack while no
-    clustering meets it."""
+    clustering meets it. `starts` (ascending, 0 first) are the ops a layer may begin at; every
+    op when not given."""
+    found = _cluster(chain, layers, delta, _allowed(chain, starts))
+    if found is None:
+        raise ShardingError(f"cannot cluster {chain.flops.size} forward ops into {layers} "
+                            f"layers that begin at {len(starts or ())} allowed ops: give at "
+                            "most that many layers")
+    return found.bounds
+
+
+@dataclass(frozen=True)
+class _Clustering:
+    doubled: int  # times the FLOP bound's slack was doubled before a clustering met it
+    worst: float  # Eq. 6: the most bytes a layer receives
+    squares: float  # the tie-break: sum of squared layer FLOPs
+    bounds: list[tuple[int, int]]
+
+    @property
+    def key(self) -> tuple[int, float, float]:
+        """Better clusterings of the same ops compare lower."""
+        return self.doubled, self.worst, self.squares
+
+
+def _allowed(chain: Chain, starts: Sequence[int] | None) -> np.ndarray:
+    ops = chain.flops.size
+    if starts is None:
+        return np.arange(ops, dtype=np.int64)
+    allowed = np.unique(np.asarray(starts, dtype=np.int64))
+    if allowed.size == 0 or allowed[0] != 0 or allowed[-1] >= ops:
+        raise ShardingError(f"layer starts must include op 0 and lie below the {ops} ops")
+    return allowed
+
+
+def _cluster(chain: Chain, layers: int, delta: float, starts: np.ndarray) -> _Clustering | None:
+    """Eq. 6 and its tie-break over the clusterings whose layers begin at `starts`; None
+    when there are fewer starts than layers."""
     ops = chain.flops.size
     if layers < 1 or layers > ops:
         raise ShardingError(f"cannot cluster {ops} forward ops into {layers} layers: give "
                             f"layers between 1 and {ops}")
+    if starts.size < layers:
+        return None
     total = float(chain.flops.sum())
     bound = max((1.0 + delta) * total / layers, float(chain.flops.max(initial=0)))
     prefix = np.concatenate([[0.0], np.cumsum(chain.flops.astype(np.float64))])
+    arrays = (chain.producer, chain.reader_start, chain.readers, chain.nbytes)
+    doubled = 0
     while True:
-        worst = _min_max(chain, layers, bound, prefix)
+        worst, _ = _cluster_dp(*arrays, layers, bound, prefix, starts, np.inf, False)
         if worst < np.inf:
             break
         bound *= 2.0
-    ends = _least_variance(chain, layers, bound, prefix, worst)
+        doubled += 1
+    squares, ends = _cluster_dp(*arrays, layers, bound, prefix, starts, worst, True)
     firsts = [0, *(int(e) + 1 for e in ends[:-1])]
-    return list(zip(firsts, (int(e) for e in ends)))
+    return _Clustering(doubled, float(worst), float(squares),
+                       list(zip(firsts, (int(e) for e in ends))))
 
 
 @njit(cache=True)
-def _min_max_received(chain_producer, reader_start, readers, nbytes, layers, bound, prefix):
+def _cluster_dp(chain_producer, reader_start, readers, nbytes, layers, bound, prefix, starts,
+                limit, squares):
+    """One DP over layers that begin at `starts`, each doing at most `bound` FLOPs. Without
+    `squares`: the least max over layers of the bytes received (Eq. 6). With it: among the
+    clusterings whose every layer receives at most `limit` bytes, the least sum of squared
+    layer FLOPs (least variance: the total and count are fixed). Returns the optimum and each
+    layer's last op.
+
+    best[e, r]: ops before starts[e] (e = len(starts): all ops) in r layers. C(starts[a], k) is
+    kept in column[a] and updated per op from each value's previous reader, so no K x K table
+    is kept: O(K * starts * layers)."""
     ops = prefix.size - 1
-    best = np.full((ops + 1, layers + 1), np.inf)  # best[k, r]: ops 0..k-1 in r layers
+    count = starts.size
+    last_start = np.empty(ops, dtype=np.int64)  # index of the last start at or before op p
+    a = 0
+    for p in range(ops):
+        while a + 1 < count and starts[a + 1] <= p:
+            a += 1
+        last_start[p] = a
+    ends_at = np.full(ops, -1, dtype=np.int64)  # a layer may end at op k: the slot after it
+    for a in range(1, count):
+        ends_at[starts[a] - 1] = a
+    ends_at[ops - 1] = count
+    best = np.full((count + 1, layers + 1), np.inf)
+    cut = np.zeros((count + 1, layers + 1), dtype=np.int64)
     best[0, 0] = 0.0
-    column = np.zeros(ops + 1)  # column[i] = C(i, k) for the current k
+    column = np.zeros(count)
     by_op = _events_by_op(chain_producer, reader_start, readers, ops)
     for k in range(ops):
         for e in range(by_op[0][k], by_op[0][k + 1]):
             v, low = by_op[1][e], by_op[2][e]
-            for i in range(low + 1, k + 1):
-                column[i] += nbytes[v]
-        for i in range(k, -1, -1):  # the last layer is ops i..k
-            if prefix[k + 1] - prefix[i] > bound:
+            for a in range(last_start[low] + 1, last_start[k] + 1):  # starts in (low, k]
+                column[a] += nbytes[v]
+        slot = ends_at[k]
+        if slot < 0:
+            continue
+        for a in range(last_start[k], -1, -1):  # the last layer is ops starts[a]..k
+            work = prefix[k + 1] - prefix[starts[a]]
+            if work > bound:
                 break
+            if squares and column[a] > limit:
+                continue
             for r in range(1, layers + 1):
-                before = best[i, r - 1]
+                before = best[a, r - 1]
                 if before == np.inf:
                     continue
-                worst = max(before, column[i])
-                if worst < best[k + 1, r]:
-                    best[k + 1, r] = worst
-    return best[ops, layers]
+                value = before + work * work if squares else max(before, column[a])
+                if value < best[slot, r]:
+                    best[slot, r] = value
+                    cut[slot, r] = a
+    ends = np.zeros(layers, dtype=np.int64)
+    slot = count
+    for r in range(layers, 0, -1):
+        ends[r - 1] = (ops if slot == count else starts[slot]) - 1
+        slot = cut[slot, r]
+    return best[count, layers], ends
 
 
 @njit(cache=True)
@@ -136,51 +213,48 @@ def _events_by_op(chain_producer, reader_start, readers, ops):
     return start, value, low
 
 
-def _min_max(chain: Chain, layers: int, bound: float, prefix: np.ndarray) -> float:
-    return float(_min_max_received(chain.producer, chain.reader_start, chain.readers,
-                                   chain.nbytes, layers, bound, prefix))
+def regular_bounds(graph: Graph, forward: Sequence[Node], layers: int,
+                   delta: float = DEFAULT_DELTA) -> list[tuple[int, int]]:
+    """Eq. 6 over the clusterings that cut every repeated block at the same place, so that the
+    layers in the middle of a stack are identical and share their ILP solves.
+
+    The blocks are autoshard's `repeated_layers` of the forward ops (module paths `blocks.7`,
+    identical ops). For each offset into the blocks of the largest group, layers may begin at
+    that offset in each of its blocks (at the first op of each block of any other group) and
+    anywhere outside the blocks; the offset whose clustering is best by Eq. 6 (then the FLOP
+    tie-break) wins. Without repeated blocks this is `cluster_bounds` over every op."""
+    chain = forward_chain(forward)
+    blocks = _block_runs(graph, forward)
+    if not blocks:
+        return cluster_bounds(chain, layers, delta)
+    inside = np.zeros(len(forward), dtype=bool)
+    for firsts, length in blocks:
+        for first in firsts:
+            inside[first:first + length] = True
+    outside = np.flatnonzero(~inside)
+    others = [first for firsts, _ in blocks[1:] for first in firsts]
+    (main, length), best = blocks[0], None
+    for offset in range(length):
+        starts = np.unique(np.concatenate([[0], outside, others, main + offset]))
+        found = _cluster(chain, layers, delta, starts.astype(np.int64))
+        if found is not None and (best is None or found.key < best.key):
+            best = found
+    return best.bounds if best is not None else cluster_bounds(chain, layers, delta)
 
 
-@njit(cache=True)
-def _least_squares(chain_producer, reader_start, readers, nbytes, layers, bound, prefix, limit):
-    """Among clusterings whose every layer receives at most `limit` bytes, the one with the
-    least sum of squared layer FLOPs (least variance: the total and count are fixed)."""
-    ops = prefix.size - 1
-    best = np.full((ops + 1, layers + 1), np.inf)
-    cut = np.zeros((ops + 1, layers + 1), dtype=np.int64)
-    best[0, 0] = 0.0
-    column = np.zeros(ops + 1)
-    by_op = _events_by_op(chain_producer, reader_start, readers, ops)
-    for k in range(ops):
-        for e in range(by_op[0][k], by_op[0][k + 1]):
-            v, low = by_op[1][e], by_op[2][e]
-            for i in range(low + 1, k + 1):
-                column[i] += nbytes[v]
-        for i in range(k, -1, -1):
-            work = prefix[k + 1] - prefix[i]
-            if work > bound:
-                break
-            if column[i] > limit:
-                continue
-            for r in range(1, layers + 1):
-                before = best[i, r - 1]
-                if before == np.inf:
-                    continue
-                if before + work * work < best[k + 1, r]:
-                    best[k + 1, r] = before + work * work
-                    cut[k + 1, r] = i
-    ends = np.zeros(layers, dtype=np.int64)
-    k = ops
-    for r in range(layers, 0, -1):
-        ends[r - 1] = k - 1
-        k = cut[k, r]
-    return ends
-
-
-def _least_variance(chain: Chain, layers: int, bound: float, prefix: np.ndarray,
-                    limit: float) -> np.ndarray:
-    return _least_squares(chain.producer, chain.reader_start, chain.readers, chain.nbytes,
-                          layers, bound, prefix, limit)
+def _block_runs(graph: Graph, forward: Sequence[Node]) -> list[tuple[np.ndarray, int]]:
+    """Per group of identical forward blocks that each lie in one run of consecutive ops: the
+    position of every block's first op and the block's op count, the group with the most
+    blocks first."""
+    position = {node: k for k, node in enumerate(forward)}
+    runs = []
+    for group in repeated_layers(graph, within=set(forward)):
+        length = len(group.representative.nodes)
+        firsts = [position[layer.nodes[0]] for layer in group.layers]
+        if length and all(position[n] == first + k for layer, first in zip(group.layers, firsts)
+                          for k, n in enumerate(layer.nodes)):
+            runs.append((np.array(firsts, dtype=np.int64), length))
+    return sorted(runs, key=lambda run: (-run[0].size, int(run[0][0])))
 
 
 _LAYER_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -195,6 +269,43 @@ def default_layer_count(forward: Sequence[Node]) -> int:
     blocks = {m.group(1) for n in forward if n.module for m in [_LAYER_INDEX.match(n.module)]
               if m}
     return max(1, min(len(forward), max(2, len(blocks) + 1)))
+
+
+def canonical_order(nodes: Sequence[Node]) -> list[Node]:
+    """`nodes` (a topological order) in an order fixed by their structure alone, so that two
+    layers doing the same ops wired the same way list them alike even where the capture
+    emitted them in another order (the backward of a model's last blocks often is). Kahn's
+    algorithm: of the nodes whose operands are listed, the one with the least structural
+    hash (op, attributes, types and its operands' hashes) comes next, ties in the given
+    order."""
+    members = {node: k for k, node in enumerate(nodes)}
+    shape: dict[Node, bytes] = {}
+    waiting = [0] * len(nodes)
+    users: list[list[int]] = [[] for _ in nodes]
+    for k, node in enumerate(nodes):
+        operands = []
+        for v in node.inputs:
+            if isinstance(v, Value) and v.producer in members:
+                operands.append((shape[v.producer], v.index))
+                waiting[k] += 1
+                users[members[v.producer]].append(k)
+            elif isinstance(v, Value):
+                operands.append(("in", str(v.type), v.role and v.role.value))
+            else:
+                operands.append(repr(v))
+        what = (node.op, sorted(node.attrs.items()), operands, [str(o.type) for o in node.outputs])
+        shape[node] = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
+    ready = [(shape[node], k) for k, node in enumerate(nodes) if not waiting[k]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(nodes[k])
+        for u in users[k]:
+            waiting[u] -= 1
+            if not waiting[u]:
+                heapq.heappush(ready, (shape[nodes[u]], u))
+    return order
 
 
 def layer_signature(nodes: Sequence[Node]) -> str:

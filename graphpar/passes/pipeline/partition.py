@@ -214,8 +214,10 @@ def value_name(graph: Graph, value: Value) -> str:
     return f"v{index}.{value.index}"
 
 
-def stage_subgraph(graph: Graph, nodes: Iterable[Node], name: str) -> Graph:
-    """A standalone graph of `nodes` (a subset of `graph`'s), in `graph`'s order.
+def stage_subgraph(graph: Graph, nodes: Iterable[Node], name: str,
+                   keep_order: bool = False) -> Graph:
+    """A standalone graph of `nodes` (a subset of `graph`'s), in `graph`'s order (in the
+    order given, a topological one, with `keep_order`).
 
     Values it reads from outside become inputs: a graph input keeps its name and role, a node
     result from outside is named by `value_name` with role INPUT. Its results used outside
@@ -224,8 +226,9 @@ def stage_subgraph(graph: Graph, nodes: Iterable[Node], name: str) -> Graph:
     subgraph verifies); results only other nodes read are plain outputs whose `target` is
     their `value_name`, which is the input name the consuming subgraph gives them.
     """
+    nodes = list(nodes)
     members = set(nodes)
-    order = [n for n in graph.nodes if n in members]
+    order = nodes if keep_order else [n for n in graph.nodes if n in members]
     sub = Graph(name, attrs=dict(graph.attrs), mesh=graph.mesh)
     mapping: dict[Value, Value] = {}
     by_name = graph.inputs_by_name()

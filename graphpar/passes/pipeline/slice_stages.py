@@ -43,10 +43,12 @@ from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.passes.pipeline.layers import (
     DEFAULT_DELTA,
+    canonical_order,
     cluster_bounds,
     default_layer_count,
     forward_chain,
     layer_signature,
+    regular_bounds,
 )
 from graphpar.passes.pipeline.partition import (
     follow_forward,
@@ -93,7 +95,7 @@ class LayerCost:
 @dataclass
 class _Layer:
     index: int
-    nodes: list[Node]  # forward, backward and update nodes, in graph order
+    nodes: list[Node]  # forward, backward and update nodes, in `canonical_order`
     forward: list[Node]
     signature: str
 
@@ -142,7 +144,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     forward = [n for n in graph.nodes if n in forward_set]
     if forward_layers is None:
         count = layers or default_layer_count(forward)
-        forward_layers = cluster_bounds(forward_chain(forward), min(count, len(forward)), delta)
+        forward_layers = regular_bounds(graph, forward, min(count, len(forward)), delta)
     count = len(forward_layers)
     if stages > count:
         raise PassError(f"stages={stages} is more than the {count} layers graph @{graph.name} "
@@ -208,6 +210,7 @@ def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Nod
     members: list[list[Node]] = [[] for _ in range(count)]
     for node in graph.nodes:
         members[layer_of[node]].append(node)
+    members = [canonical_order(nodes) for nodes in members]  # identical layers list alike
     returned = {o.value for o in graph.outputs
                 if o.role is OutputRole.OUTPUT and o.target is None}
     units = []
@@ -325,7 +328,7 @@ class _LayerCosts:
         return self._found[key]
 
     def _solve(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
-        sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}")
+        sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}", keep_order=True)
         costed = _without_boundary_outputs(sub)
         self.solves += 1
         reduced = Reduced(Problem(costed, mesh, self.roofline))

@@ -12,12 +12,15 @@ from graphpar.ir.graph import Graph, Role
 from graphpar.ir.types import TensorType
 from graphpar.passes.pipeline.layers import (
     Chain,
+    canonical_order,
     cluster_bounds,
     default_layer_count,
     forward_chain,
     layer_signature,
     received_bytes,
+    regular_bounds,
 )
+from graphpar.passes.pipeline.partition import forward_backward_optimizer
 
 
 def random_chain(rng: random.Random, ops: int) -> Chain:
@@ -106,3 +109,86 @@ def test_identical_layers_cluster_alike_and_share_a_signature():
     signatures = {layer_signature(forward[a:b + 1]) for a, b in bounds}
     assert len(signatures) == 1
     assert layer_signature(forward[0:1]) != layer_signature(forward[1:2])
+
+
+def brute_force_from(chain: Chain, layers: int, bound: float, starts: list[int]):
+    """brute_force over the clusterings whose layers begin only at `starts`."""
+    ops = chain.flops.size
+    best = None
+    for cuts in itertools.combinations(starts[1:], layers - 1):
+        edges = [0, *cuts, ops]
+        spans = list(zip(edges, edges[1:]))
+        work = [int(chain.flops[a:b].sum()) for a, b in spans]
+        if max(work) > bound:
+            continue
+        key = (max(received_bytes(chain, a, b - 1) for a, b in spans), sum(w * w for w in work))
+        best = key if best is None else min(best, key)
+    return best
+
+
+def test_clustering_with_allowed_starts_equals_brute_force():
+    rng = random.Random(2)
+    checked = 0
+    for _ in range(150):
+        ops = rng.randint(3, 10)
+        chain = random_chain(rng, ops)
+        starts = [0, *sorted(rng.sample(range(1, ops), rng.randint(1, ops - 1)))]
+        layers = rng.randint(1, len(starts))
+        delta = rng.choice([0.0, 0.3, 0.6, 2.0])
+        bound = max((1 + delta) * chain.flops.sum() / layers, chain.flops.max())
+        want = brute_force_from(chain, layers, bound, starts)
+        if want is None:
+            continue
+        got = cluster_bounds(chain, layers, delta, starts=starts)
+        assert [a for a, _ in got] == sorted(set(a for a, _ in got)) and got[-1][1] == ops - 1
+        assert {a for a, _ in got} <= set(starts)
+        worst, squares, work = score(chain, got)
+        assert max(work) <= bound
+        assert (worst, squares) == want
+        checked += 1
+    assert checked > 100
+    with pytest.raises(ShardingError, match="begin at 2 allowed ops: give at most that many"):
+        cluster_bounds(random_chain(rng, 6), 3, starts=[0, 3])
+
+
+def test_canonical_order_lists_the_same_layer_alike_whatever_its_order():
+    g = Graph("two")
+    x = g.add_input("x", TensorType((4, 8), torch.float32))
+    w = g.add_input("w", TensorType((8, 8), torch.float32), Role.PARAM)
+    a1 = g.create("relu", [x]).output
+    b1 = g.create("matmul", [x, w]).output
+    g.add_output(g.create("add", [a1, b1]).output)
+    b2 = g.create("matmul", [x, w]).output  # the same three ops, emitted in the other order
+    a2 = g.create("relu", [x]).output
+    g.add_output(g.create("add", [a2, b2]).output)
+    nodes = list(g.nodes)
+    first, second = nodes[:3], nodes[3:]
+    assert layer_signature(first) != layer_signature(second)
+    assert layer_signature(canonical_order(first)) == layer_signature(canonical_order(second))
+    assert [n.op for n in canonical_order(first)] == [n.op for n in canonical_order(second)]
+    assert canonical_order(first)[-1].op == "add"  # still topological
+
+
+@pytest.mark.parametrize("n_layers", [6, 12])
+def test_gpt_blocks_cluster_into_one_kind_of_middle_layer(gpt_step, n_layers):
+    graph = gpt_step(n_layers)
+    forward_set, _, _ = forward_backward_optimizer(graph)
+    forward = [n for n in graph.nodes if n in forward_set]
+    count = default_layer_count(forward)
+    assert count == n_layers + 1
+    bounds = regular_bounds(graph, forward, count)
+    assert len(bounds) == count and bounds[0][0] == 0 and bounds[-1][1] == len(forward) - 1
+    kinds = [layer_signature(forward[a:b + 1]) for a, b in bounds]
+    middle = [k for k in kinds if kinds.count(k) > 1]
+    assert len(set(middle)) == 1 and len(middle) >= n_layers - 3, kinds
+    # the cuts sit at one offset into every block they fall in
+    block = [".".join(n.module.split(".")[:2]) if (n.module or "").startswith("blocks.")
+             else None for n in forward]
+    first_op = {}
+    for k, b in enumerate(block):
+        first_op.setdefault(b, k)
+    offsets = {a - first_op[block[a]] for a, _ in bounds[1:] if block[a] is not None}
+    assert len(offsets) == 1, offsets
+    # plain Eq. 6 (any op may start a layer) makes more kinds: what the offsets fix
+    plain = cluster_bounds(forward_chain(forward), count)
+    assert len({layer_signature(forward[a:b + 1]) for a, b in plain}) > len(set(kinds))

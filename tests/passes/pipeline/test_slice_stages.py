@@ -91,3 +91,12 @@ def test_max_after_is_eq_5_with_the_1f1b_in_flight_count():
     assert max_after(persistent, stashed, 16.0, 8).tolist() == [2, 2, -1, UNBOUNDED]
     assert max_after(persistent[:1], stashed[:1], 16.0, 2).tolist() == [UNBOUNDED]
     assert max_after(np.array([15.0]), np.array([2.0]), 16.0, 8).tolist() == [-1]
+
+
+def test_ilp_solves_do_not_grow_with_depth(gpt_step):
+    # Identical layers share one solve per logical mesh: twice the blocks, the same solves.
+    # One device: one logical mesh, so the solves are the kinds of layers.
+    shallow = slice_stages(gpt_step(6), "1x1", microbatches=2)
+    deep = slice_stages(gpt_step(12), "1x1", microbatches=2)
+    assert len(deep.forward_layers) == 2 * len(shallow.forward_layers) - 1
+    assert deep.plan.ilp_solves == shallow.plan.ilp_solves <= 5

@@ -91,3 +91,33 @@ def test_a_fit_needs_two_samples():
         fit_roofline([(1.0, 1.0, 1.0)])
     with pytest.raises(ValueError, match="at least 2"):
         fit_alpha_beta([("all_reduce", 2, 256, 1e-4)])
+
+
+def test_roofline_overhead_floor_keeps_a_measured_per_call_cost():
+    """Large shapes alone cannot tell 30 us per call from a slightly slower rate: one shape
+    running 15% fast makes the free fit drop the overhead to 0. With the per-call time
+    measured on tiny calls as the floor, the fit keeps it."""
+    rate, overhead = 72e9, 30e-6
+    samples = []
+    for i, (m, k, n) in enumerate([(256, 1024, 1024), (512, 1024, 1024), (128, 512, 1024),
+                                   (64, 512, 512)]):
+        flops, nbytes = _matmul(m, k, n)
+        samples.append((flops, nbytes, (flops / rate + overhead) * (0.85 if i == 3 else 1)))
+    assert fit_roofline(samples).overhead == 0.0  # the mispricing the floor fixes
+    fit = fit_roofline(samples, min_overhead=25e-6)
+    assert fit.overhead >= 25e-6
+    assert fit.flops == pytest.approx(rate, rel=0.05)
+
+
+def test_roofline_overhead_floor_is_exact_on_noiseless_samples():
+    rate, bandwidth, overhead = 90e9, 12e9, 40e-6
+    samples = [(f, b, roofline_seconds(f, b, rate, bandwidth, overhead))
+               for f, b in map(lambda s: _matmul(*s), SHAPES)]
+    for floor in (0.0, 10e-6, overhead):  # a floor at or under the truth changes nothing
+        fit = fit_roofline(samples, min_overhead=floor)
+        assert fit.overhead == pytest.approx(overhead, rel=1e-6)
+        assert fit.flops == pytest.approx(rate, rel=1e-6)
+        assert fit.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert fit_roofline(samples, min_overhead=80e-6).overhead >= 80e-6  # a floor is a floor
+    with pytest.raises(ValueError, match="min_overhead"):
+        fit_roofline(samples, min_overhead=-1.0)

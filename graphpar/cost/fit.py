@@ -43,10 +43,16 @@ def nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     """argmin ||design @ x - target|| subject to x >= 0, exactly, by trying every set of free
     columns (the problems here have at most three)."""
     columns = design.shape[1]
+    # unit columns: a per-call overhead of microseconds beside bytes / bandwidth of tens of
+    # milliseconds would otherwise lose digits in the solve
+    scale = np.linalg.norm(design, axis=0)
+    scale[scale == 0] = 1.0
+    scaled = design / scale
     best, best_error = np.zeros(columns), float(np.sum(target ** 2))
     for k in range(1, columns + 1):
         for free in itertools.combinations(range(columns), k):
-            sub, *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
+            sub, *_ = np.linalg.lstsq(scaled[:, free], target, rcond=None)
+            sub = sub / scale[list(free)]
             if np.any(sub < 0):
                 continue
             x = np.zeros(columns)

@@ -45,7 +45,7 @@ from graphpar.ir.types import TensorType
 from graphpar.runtime.timing import median_seconds
 from graphpar.runtime.workers import WorkerGroup, worker_threads
 
-__all__ = ["CACHE_BYTES", "MEASURED_COLLECTIVES", "ROTATIONS", "SKINNY_WEIGHT_ELEMENTS",
+__all__ = ["CACHE_BYTES", "MEASURED_COLLECTIVES", "ROTATIONS", "SKINNY_WEIGHT_BYTES",
            "CollectiveBench", "CollectiveSample", "ComputeCase", "ComputeSample",
            "collective_sizes", "compute_cases", "contention_note", "measure_collectives",
            "measure_compute", "measure_overheads", "overhead_cases", "rotations"]
@@ -62,11 +62,11 @@ CACHE_BYTES = 64 * 2**20
 CPU, 50 MiB of L2 on an H100): operands this large are not timed from cache."""
 ROTATIONS = 2
 """Copies of a case's operands timed in turn when they reach `CACHE_BYTES`."""
-SKINNY_WEIGHT_ELEMENTS = 2 * CACHE_BYTES // 4
-"""The weight matrix of each `gemm_skinny` case, 32 Mi elements (128 MiB in fp32, 64 MiB in
-half precision, timed over `ROTATIONS` copies): a decode step streams every layer's weights
-(hundreds of MiB) once per token, so its matmuls are timed on weights no cache holds. Not more
-in half precision: a CPU without half matmuls runs them at 0.2 GFLOP/s."""
+SKINNY_WEIGHT_BYTES = (CACHE_BYTES, 2 * CACHE_BYTES, 4 * CACHE_BYTES)
+"""The weight matrices of the `gemm_skinny` cases (64, 128 and 256 MiB, each timed over
+`ROTATIONS` copies): a decode step streams every layer's weights (hundreds of MiB) once per
+token, so its matmuls are timed on weights no cache holds. Sizes differ, so that the bytes
+term of the M = 1 cases is told apart from the per-call overhead."""
 
 
 @dataclass(frozen=True)
@@ -103,10 +103,12 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
     the class has both regimes (`quick`: the three smallest of each class)."""
     gemm = [(32, 256, 256), (64, 512, 512), (128, 512, 1024), (256, 1024, 1024),
             (512, 1024, 1024), (48, 2048, 2048)]
-    # (M, K): N makes the weight SKINNY_WEIGHT_ELEMENTS (4096 x 8192); M = 1 first, the
-    # cheapest cases for the half precisions' three
-    skinny = [(m, k, SKINNY_WEIGHT_ELEMENTS // k) for m, k in ((1, 4096), (1, 8192), (4, 8192),
-                                                               (16, 4096), (8, 8192))]
+    # (M, K, weight bytes): N makes the weight that size; M = 1 first, the half precisions'
+    # three (a CPU without half matmuls runs them at 0.2 GFLOP/s: 0.3-1.3 s a call)
+    small, medium, large = SKINNY_WEIGHT_BYTES
+    skinny = [(m, k, size // dtype.itemsize // k) for m, k, size in (
+        (1, 4096, small), (1, 8192, medium), (1, 8192, large), (4, 8192, medium),
+        (16, 4096, medium), (8, 8192, medium))]
     elements = [2**12, 2**15, 2**18, 2**21]
     rows = [(16, 256), (128, 1024), (1024, 1024), (2048, 2048)]
     attention = [(1, 4, 64, 64), (1, 8, 128, 64), (1, 8, 512, 64), (2, 8, 512, 64)]

@@ -7,8 +7,8 @@ the cluster the compiler takes (`docs/calibration.md`).
 
 Compute: every op class at fp32 (full shape list), fp16 and bf16 (the three smallest shapes of
 each class: half precision on a CPU runs far slower) in this process, fitted to the roofline
-(`graphpar.cost.fit.fit_roofline`), each class's overhead at least the per-call time of a tiny
-call of it through the interpreter (`measure_overheads`). Collectives: `ranks` worker
+(`graphpar.cost.fit.fit_roofline`), each class's overhead the per-call time of a tiny call of
+it through the interpreter (`measure_overheads`). Collectives: `ranks` worker
 processes, fitted per kind to the alpha-beta formulas of `graphpar.cost.communication`, and
 once over every kind together for the cluster's intra-node link (what collectives without a
 measured kind, and mesh axes, use).
@@ -63,8 +63,8 @@ class Calibration:
     seconds: float = 0.0  # measured, wall clock
     compute_seconds: float = 0.0  # of which timing ops (wall clock)
     load_average: float = 0.0  # this machine's 1-minute load when it started
-    # (dtype, class) -> seconds per node of a tiny call through the interpreter: the floor
-    # under the fitted overhead
+    # (dtype, class) -> seconds per node of a tiny call through the interpreter: the class's
+    # overhead
     overheads: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
@@ -117,8 +117,8 @@ def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample
         base: Cluster, device: str = "cpu",
         overheads: Mapping[tuple[str, str], float] | None = None) -> Calibration:
     """The fits of these measurements and the cluster made of them (`base` gives the rest).
-    `overheads`: (dtype, class) -> the per-call time measured on tiny calls, the floor under
-    that class's fitted overhead."""
+    `overheads`: (dtype, class) -> the per-call time measured on tiny calls, that class's
+    overhead (the rates are fitted to the rest of each time); a class without one fits it."""
     overheads = dict(overheads or {})
     notes: list[str] = []
     compute_fits = {}
@@ -129,7 +129,7 @@ def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample
                        if s.case.op_class == op_class and s.case.dtype == dtype]
             if len(samples) >= 2:
                 compute_fits[name, op_class] = fit_roofline(
-                    samples, min_overhead=overheads.get((name, op_class), 0.0))
+                    samples, overhead=overheads.get((name, op_class)))
     collective_fits = {kind: fit_alpha_beta(rows) for kind in MEASURED_COLLECTIVES
                        if len(rows := [(s.kind, s.ranks, s.nbytes, s.seconds)
                                        for s in collectives if s.kind == kind]) >= 2}
@@ -202,9 +202,10 @@ def _residuals(residuals: Sequence[float]) -> str:
 def report(cal: Calibration) -> str:
     """The fits as tables a person reads: achieved rates per class, alpha-beta per kind, and
     each fit's relative error over its samples (|model - measured| / measured)."""
-    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead):",
+    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead; the overhead "
+             "is a tiny call's):",
              f"  {'dtype':5} {'class':13} {'F FLOP/s':>11} {'B bytes/s':>11} {'overhead':>9}"
-             f" {'floor':>9}  residual over shapes"]
+             "  residual over shapes"]
     for dtype, classes in cal.cluster.compute_table().items():
         for op_class, rate in classes.items():
             f = cal.compute_fits[dtype, op_class]
@@ -212,8 +213,7 @@ def report(cal: Calibration) -> str:
                                                               " (B: not bound)")
             lines.append(f"  {dtype:5} {op_class:13} {format_flops(rate['flops']):>11} "
                          f"{format_bandwidth(rate['bandwidth']):>11} "
-                         f"{format_seconds(rate['overhead']):>9} "
-                         f"{format_seconds(cal.overheads.get((dtype, op_class), 0.0)):>9}  "
+                         f"{format_seconds(rate['overhead']):>9}  "
                          f"{_residuals(f.residuals)}{flags}")
     lines += ["", f"collectives over {cal.ranks} ranks (measured, fitted to steps(n) * latency "
                   "+ factor(n) * bytes / bandwidth):",
@@ -268,7 +268,7 @@ def timings(cal: Calibration) -> dict:
     return {
         "benchmark": "graphpar calibrate",
         "units": {"seconds": "s (measured medians)", "model_seconds": "s (the fit)",
-                  "overhead_floors_s": "s per interpreter node of a tiny call (measured)",
+                  "overheads_s": "s per interpreter node of a tiny call (measured)",
                   "bytes": "B", "flops": "FLOP"},
         "ranks": cal.ranks, "cpu": cpu_model(), "cpus": os.cpu_count(),
         "threads_per_rank": worker_threads(), "wall_seconds": cal.seconds,
@@ -276,6 +276,6 @@ def timings(cal: Calibration) -> dict:
         "load_average_1min_at_start": cal.load_average, "notes": cal.notes,
         "link": {"latency_s": cal.link.latency, "bandwidth_bytes_per_s": cal.link.bandwidth},
         "compute": compute_rows, "collectives": collective_rows,
-        "overhead_floors_s": [{"dtype": d, "class": c, "seconds": v}
+        "overheads_s": [{"dtype": d, "class": c, "seconds": v}
                               for (d, c), v in cal.overheads.items()],
     }

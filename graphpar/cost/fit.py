@@ -14,9 +14,8 @@ The max is linear once each sample's regime is known, and the regime is set by t
 arithmetic intensity (flops / bytes below F / B: memory-bound). So the fit tries every split of
 the samples sorted by intensity, solves the linear problem of each, and keeps the best under
 the max model itself (of equally good fits, the one that calls more samples memory-bound).
-Noiseless samples from both regimes give the coefficients back exactly. With `min_overhead`
-(the per-call time measured on tiny calls) the overhead is that floor plus whatever the
-samples add on top, never less. A
+Noiseless samples from both regimes give the coefficients back exactly. Given `overhead` (the
+per-call time measured on tiny calls), the fit takes it as is and fits the two rates. A
 class none of whose samples is bound by arithmetic (elementwise ops read and write more bytes
 than they compute FLOPs) has no F to measure: `flops` is None, and likewise `bandwidth`.
 
@@ -91,19 +90,20 @@ class RooflineFit:
 
 
 def fit_roofline(samples: Sequence[tuple[float, float, float]],
-                 min_overhead: float = 0.0) -> RooflineFit:
-    """The roofline through `samples` of (FLOPs, bytes, seconds), its overhead at least
-    `min_overhead` seconds (the per-call cost measured directly on tiny calls: large shapes
-    alone cannot tell a few microseconds from a slightly lower rate, and fit 0)."""
+                 overhead: float | None = None) -> RooflineFit:
+    """The roofline through `samples` of (FLOPs, bytes, seconds). `overhead`: the per-call
+    seconds measured directly on tiny calls, taken as is, the rates fitted to the rest of each
+    time (large shapes alone cannot tell a few microseconds per call from a slightly lower
+    rate: they fit 0, or, with a slow path among them, milliseconds); None fits it too."""
     if len(samples) < 2:
         raise ValueError(f"a roofline fit needs at least 2 samples, got {len(samples)}")
-    if not min_overhead >= 0:
-        raise ValueError(f"min_overhead must be >= 0 seconds, got {min_overhead!r}")
+    if overhead is not None and not overhead >= 0:
+        raise ValueError(f"overhead must be >= 0 seconds, got {overhead!r}")
     data = np.array(sorted(samples, key=lambda s: s[0] / max(s[1], 1e-300)), dtype=float)
     flops, nbytes, seconds = data[:, 0], data[:, 1], data[:, 2]
     weight = 1.0 / seconds
-    # overhead = min_overhead + extra, extra >= 0: fit the rest of each time above the floor
-    target = (seconds - min_overhead) * weight
+    fixed = overhead is not None
+    target = (seconds - (overhead or 0.0)) * weight  # what the rates have to account for
     best: tuple[float, np.ndarray] | None = None
     # samples [0, split) memory-bound, the rest compute-bound; from all memory-bound down, so
     # that of equally good fits the one with fewer compute-bound samples wins (samples all of
@@ -111,9 +111,10 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]],
     for split in range(len(data), -1, -1):
         memory = np.arange(len(data)) < split
         design = np.stack([np.where(memory, 0.0, flops), np.where(memory, nbytes, 0.0),
-                           np.ones(len(data))], axis=1)
+                           np.zeros(len(data)) if fixed else np.ones(len(data))], axis=1)
         x = nnls(design * weight[:, None], target)
-        x[2] += min_overhead
+        if fixed:
+            x[2] = overhead
         predicted = np.maximum(flops * x[0], nbytes * x[1]) + x[2]
         error = float(np.sum(((predicted - seconds) * weight) ** 2))
         if best is None or error < best[0] - 1e-12 * len(data):  # a real improvement only

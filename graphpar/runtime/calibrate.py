@@ -11,7 +11,7 @@ data cached.
 
 Per-call overhead (`measure_overheads`): a tiny call of each class (one element, or a few rows)
 through the interpreter's per-node dispatch, what every node of a run pays whatever its size;
-the roofline fit takes it as the overhead's floor.
+the roofline fit takes it as the class's overhead and fits the rates to the rest.
 
 Collectives: a `WorkerGroup` of `ranks` processes; each rank joins one group of every size
 n in `group_sizes` (consecutive ranks, all groups of a size running at once, as the groups of
@@ -121,10 +121,10 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
         return TensorType(shape, dtype)
     cases = [ComputeCase("matmul", (t(m, k), t(k, n))) for m, k, n in gemm + skinny]
     for n in elements:
-        # not gelu: the registry counts one FLOP per element for it as for add, while its erf
-        # costs tens, so it would pass for a compute-bound op and hide the memory roof
+        # gelu counts TRANSCENDENTAL FLOPs per element (`OpDef.flops_per_element`): the
+        # class's compute roof, beside the memory roof the others measure
         cases += [ComputeCase("add", (t(n), t(n))), ComputeCase("mul", (t(n), t(n))),
-                  ComputeCase("relu", (t(n),))]
+                  ComputeCase("relu", (t(n),)), ComputeCase("gelu", (t(n),))]
     for r, h in rows:  # reductions are priced as normalizations: both reduce over rows
         cases += [ComputeCase("layer_norm", (t(r, h), t(h), t(h)), (("shape", (h,)),)),
                   ComputeCase("softmax", (t(r, h),), (("dim", -1),)),
@@ -214,8 +214,7 @@ def measure_overheads(dtype: torch.dtype = F32, device: str = "cpu", *, nodes: i
                       repeats: int = 30) -> dict[str, float]:
     """Seconds per node of a tiny call of each class through the interpreter (a graph of
     `nodes` such nodes, run `repeats` times; the median run over `nodes`), with the workers'
-    thread count and the clock `measure_compute` uses: the floor under each class's fitted
-    overhead."""
+    thread count and the clock `measure_compute` uses: each class's per-call overhead."""
     dev = torch.device(device)
     clock = time.thread_time if dev.type == "cpu" else time.perf_counter
     threads = torch.get_num_threads()

@@ -57,10 +57,17 @@ _UNARY = {
     "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
     "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not, "isnan": torch.isnan,
 }
+# Transcendental functions count TRANSCENDENTAL FLOPs per element (`OpDef.flops_per_element`),
+# so that one elementwise rate prices them beside adds.
+TRANSCENDENTAL = 10
+_TRANSCENDENTAL = {"exp", "log", "log1p", "expm1", "sin", "cos", "tanh", "sigmoid", "silu",
+                   "erf"}
 for _name, _fn in _UNARY.items():
-    _op(_name, E, _fn, aten=_name)
+    _op(_name, E, _fn, aten=_name,
+        flops_per_element=TRANSCENDENTAL if _name in _TRANSCENDENTAL else 1)
 
-_op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate))
+_op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate),
+    flops_per_element=TRANSCENDENTAL)
 
 # Binary ops take tensors or inline scalars on either side, with torch's type promotion.
 _BINARY = {
@@ -93,8 +100,9 @@ _op("convert", E, lambda x, dtype: x.to(dtype=torch_dtype(dtype)),
 
 # Backward forms of activations, as autograd emits them.
 _op("gelu_backward", E, lambda g, x, approximate="none": aten.gelu_backward(g, x,
-                                                                             approximate=approximate))
-_op("silu_backward", E, aten.silu_backward)
+                                                                             approximate=approximate),
+    flops_per_element=TRANSCENDENTAL)  # an erf and an exp
+_op("silu_backward", E, aten.silu_backward, flops_per_element=TRANSCENDENTAL)  # a sigmoid
 _op("sigmoid_backward", E, aten.sigmoid_backward)
 _op("tanh_backward", E, aten.tanh_backward)
 _op("threshold_backward", E, lambda g, x, threshold: aten.threshold_backward(g, x, threshold))

@@ -134,3 +134,18 @@ def test_measured_collectives_replace_the_links_inside_a_node_only():
     src, dst = Layout.parse("{R,P}"), Layout.parse("{R,R}")
     assert resharding_cost((1024, 1024), 4, src, dst, mesh).seconds == pytest.approx(
         all_reduce_cost(4 * 1024 * 1024, mesh, 1).seconds)
+
+
+def test_transcendental_ops_count_their_flops_per_element_in_their_declaration():
+    """GELU's erf is about ten adds' work per element: declared once with the op, counted by
+    the FLOP rule, priced by the one elementwise rate."""
+    x, y = t(1024, dtype=torch.float32), t(1024, dtype=torch.float32)
+    assert get_op("add").flops([x, x], [y], {}) == 1024
+    for name in ("gelu", "exp", "tanh", "erf", "silu", "gelu_backward"):
+        assert get_op(name).flops_per_element == 10, name
+    assert get_op("gelu").flops([x], [y], {}) == 10 * 1024
+    assert get_op("relu").flops([x], [y], {}) == 1024
+    slow = dataclasses.replace(A100, compute=(("fp32", "elementwise", 1e9, 1e12, 0.0),))
+    roof = Roofline.of(slow, "fp32")
+    assert op_seconds("gelu", [x], [y], {}, roof) == pytest.approx(
+        10 * op_seconds("relu", [x], [y], {}, roof))

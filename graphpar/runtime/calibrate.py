@@ -111,7 +111,11 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
         (16, 4096, medium), (8, 8192, medium))]
     elements = [2**12, 2**15, 2**18, 2**21]
     rows = [(16, 256), (128, 1024), (1024, 1024), (2048, 2048)]
-    attention = [(1, 4, 64, 64), (1, 8, 128, 64), (1, 8, 512, 64), (2, 8, 512, 64)]
+    # (batch, heads, query rows, key rows): causal prefill, and decode (one query row against
+    # a long cache, memory-bound: it measures the class's memory roof, which the small prefill
+    # shapes would otherwise invent to explain their lower FLOP rate)
+    attention = [(1, 4, 64, 64), (1, 8, 1, 4096), (1, 8, 128, 128), (1, 8, 512, 512),
+                 (2, 8, 512, 512), (1, 8, 1, 16384)]
     gather = [(1000, 256, 64), (32000, 512, 512), (50000, 1024, 1024), (32000, 768, 4096)]
     if quick:
         gemm, skinny, elements, rows, attention, gather = (
@@ -129,8 +133,8 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
         cases += [ComputeCase("layer_norm", (t(r, h), t(h), t(h)), (("shape", (h,)),)),
                   ComputeCase("softmax", (t(r, h),), (("dim", -1),)),
                   ComputeCase("sum", (t(r, h),), (("dims", (-1,)),))]
-    cases += [ComputeCase("attention", (t(*s), t(*s), t(*s)), (("causal", True),))
-              for s in attention]
+    cases += [ComputeCase("attention", (t(b, h, q, 64), t(b, h, k, 64), t(b, h, k, 64)),
+                          (("causal", q == k),)) for b, h, q, k in attention]
     cases += [ComputeCase("embedding", (t(v, d), TensorType((n,), I64))) for v, d, n in gather]
     return cases
 

@@ -223,7 +223,7 @@ def measure_overheads(dtype: torch.dtype = F32, device: str = "cpu", *, nodes: i
     clock = time.thread_time if dev.type == "cpu" else time.perf_counter
     threads = torch.get_num_threads()
     torch.set_num_threads(worker_threads())
-    floors = {}
+    overheads = {}
     try:
         for case in overhead_cases(dtype):
             graph = Graph(f"overhead_{case.op}")
@@ -236,10 +236,10 @@ def measure_overheads(dtype: torch.dtype = F32, device: str = "cpu", *, nodes: i
             args = [_tensor(t, dev, 1) for t in case.operands]
             seconds = median_seconds(functools.partial(interpreter.run, args), repeats, warmup=2,
                                      sync=_sync(dev), clock=clock)
-            floors[case.op_class] = seconds / nodes
+            overheads[case.op_class] = seconds / nodes
     finally:
         torch.set_num_threads(threads)
-    return floors
+    return overheads
 
 
 # --------------------------------------------------------------------------- collectives

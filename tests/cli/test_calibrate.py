@@ -99,27 +99,27 @@ def test_skinny_matmuls_are_timed_on_weights_no_cache_holds(dtype, quick):
     assert [rotations(c) for c in small] == [1] * len(small)
 
 
-def test_the_overhead_floor_is_a_tiny_call_of_each_class_through_the_interpreter():
+def test_the_overhead_is_a_tiny_call_of_each_class_through_the_interpreter():
     assert sorted(c.op_class for c in overhead_cases()) == sorted(COMPUTE_CLASSES)
     assert all(t.numel <= 17 for c in overhead_cases() for t in c.operands)
-    floors = measure_overheads(torch.float32, nodes=4, repeats=3)
-    assert set(floors) == set(COMPUTE_CLASSES)
-    assert all(0 < s < 0.1 for s in floors.values())
+    measured = measure_overheads(torch.float32, nodes=4, repeats=3)
+    assert set(measured) == set(COMPUTE_CLASSES)
+    assert all(0 < s < 0.1 for s in measured.values())
 
 
 def test_the_overhead_is_the_measured_per_call_time(monkeypatch):
     """Times whose per-call part the shapes cannot show (here: none in them) fit 0 s per call;
     the per-call time measured on tiny calls is the class's overhead, and the file says so."""
-    floor = 25e-6
+    tiny_call = 25e-6
     monkeypatch.setattr(calibration, "measure_compute", lambda cases, device="cpu", **kw: [
         dataclasses.replace(s, seconds=s.seconds - OVERHEAD) for s in fake_compute(cases)])
     monkeypatch.setattr(calibration, "measure_collectives", fake_collectives)
     monkeypatch.setattr(calibration, "measure_overheads",
-                        lambda dtype=torch.float32, device="cpu": {"gemm": floor})
+                        lambda dtype=torch.float32, device="cpu": {"gemm": tiny_call})
     cal = calibration.calibrate(2, quick=True)
-    assert cal.cluster.compute_rate("fp32", "gemm").overhead == floor
+    assert cal.cluster.compute_rate("fp32", "gemm").overhead == tiny_call
     assert cal.cluster.compute_rate("fp32", "gemm_skinny").overhead == pytest.approx(0, abs=1e-9)
-    assert {"dtype": "fp32", "class": "gemm", "seconds": floor} in \
+    assert {"dtype": "fp32", "class": "gemm", "seconds": tiny_call} in \
         calibration.timings(cal)["overheads_s"]
 
 

@@ -7,9 +7,11 @@ the cluster the compiler takes (`docs/calibration.md`).
 
 Compute: every op class at fp32 (full shape list), fp16 and bf16 (the three smallest shapes of
 each class: half precision on a CPU runs far slower) in this process, fitted to the roofline
-(`graphpar.cost.fit.fit_roofline`). Collectives: `ranks` worker processes, fitted per kind to
-the alpha-beta formulas of `graphpar.cost.communication`, and once over every kind together for
-the cluster's intra-node link (what collectives without a measured kind, and mesh axes, use).
+(`graphpar.cost.fit.fit_roofline`), each class's overhead the per-call time of a tiny call of
+it through the interpreter (`measure_overheads`). Collectives: `ranks` worker
+processes, fitted per kind to the alpha-beta formulas of `graphpar.cost.communication`, and
+once over every kind together for the cluster's intra-node link (what collectives without a
+measured kind, and mesh axes, use).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +38,7 @@ from graphpar.runtime.calibrate import (
     compute_cases,
     measure_collectives,
     measure_compute,
+    measure_overheads,
 )
 from graphpar.runtime.workers import worker_threads
 from graphpar.units import format_bandwidth, format_bytes, format_flops, format_seconds
@@ -60,6 +63,9 @@ class Calibration:
     seconds: float = 0.0  # measured, wall clock
     compute_seconds: float = 0.0  # of which timing ops (wall clock)
     load_average: float = 0.0  # this machine's 1-minute load when it started
+    # (dtype, class) -> seconds per node of a tiny call through the interpreter: the class's
+    # overhead
+    overheads: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def cpu_model() -> str:
@@ -86,10 +92,16 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
              for c in compute_cases(dtype, quick=quick or dtype != torch.float32)]
     compute = measure_compute(cases, device, budget_s=0.04 if quick else 0.1,
                               progress=progress)
+    overheads = {}
+    for dtype in DTYPES:
+        for op_class, seconds in measure_overheads(dtype, device).items():
+            overheads[normalize_dtype(dtype), op_class] = seconds
+        if progress:
+            progress(f"per-call overhead {normalize_dtype(dtype)}")
     compute_seconds = time.perf_counter() - start
     collectives = measure_collectives(ranks, collective_sizes(quick), device=device,
                                       quick=quick, progress=progress)
-    cal = fit(compute, collectives, ranks, PRESETS[base], device)
+    cal = fit(compute, collectives, ranks, PRESETS[base], device, overheads)
     cal.seconds, cal.load_average = time.perf_counter() - start, load
     cal.compute_seconds = compute_seconds
     return cal
@@ -98,12 +110,16 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
 def planned_measurements(quick: bool = False) -> int:
     """How many measurements `calibrate` makes (the progress bar's length)."""
     cases = sum(len(compute_cases(d, quick=quick or d != torch.float32)) for d in DTYPES)
-    return cases + len(MEASURED_COLLECTIVES) * len(collective_sizes(quick))
+    return cases + len(DTYPES) + len(MEASURED_COLLECTIVES) * len(collective_sizes(quick))
 
 
 def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample], ranks: int,
-        base: Cluster, device: str = "cpu") -> Calibration:
-    """The fits of these measurements and the cluster made of them (`base` gives the rest)."""
+        base: Cluster, device: str = "cpu",
+        overheads: Mapping[tuple[str, str], float] | None = None) -> Calibration:
+    """The fits of these measurements and the cluster made of them (`base` gives the rest).
+    `overheads`: (dtype, class) -> the per-call time measured on tiny calls, that class's
+    overhead (the rates are fitted to the rest of each time); a class without one fits it."""
+    overheads = dict(overheads or {})
     notes: list[str] = []
     compute_fits = {}
     for dtype in DTYPES:
@@ -112,7 +128,8 @@ def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample
             samples = [(s.flops, s.nbytes, s.seconds) for s in compute
                        if s.case.op_class == op_class and s.case.dtype == dtype]
             if len(samples) >= 2:
-                compute_fits[name, op_class] = fit_roofline(samples)
+                compute_fits[name, op_class] = fit_roofline(
+                    samples, overhead=overheads.get((name, op_class)))
     collective_fits = {kind: fit_alpha_beta(rows) for kind in MEASURED_COLLECTIVES
                        if len(rows := [(s.kind, s.ranks, s.nbytes, s.seconds)
                                        for s in collectives if s.kind == kind]) >= 2}
@@ -174,7 +191,7 @@ def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample
                 "intra-node link fitted to every kind at once, peak FLOP/s the gemm's. "
                 f"Inter-node: preset {base.name!r}'s, never better than intra-node."))
     return Calibration(cluster, ranks, list(compute), compute_fits, list(collectives),
-                       collective_fits, link, notes)
+                       collective_fits, link, notes, overheads=overheads)
 
 
 def _residuals(residuals: Sequence[float]) -> str:
@@ -185,7 +202,8 @@ def _residuals(residuals: Sequence[float]) -> str:
 def report(cal: Calibration) -> str:
     """The fits as tables a person reads: achieved rates per class, alpha-beta per kind, and
     each fit's relative error over its samples (|model - measured| / measured)."""
-    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead):",
+    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead; the overhead "
+             "is a tiny call's):",
              f"  {'dtype':5} {'class':13} {'F FLOP/s':>11} {'B bytes/s':>11} {'overhead':>9}"
              "  residual over shapes"]
     for dtype, classes in cal.cluster.compute_table().items():
@@ -250,6 +268,7 @@ def timings(cal: Calibration) -> dict:
     return {
         "benchmark": "graphpar calibrate",
         "units": {"seconds": "s (measured medians)", "model_seconds": "s (the fit)",
+                  "overheads_s": "s per interpreter node of a tiny call (measured)",
                   "bytes": "B", "flops": "FLOP"},
         "ranks": cal.ranks, "cpu": cpu_model(), "cpus": os.cpu_count(),
         "threads_per_rank": worker_threads(), "wall_seconds": cal.seconds,
@@ -257,4 +276,6 @@ def timings(cal: Calibration) -> dict:
         "load_average_1min_at_start": cal.load_average, "notes": cal.notes,
         "link": {"latency_s": cal.link.latency, "bandwidth_bytes_per_s": cal.link.bandwidth},
         "compute": compute_rows, "collectives": collective_rows,
+        "overheads_s": [{"dtype": d, "class": c, "seconds": v}
+                              for (d, c), v in cal.overheads.items()],
     }

@@ -14,7 +14,8 @@ The max is linear once each sample's regime is known, and the regime is set by t
 arithmetic intensity (flops / bytes below F / B: memory-bound). So the fit tries every split of
 the samples sorted by intensity, solves the linear problem of each, and keeps the best under
 the max model itself (of equally good fits, the one that calls more samples memory-bound).
-Noiseless samples from both regimes give the coefficients back exactly. A
+Noiseless samples from both regimes give the coefficients back exactly. Given `overhead` (the
+per-call time measured on tiny calls), the fit takes it as is and fits the two rates. A
 class none of whose samples is bound by arithmetic (elementwise ops read and write more bytes
 than they compute FLOPs) has no F to measure: `flops` is None, and likewise `bandwidth`.
 
@@ -41,10 +42,16 @@ def nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
     """argmin ||design @ x - target|| subject to x >= 0, exactly, by trying every set of free
     columns (the problems here have at most three)."""
     columns = design.shape[1]
+    # unit columns: a per-call overhead of microseconds beside bytes / bandwidth of tens of
+    # milliseconds would otherwise lose digits in the solve
+    scale = np.linalg.norm(design, axis=0)
+    scale[scale == 0] = 1.0
+    scaled = design / scale
     best, best_error = np.zeros(columns), float(np.sum(target ** 2))
     for k in range(1, columns + 1):
         for free in itertools.combinations(range(columns), k):
-            sub, *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
+            sub, *_ = np.linalg.lstsq(scaled[:, free], target, rcond=None)
+            sub = sub / scale[list(free)]
             if np.any(sub < 0):
                 continue
             x = np.zeros(columns)
@@ -82,13 +89,21 @@ class RooflineFit:
         return roofline_seconds(flops, nbytes, self.flops, self.bandwidth, self.overhead)
 
 
-def fit_roofline(samples: Sequence[tuple[float, float, float]]) -> RooflineFit:
-    """The roofline through `samples` of (FLOPs, bytes, seconds)."""
+def fit_roofline(samples: Sequence[tuple[float, float, float]],
+                 overhead: float | None = None) -> RooflineFit:
+    """The roofline through `samples` of (FLOPs, bytes, seconds). `overhead`: the per-call
+    seconds measured directly on tiny calls, taken as is, the rates fitted to the rest of each
+    time (large shapes alone cannot tell a few microseconds per call from a slightly lower
+    rate: they fit 0, or, with a slow path among them, milliseconds); None fits it too."""
     if len(samples) < 2:
         raise ValueError(f"a roofline fit needs at least 2 samples, got {len(samples)}")
+    if overhead is not None and not overhead >= 0:
+        raise ValueError(f"overhead must be >= 0 seconds, got {overhead!r}")
     data = np.array(sorted(samples, key=lambda s: s[0] / max(s[1], 1e-300)), dtype=float)
     flops, nbytes, seconds = data[:, 0], data[:, 1], data[:, 2]
     weight = 1.0 / seconds
+    fixed = overhead is not None
+    target = (seconds - (overhead or 0.0)) * weight  # what the rates have to account for
     best: tuple[float, np.ndarray] | None = None
     # samples [0, split) memory-bound, the rest compute-bound; from all memory-bound down, so
     # that of equally good fits the one with fewer compute-bound samples wins (samples all of
@@ -96,8 +111,10 @@ def fit_roofline(samples: Sequence[tuple[float, float, float]]) -> RooflineFit:
     for split in range(len(data), -1, -1):
         memory = np.arange(len(data)) < split
         design = np.stack([np.where(memory, 0.0, flops), np.where(memory, nbytes, 0.0),
-                           np.ones(len(data))], axis=1)
-        x = nnls(design * weight[:, None], np.ones(len(data)))
+                           np.zeros(len(data)) if fixed else np.ones(len(data))], axis=1)
+        x = nnls(design * weight[:, None], target)
+        if fixed:
+            x[2] = overhead
         predicted = np.maximum(flops * x[0], nbytes * x[1]) + x[2]
         error = float(np.sum(((predicted - seconds) * weight) ** 2))
         if best is None or error < best[0] - 1e-12 * len(data):  # a real improvement only

@@ -57,10 +57,17 @@ _UNARY = {
     "sign": torch.sign, "floor": torch.floor, "ceil": torch.ceil, "trunc": torch.trunc,
     "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not, "isnan": torch.isnan,
 }
+# Transcendental functions count TRANSCENDENTAL FLOPs per element (`OpDef.flops_per_element`),
+# so that one elementwise rate prices them beside adds.
+TRANSCENDENTAL = 10
+_TRANSCENDENTAL = {"exp", "log", "log1p", "expm1", "sin", "cos", "tanh", "sigmoid", "silu",
+                   "erf"}
 for _name, _fn in _UNARY.items():
-    _op(_name, E, _fn, aten=_name)
+    _op(_name, E, _fn, aten=_name,
+        flops_per_element=TRANSCENDENTAL if _name in _TRANSCENDENTAL else 1)
 
-_op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate))
+_op("gelu", E, lambda x, approximate="none": F.gelu(x, approximate=approximate),
+    flops_per_element=TRANSCENDENTAL)
 
 # Binary ops take tensors or inline scalars on either side, with torch's type promotion.
 _BINARY = {
@@ -93,8 +100,9 @@ _op("convert", E, lambda x, dtype: x.to(dtype=torch_dtype(dtype)),
 
 # Backward forms of activations, as autograd emits them.
 _op("gelu_backward", E, lambda g, x, approximate="none": aten.gelu_backward(g, x,
-                                                                             approximate=approximate))
-_op("silu_backward", E, aten.silu_backward)
+                                                                             approximate=approximate),
+    flops_per_element=TRANSCENDENTAL)  # an erf and an exp
+_op("silu_backward", E, aten.silu_backward, flops_per_element=TRANSCENDENTAL)  # a sigmoid
 _op("sigmoid_backward", E, aten.sigmoid_backward)
 _op("tanh_backward", E, aten.tanh_backward)
 _op("threshold_backward", E, lambda g, x, threshold: aten.threshold_backward(g, x, threshold))
@@ -145,6 +153,11 @@ _op("linear", OpKind.MATMUL, lambda x, w, b=None: F.linear(x, w, b),
 
 
 # --- shape and data movement ------------------------------------------------------------------
+# Views (reshape, permute, expand, slice, select) move no data: free. The ops that write a new
+# tensor (cat, pad, clone, the scatters, flip, tril/triu, repeat) stream their operands and
+# result through memory like an elementwise op: `COPIES` prices them by those bytes (appending
+# to a KV cache with `cat` copies the whole cache).
+COPIES = {"cost_class": "elementwise"}
 
 _op("reshape", S, lambda x, shape: x.reshape(shape), traits=(SHAPE_ATTR, KEEPS_UNIFORM))
 _op("permute", S, lambda x, dims: x.permute(dims), traits=(KEEPS_UNIFORM,))
@@ -154,18 +167,19 @@ _op("slice", S, lambda x, dim, start, end, step=1: aten.slice.Tensor(x, dim, sta
 _op("select", S, lambda x, dim, index: x.select(dim, index), traits=(KEEPS_UNIFORM,))
 _op("slice_scatter", S, lambda x, src, dim, start, end, step=1: torch.slice_scatter(
     x, src, dim, start, end, step), "slice_scatter(x, src) {dim, start, end, step}: x with the "
-    "slice replaced by src")
+    "slice replaced by src", **COPIES)
 _op("select_scatter", S, lambda x, src, dim, index: torch.select_scatter(x, src, dim, index),
-    "select_scatter(x, src) {dim, index}")
+    "select_scatter(x, src) {dim, index}", **COPIES)
 _op("cat", S, lambda *xs, dim: torch.cat(xs, dim), "cat(x0, x1, ...) {dim}",
-    traits=(KEEPS_UNIFORM,))
+    traits=(KEEPS_UNIFORM,), **COPIES)
 _op("pad", S, lambda x, pad, value=0.0: F.pad(x, pad, value=value),
-    "pad(x) {pad, value}: constant padding, pairs from the last dim backwards")
-_op("flip", S, lambda x, dims: torch.flip(x, dims), traits=(KEEPS_UNIFORM,))
-_op("tril", S, lambda x, diagonal=0: torch.tril(x, diagonal))
-_op("triu", S, lambda x, diagonal=0: torch.triu(x, diagonal))
-_op("repeat", S, lambda x, repeats: x.repeat(repeats), traits=(KEEPS_UNIFORM,))
-_op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it", traits=(KEEPS_UNIFORM,))
+    "pad(x) {pad, value}: constant padding, pairs from the last dim backwards", **COPIES)
+_op("flip", S, lambda x, dims: torch.flip(x, dims), traits=(KEEPS_UNIFORM,), **COPIES)
+_op("tril", S, lambda x, diagonal=0: torch.tril(x, diagonal), **COPIES)
+_op("triu", S, lambda x, diagonal=0: torch.triu(x, diagonal), **COPIES)
+_op("repeat", S, lambda x, repeats: x.repeat(repeats), traits=(KEEPS_UNIFORM,), **COPIES)
+_op("clone", S, torch.clone, "clone(x): a copy; canonicalize drops it", traits=(KEEPS_UNIFORM,),
+    **COPIES)
 _op("reshard", OpKind.COLLECTIVE, lambda x: x,
     "reshard(x): x in the layout its result carries; lower-spmd makes it collectives",
     traits=REPLICATED)

@@ -109,6 +109,10 @@ class OpDef:
     # Bytes the op reads and writes, where that is not its operands and results in full (an op
     # that touches a few rows of a large operand, as the paged KV cache ops do).
     bytes_rule: FlopRule | None = None
+    # FLOPs an elementwise op counts per result element without a `flop_rule`: 1 for an add,
+    # about ten for a transcendental function (an exp, erf or tanh is a polynomial evaluation
+    # plus range reduction; GELU ran 10.8 times an add's time per element on the CPU ranks)
+    flops_per_element: int = 1
 
     def __post_init__(self) -> None:
         if self.cost_class is None:
@@ -154,7 +158,7 @@ class OpDef:
         if self.flop_rule is not None:
             return int(self.flop_rule(operands, results, attrs))
         if self.kind is OpKind.ELEMENTWISE:
-            return sum(r.numel for r in results)
+            return self.flops_per_element * sum(r.numel for r in results)
         if self.kind is OpKind.REDUCTION:
             return sum(t.numel for t in operands if isinstance(t, TensorType))
         return 0

@@ -299,10 +299,12 @@ _DOCS = {
     "reduce_scatter": "reduce_scatter(x) {axes, n, dim, op}: reduce, keep my chunk of dim",
     "all_to_all": "all_to_all(x) {axes, n, split_dim, concat_dim}: chunk j of split_dim to "
                   "member j, concatenate what arrives on concat_dim",
-    "local_slice": "local_slice(x) {axes, n, dim}: my chunk of dim (R -> S), free",
+    "local_slice": "local_slice(x) {axes, n, dim}: my chunk of dim (R -> S), a copy, no "
+                   "communication",
     "local_zero": "local_zero(x) {axes, n, op}: sum: x at group position 0, zeros elsewhere "
-                  "(R -> P), free",
-    "local_pad": "local_pad(x) {axes, n, dim}: x in place in zeros n x larger (S -> P), free",
+                  "(R -> P), a copy, no communication",
+    "local_pad": "local_pad(x) {axes, n, dim}: x in place in zeros n x larger (S -> P), a "
+                 "copy, no communication",
     "send": "send(x) {dst, tag}: send x to global rank dst; the result is x",
     "recv": "recv() {src, shape, dtype, tag}: receive a tensor from global rank src",
     "send_tiles": "send_tiles(x) {src, dst, dim, tag}: x cut into len(dst) tiles along dim, "
@@ -331,6 +333,10 @@ _COMM_KINDS = {
 }
 
 # Device-program ops: auto-shard never sees them, it runs on global graphs.
+# The local steps communicate nothing but write a new tensor (the runtime's `local_slice`
+# clones its chunk, `local_pad` fills zeros around it): a device program's node costs them as
+# copies, by their bytes. Collectives are priced by the alpha-beta model, not here.
 OPS = [OpDef(op, OpKind.COLLECTIVE, _no_comm(op), type_rule=_TYPE_RULES[op],
              flop_rule=_zero_flops, doc=_DOCS[op], comm_kind=_COMM_KINDS[op],
-             traits=frozenset({Trait.REPLICATE_ONLY})) for op in SPMD_OPS]
+             traits=frozenset({Trait.REPLICATE_ONLY}),
+             cost_class="elementwise" if op in LOCAL_OPS else None) for op in SPMD_OPS]

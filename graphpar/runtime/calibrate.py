@@ -4,7 +4,14 @@ collectives timed on ranks of a worker group (gloo processes on the CPU; NCCL on
 Compute: every case is one registry op on one shape, run through the op's reference (what the
 interpreter runs) with the thread count the runtime's workers have, so that one process here is
 one device there. Its class, FLOPs and bytes are the cost model's own (`cost.compute.op_class`,
-`OpDef.flops`, `cost.compute.bytes_moved`): the numbers the fitted rates divide.
+`OpDef.flops`, `cost.compute.bytes_moved`): the numbers the fitted rates divide. A case whose
+operands outgrow the cache (`CACHE_BYTES`: the skinny matmuls of a decode step, which stream
+their weights) is timed over `ROTATIONS` copies of them in turn, so no call finds the last one's
+data cached.
+
+Per-call overhead (`measure_overheads`): a tiny call of each class (one element, or a few rows)
+through the interpreter's per-node dispatch, what every node of a run pays whatever its size;
+the roofline fit takes it as the class's overhead and fits the rates to the rest.
 
 Collectives: a `WorkerGroup` of `ranks` processes; each rank joins one group of every size
 n in `group_sizes` (consecutive ranks, all groups of a size running at once, as the groups of
@@ -16,6 +23,7 @@ the full input for reduce_scatter, the local buffer for all_to_all, the message 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,15 +37,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphpar.cost.compute import bytes_moved, op_class
+from graphpar.backends.interpreter import Interpreter
+from graphpar.cost.compute import SKINNY_ROWS, bytes_moved, op_class
+from graphpar.ir.graph import Graph
 from graphpar.ir.registry import get_op
 from graphpar.ir.types import TensorType
 from graphpar.runtime.timing import median_seconds
 from graphpar.runtime.workers import WorkerGroup, worker_threads
 
-__all__ = ["MEASURED_COLLECTIVES", "CollectiveBench", "CollectiveSample",
-           "ComputeCase", "ComputeSample", "collective_sizes", "compute_cases", "contention_note",
-           "measure_collectives", "measure_compute"]
+__all__ = ["CACHE_BYTES", "MEASURED_COLLECTIVES", "ROTATIONS", "SKINNY_WEIGHT_BYTES",
+           "CollectiveBench", "CollectiveSample", "ComputeCase", "ComputeSample",
+           "collective_sizes", "compute_cases", "contention_note", "measure_collectives",
+           "measure_compute", "measure_overheads", "overhead_cases", "rotations"]
 
 Progress = Callable[[str], None]  # called once per finished measurement, with what it was
 
@@ -45,6 +56,17 @@ Progress = Callable[[str], None]  # called once per finished measurement, with w
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 F32, I64 = torch.float32, torch.int64
+
+CACHE_BYTES = 64 * 2**20
+"""More than the last-level cache of the machines calibrated (32 MiB of L3 on the development
+CPU, 50 MiB of L2 on an H100): operands this large are not timed from cache."""
+ROTATIONS = 2
+"""Copies of a case's operands timed in turn when they reach `CACHE_BYTES`."""
+SKINNY_WEIGHT_BYTES = (CACHE_BYTES, 2 * CACHE_BYTES, 4 * CACHE_BYTES)
+"""The weight matrices of the `gemm_skinny` cases (64, 128 and 256 MiB, each timed over
+`ROTATIONS` copies): a decode step streams every layer's weights (hundreds of MiB) once per
+token, so its matmuls are timed on weights no cache holds. Sizes differ, so that the bytes
+term of the M = 1 cases is told apart from the per-call overhead."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +103,19 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
     the class has both regimes (`quick`: the three smallest of each class)."""
     gemm = [(32, 256, 256), (64, 512, 512), (128, 512, 1024), (256, 1024, 1024),
             (512, 1024, 1024), (48, 2048, 2048)]
-    skinny = [(1, 512, 512), (16, 1024, 1024), (1, 2048, 2048), (4, 1024, 4096),
-              (8, 4096, 1024)]
+    # (M, K, weight bytes): N makes the weight that size; M = 1 first, the half precisions'
+    # three (a CPU without half matmuls runs them at 0.2 GFLOP/s: 0.3-1.3 s a call)
+    small, medium, large = SKINNY_WEIGHT_BYTES
+    skinny = [(m, k, size // dtype.itemsize // k) for m, k, size in (
+        (1, 4096, small), (1, 8192, medium), (1, 8192, large), (4, 8192, medium),
+        (16, 4096, medium), (8, 8192, medium))]
     elements = [2**12, 2**15, 2**18, 2**21]
     rows = [(16, 256), (128, 1024), (1024, 1024), (2048, 2048)]
-    attention = [(1, 4, 64, 64), (1, 8, 128, 64), (1, 8, 512, 64), (2, 8, 512, 64)]
+    # (batch, heads, query rows, key rows): causal prefill, and decode (one query row against
+    # a long cache, memory-bound: it measures the class's memory roof, which the small prefill
+    # shapes would otherwise invent to explain their lower FLOP rate)
+    attention = [(1, 4, 64, 64), (1, 8, 1, 4096), (1, 8, 128, 128), (1, 8, 512, 512),
+                 (2, 8, 512, 512), (1, 8, 1, 16384)]
     gather = [(1000, 256, 64), (32000, 512, 512), (50000, 1024, 1024), (32000, 768, 4096)]
     if quick:
         gemm, skinny, elements, rows, attention, gather = (
@@ -95,16 +125,16 @@ def compute_cases(dtype: torch.dtype = F32, quick: bool = False) -> list[Compute
         return TensorType(shape, dtype)
     cases = [ComputeCase("matmul", (t(m, k), t(k, n))) for m, k, n in gemm + skinny]
     for n in elements:
-        # not gelu: the registry counts one FLOP per element for it as for add, while its erf
-        # costs tens, so it would pass for a compute-bound op and hide the memory roof
+        # gelu counts TRANSCENDENTAL FLOPs per element (`OpDef.flops_per_element`): the
+        # class's compute roof, beside the memory roof the others measure
         cases += [ComputeCase("add", (t(n), t(n))), ComputeCase("mul", (t(n), t(n))),
-                  ComputeCase("relu", (t(n),))]
+                  ComputeCase("relu", (t(n),)), ComputeCase("gelu", (t(n),))]
     for r, h in rows:  # reductions are priced as normalizations: both reduce over rows
         cases += [ComputeCase("layer_norm", (t(r, h), t(h), t(h)), (("shape", (h,)),)),
                   ComputeCase("softmax", (t(r, h),), (("dim", -1),)),
                   ComputeCase("sum", (t(r, h),), (("dims", (-1,)),))]
-    cases += [ComputeCase("attention", (t(*s), t(*s), t(*s)), (("causal", True),))
-              for s in attention]
+    cases += [ComputeCase("attention", (t(b, h, q, 64), t(b, h, k, 64), t(b, h, k, 64)),
+                          (("causal", q == k),)) for b, h, q, k in attention]
     cases += [ComputeCase("embedding", (t(v, d), TensorType((n,), I64))) for v, d, n in gather]
     return cases
 
@@ -139,14 +169,24 @@ def measure_compute(cases: Sequence[ComputeCase], device: str = "cpu", *,
     return samples
 
 
+def rotations(case: ComputeCase) -> int:
+    """How many copies of `case`'s operands its calls take in turn: `ROTATIONS` when they
+    reach `CACHE_BYTES` (each call then reads memory, as a decode step's matmuls do), else
+    one."""
+    nbytes = sum(t.nbytes for t in case.operands)
+    return ROTATIONS if nbytes >= CACHE_BYTES else 1
+
+
 def _time_case(case: ComputeCase, dev: torch.device, budget_s: float) -> ComputeSample:
     op, attrs = get_op(case.op), dict(case.attrs)
     index_range = case.operands[0].shape[0]  # embedding: the table's rows
-    args = [_tensor(t, dev, index_range) for t in case.operands]
+    copies = [[_tensor(t, dev, index_range) for t in case.operands]
+              for _ in range(rotations(case))]
     results = op.infer(list(case.operands), attrs)
+    turn = iter(range(1 << 62))
 
     def call() -> object:
-        return op.reference(*args, **attrs)
+        return op.reference(*copies[next(turn) % len(copies)], **attrs)
     # On the CPU, the thread's own CPU time: one thread's work takes that long on an idle core,
     # however many other processes shared the core meanwhile (a loaded machine stretches the
     # wall time of long calls most, as they span more of the others' time slices).
@@ -156,6 +196,50 @@ def _time_case(case: ComputeCase, dev: torch.device, budget_s: float) -> Compute
     seconds = median_seconds(call, repeats, warmup=0, sync=_sync(dev), clock=clock)
     return ComputeSample(case, op.flops(list(case.operands), results, attrs),
                          bytes_moved(op, list(case.operands), results, attrs), seconds)
+
+
+# --------------------------------------------------------------------- per-call overhead
+
+def overhead_cases(dtype: torch.dtype = F32) -> list[ComputeCase]:
+    """One tiny call per op class: its roofline terms are nanoseconds, what it takes is the
+    per-call cost (the matmul for `gemm` has SKINNY_ROWS + 1 rows, one column)."""
+    def t(*shape: int) -> TensorType:
+        return TensorType(shape, dtype)
+    m = SKINNY_ROWS + 1
+    cases = [ComputeCase("matmul", (t(m, 1), t(1, 1))), ComputeCase("matmul", (t(1, 1), t(1, 1))),
+             ComputeCase("add", (t(1), t(1))),
+             ComputeCase("layer_norm", (t(1, 1), t(1), t(1)), (("shape", (1,)),)),
+             ComputeCase("attention", (t(1, 1, 1, 1),) * 3, (("causal", True),)),
+             ComputeCase("embedding", (t(1, 1), TensorType((1,), I64)))]
+    return cases
+
+
+def measure_overheads(dtype: torch.dtype = F32, device: str = "cpu", *, nodes: int = 32,
+                      repeats: int = 30) -> dict[str, float]:
+    """Seconds per node of a tiny call of each class through the interpreter (a graph of
+    `nodes` such nodes, run `repeats` times; the median run over `nodes`), with the workers'
+    thread count and the clock `measure_compute` uses: each class's per-call overhead."""
+    dev = torch.device(device)
+    clock = time.thread_time if dev.type == "cpu" else time.perf_counter
+    threads = torch.get_num_threads()
+    torch.set_num_threads(worker_threads())
+    overheads = {}
+    try:
+        for case in overhead_cases(dtype):
+            graph = Graph(f"overhead_{case.op}")
+            inputs = [graph.add_input(f"x{i}", t) for i, t in enumerate(case.operands)]
+            last = None
+            for _ in range(nodes):  # independent nodes on the same inputs: dispatch only
+                last = graph.create(case.op, inputs, dict(case.attrs))
+            graph.add_output(last.outputs[0])  # type: ignore[union-attr]
+            interpreter = Interpreter(graph)  # as the workers run plans (no_grad)
+            args = [_tensor(t, dev, 1) for t in case.operands]
+            seconds = median_seconds(functools.partial(interpreter.run, args), repeats, warmup=2,
+                                     sync=_sync(dev), clock=clock)
+            overheads[case.op_class] = seconds / nodes
+    finally:
+        torch.set_num_threads(threads)
+    return overheads
 
 
 # --------------------------------------------------------------------------- collectives

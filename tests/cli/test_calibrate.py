@@ -2,6 +2,7 @@
 warnings and errors. The measurements are synthetic here (made by the cost model's formulas
 from known numbers), except in the one real run on two ranks."""
 
+import dataclasses
 import json
 import warnings
 
@@ -16,10 +17,15 @@ from graphpar.cost.fit import roofline_seconds
 from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.ir.registry import get_op
 from graphpar.runtime.calibrate import (
+    CACHE_BYTES,
     MEASURED_COLLECTIVES,
+    SKINNY_WEIGHT_BYTES,
     CollectiveSample,
     ComputeSample,
     compute_cases,
+    measure_overheads,
+    overhead_cases,
+    rotations,
 )
 
 RATE, BANDWIDTH, OVERHEAD = 60e9, 15e9, 4e-6  # every class, every dtype (synthetic)
@@ -47,10 +53,15 @@ def fake_collectives(ranks, sizes, *, device="cpu", quick=False, progress=None, 
             for kind in MEASURED_COLLECTIVES for n in sorted({2, ranks}) for m in sizes]
 
 
+def fake_overheads(dtype=torch.float32, device="cpu"):
+    return {c: OVERHEAD for c in COMPUTE_CLASSES}
+
+
 @pytest.fixture
 def synthetic(monkeypatch):
     monkeypatch.setattr(calibration, "measure_compute", fake_compute)
     monkeypatch.setattr(calibration, "measure_collectives", fake_collectives)
+    monkeypatch.setattr(calibration, "measure_overheads", fake_overheads)
 
 
 def run(capsys, *argv):
@@ -70,6 +81,48 @@ def test_the_cases_cover_every_class_the_cost_model_prices(dtype, quick):
     assert min(classes.count(c) for c in COMPUTE_CLASSES) >= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quick", [False, True])
+def test_skinny_matmuls_are_timed_on_weights_no_cache_holds(dtype, quick):
+    """A decode step streams its weights from memory: every gemm_skinny case's weight is
+    larger than the cache, and its calls take turns over copies of it."""
+    skinny = [c for c in compute_cases(dtype, quick=quick) if c.op_class == "gemm_skinny"]
+    assert len(skinny) >= 3
+    for case in skinny:
+        assert case.operands[0].shape[0] <= 16
+        assert case.operands[1].nbytes in SKINNY_WEIGHT_BYTES
+        assert case.operands[1].nbytes >= CACHE_BYTES, case
+        assert rotations(case) >= 2
+    # M = 1 on weights of different sizes: the bytes term is not the per-call overhead
+    assert len({c.operands[1].nbytes for c in skinny if c.operands[0].shape[0] == 1}) >= 2
+    small = [c for c in compute_cases(dtype, quick=quick) if c.op_class == "elementwise"]
+    assert [rotations(c) for c in small] == [1] * len(small)
+
+
+def test_the_overhead_is_a_tiny_call_of_each_class_through_the_interpreter():
+    assert sorted(c.op_class for c in overhead_cases()) == sorted(COMPUTE_CLASSES)
+    assert all(t.numel <= 17 for c in overhead_cases() for t in c.operands)
+    measured = measure_overheads(torch.float32, nodes=4, repeats=3)
+    assert set(measured) == set(COMPUTE_CLASSES)
+    assert all(0 < s < 0.1 for s in measured.values())
+
+
+def test_the_overhead_is_the_measured_per_call_time(monkeypatch):
+    """Times whose per-call part the shapes cannot show (here: none in them) fit 0 s per call;
+    the per-call time measured on tiny calls is the class's overhead, and the file says so."""
+    tiny_call = 25e-6
+    monkeypatch.setattr(calibration, "measure_compute", lambda cases, device="cpu", **kw: [
+        dataclasses.replace(s, seconds=s.seconds - OVERHEAD) for s in fake_compute(cases)])
+    monkeypatch.setattr(calibration, "measure_collectives", fake_collectives)
+    monkeypatch.setattr(calibration, "measure_overheads",
+                        lambda dtype=torch.float32, device="cpu": {"gemm": tiny_call})
+    cal = calibration.calibrate(2, quick=True)
+    assert cal.cluster.compute_rate("fp32", "gemm").overhead == tiny_call
+    assert cal.cluster.compute_rate("fp32", "gemm_skinny").overhead == pytest.approx(0, abs=1e-9)
+    assert {"dtype": "fp32", "class": "gemm", "seconds": tiny_call} in \
+        calibration.timings(cal)["overheads_s"]
+
+
 def test_the_cluster_carries_the_fitted_numbers(synthetic):
     cal = calibration.calibrate(4, quick=True)
     cluster = cal.cluster
@@ -77,7 +130,7 @@ def test_the_cluster_carries_the_fitted_numbers(synthetic):
         for op_class in COMPUTE_CLASSES:
             rate = cluster.compute_rate(dtype, op_class)
             assert rate.bandwidth == pytest.approx(BANDWIDTH, rel=1e-6), (dtype, op_class)
-            assert rate.overhead == pytest.approx(OVERHEAD, rel=1e-6)
+            assert rate.overhead == pytest.approx(OVERHEAD, rel=1e-6), (dtype, op_class)
             if op_class in ("gemm", "gemm_skinny", "attention"):
                 assert rate.flops == pytest.approx(RATE, rel=1e-6), (dtype, op_class)
         assert cluster.peak_flops(dtype) == pytest.approx(RATE, rel=1e-6)

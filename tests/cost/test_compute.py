@@ -12,7 +12,7 @@ from graphpar.cost.communication import all_reduce_cost, measured_rates, reshard
 from graphpar.cost.compute import Roofline, bytes_moved, node_seconds, op_class, op_seconds
 from graphpar.ir.graph import Graph
 from graphpar.ir.layout import Layout
-from graphpar.ir.registry import all_ops
+from graphpar.ir.registry import all_ops, get_op
 from graphpar.ir.types import TensorType
 
 A100 = get_cluster("dgx-a100")
@@ -77,6 +77,29 @@ def test_every_op_has_a_cost_class_and_shape_ops_are_free():
                                                   + rate.overhead, rel=1e-12)
 
 
+def test_copies_are_priced_by_their_bytes_and_views_are_free():
+    """Appending a token to a KV cache with `cat` reads and writes the whole cache; a view of
+    it moves nothing."""
+    rate = BF16.rate("elementwise")
+    g = Graph("g")
+    cache, new = g.add_input("cache", t(1, 8, 1023, 64)), g.add_input("new", t(1, 8, 1, 64))
+    cat = g.create("cat", [cache, new], {"dim": 2})
+    moved = (8 * 1023 * 64 + 8 * 64 + 8 * 1024 * 64) * 2
+    assert node_seconds(cat, BF16) == pytest.approx(moved / rate.bandwidth + rate.overhead,
+                                                    rel=1e-12)
+    pad = g.create("pad", [new], {"pad": (0, 0, 0, 1)})
+    assert node_seconds(pad, BF16) == pytest.approx(
+        (8 * 64 + 8 * 2 * 64) * 2 / rate.bandwidth + rate.overhead, rel=1e-12)
+    for name in ("clone", "cat", "pad", "slice_scatter", "repeat", "local_slice", "local_pad"):
+        assert get_op(name).cost_class == "elementwise", name
+    views = [g.create("reshape", [cache], {"shape": (8, 1023, 64)}),
+             g.create("permute", [cache], {"dims": (0, 2, 1, 3)}),
+             g.create("slice", [cache], {"dim": 2, "start": 0, "end": 8}),
+             g.create("select", [cache], {"dim": 0, "index": 0}),
+             g.create("expand", [new], {"shape": (2, 8, 1, 64)})]
+    assert [node_seconds(v, BF16) for v in views] == [0.0] * len(views)
+
+
 def test_a_gather_reads_the_rows_it_picks_not_the_table():
     table, ids, out = t(50_000, 768), t(4, 16, dtype=torch.int64), t(4, 16, 768)
     assert bytes_moved("embedding", [table, ids], [out]) == 4 * 16 * 8 + 2 * out.nbytes
@@ -111,3 +134,18 @@ def test_measured_collectives_replace_the_links_inside_a_node_only():
     src, dst = Layout.parse("{R,P}"), Layout.parse("{R,R}")
     assert resharding_cost((1024, 1024), 4, src, dst, mesh).seconds == pytest.approx(
         all_reduce_cost(4 * 1024 * 1024, mesh, 1).seconds)
+
+
+def test_transcendental_ops_count_their_flops_per_element_in_their_declaration():
+    """GELU's erf is about ten adds' work per element: declared once with the op, counted by
+    the FLOP rule, priced by the one elementwise rate."""
+    x, y = t(1024, dtype=torch.float32), t(1024, dtype=torch.float32)
+    assert get_op("add").flops([x, x], [y], {}) == 1024
+    for name in ("gelu", "exp", "tanh", "erf", "silu", "gelu_backward"):
+        assert get_op(name).flops_per_element == 10, name
+    assert get_op("gelu").flops([x], [y], {}) == 10 * 1024
+    assert get_op("relu").flops([x], [y], {}) == 1024
+    slow = dataclasses.replace(A100, compute=(("fp32", "elementwise", 1e9, 1e12, 0.0),))
+    roof = Roofline.of(slow, "fp32")
+    assert op_seconds("gelu", [x], [y], {}, roof) == pytest.approx(
+        10 * op_seconds("relu", [x], [y], {}, roof))

@@ -91,3 +91,35 @@ def test_a_fit_needs_two_samples():
         fit_roofline([(1.0, 1.0, 1.0)])
     with pytest.raises(ValueError, match="at least 2"):
         fit_alpha_beta([("all_reduce", 2, 256, 1e-4)])
+
+
+def test_roofline_with_a_measured_overhead_keeps_it_and_fits_the_rates():
+    """Large shapes alone cannot tell 30 us per call from a slightly slower rate: one shape
+    running 15% fast makes the free fit drop the overhead to 0. Given the per-call time
+    measured on tiny calls, the fit keeps it and fits the rates to the rest."""
+    rate, overhead = 72e9, 30e-6
+    samples = []
+    for i, (m, k, n) in enumerate([(256, 1024, 1024), (512, 1024, 1024), (128, 512, 1024),
+                                   (64, 512, 512)]):
+        flops, nbytes = _matmul(m, k, n)
+        samples.append((flops, nbytes, (flops / rate + overhead) * (0.85 if i == 3 else 1)))
+    assert fit_roofline(samples).overhead == 0.0  # the mispricing the measured overhead fixes
+    fit = fit_roofline(samples, overhead=overhead)
+    assert fit.overhead == overhead
+    assert fit.flops == pytest.approx(rate, rel=0.05)
+
+
+def test_roofline_with_a_measured_overhead_recovers_the_rates_exactly():
+    """Noiseless times: the true overhead gives the rates back exactly; a slow path among
+    large shapes cannot turn into milliseconds of overhead."""
+    rate, bandwidth, overhead = 90e9, 12e9, 40e-6
+    samples = [(f, b, roofline_seconds(f, b, rate, bandwidth, overhead))
+               for f, b in map(lambda s: _matmul(*s), SHAPES)]
+    fit = fit_roofline(samples, overhead=overhead)
+    assert (fit.overhead, fit.flops, fit.bandwidth) == (
+        overhead, pytest.approx(rate, rel=1e-9), pytest.approx(bandwidth, rel=1e-9))
+    assert max(map(abs, fit.residuals)) < 1e-9
+    slow = samples[:-1] + [(samples[-1][0], samples[-1][1], samples[-1][2] * 2)]
+    assert fit_roofline(slow, overhead=overhead).overhead == overhead
+    with pytest.raises(ValueError, match="overhead must be >= 0"):
+        fit_roofline(samples, overhead=-1.0)

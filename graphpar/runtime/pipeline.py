@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -358,27 +358,34 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
                for p in stages]
     meshes = stage_meshes(len(stages), sharded)
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
-    position = [0] * len(stages)
-    start = time.perf_counter()
-    while any(position[s] < len(schedule[s]) for s in schedule):
-        moved = False
-        for s, actions in schedule.items():
-            while position[s] < len(actions):
-                action = actions[position[s]]
-                if not _step(action, runners, mailbox, programs, meshes):
-                    break
-                position[s] += 1
-                moved = True
-        if not moved:
-            stuck = [str(schedule[s][position[s]]) for s in schedule
-                     if position[s] < len(schedule[s])]
-            raise ScheduleError(f"the pipeline is stuck waiting at {', '.join(stuck)}")
+    start = take_turns(schedule, lambda s, action: _step(action, runners, mailbox, programs,
+                                                        meshes), "pipeline")
     spans = [Span(r.stage, a, t0 - start, t1 - start, rank=r.stage)
              for r in runners for a, t0, t1 in r.spans]
     return PipelineRun(assemble_outputs(programs.graph, runners, microbatches),
                        [r.bytes_sent for r in runners], spans,
                        [r.intra_stage_bytes for r in runners],
                        sum(len(env) for r in runners for env in r.env))
+
+
+def take_turns(schedule: Schedule, step: Callable[[int, Action], bool], what: str) -> float:
+    """Run every stage's action list in this process, the stages taking turns: each runs
+    actions while `step(stage, action)` can (False: it waits for a transfer not yet made), then
+    the next stage; a ScheduleError names the actions waiting if no stage can move. Returns
+    when it started (`time.perf_counter`), the origin of the spans."""
+    position = dict.fromkeys(schedule, 0)
+    start = time.perf_counter()
+    while any(position[s] < len(schedule[s]) for s in schedule):
+        moved = False
+        for s, actions in schedule.items():
+            while position[s] < len(actions) and step(s, actions[position[s]]):
+                position[s] += 1
+                moved = True
+        if not moved:
+            stuck = [str(schedule[s][position[s]]) for s in schedule
+                     if position[s] < len(schedule[s])]
+            raise ScheduleError(f"the {what} is stuck waiting at {', '.join(stuck)}")
+    return start
 
 
 def _bytes_across(t: torch.Tensor, src: Mesh, dst: Mesh) -> int:

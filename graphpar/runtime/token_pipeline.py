@@ -37,6 +37,7 @@ from graphpar.runtime.pipeline import (
     _DeviceProgram,
     assemble_outputs,
     mean_loss,
+    take_turns,
 )
 from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, token_unit, validate
 
@@ -239,47 +240,37 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
     stages = _stages(programs, state, inputs, names, sharded)
     slices = len(programs.slices)
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
-    position = dict.fromkeys(schedule, 0)
-    start = time.perf_counter()
-    while any(position[s] < len(schedule[s]) for s in schedule):
-        moved = False
-        for s, actions in schedule.items():
-            while position[s] < len(actions):
-                a = actions[position[s]]
-                if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                    mailbox[a.kind, a.microbatch, a.peer] = stages[s].outgoing(a)
-                elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                    sent = ActionKind.SEND_F if a.kind is ActionKind.RECV_F else ActionKind.SEND_B
-                    if (sent, a.microbatch, s) not in mailbox:
-                        break
-                    j = token_unit(a.microbatch, slices)[1]
-                    stages[s].incoming(a, _names(programs, a.peer, j, sent),
-                                       mailbox.pop((sent, a.microbatch, s)))
-                elif a.kind is ActionKind.UPDATE:
-                    pending = [(src, p) for src, dst, p in programs.grad_transfers if dst == s]
-                    if any(stages[src].items_backward < len(inputs) * slices
-                           for src, _ in pending):
-                        break
-                    received: dict[str, torch.Tensor] = {}
-                    for src, p in pending:
-                        t = stages[src].grad_outputs[p]
-                        received[p] = received[p] + t if p in received else t
-                        stages[src].sent_bytes += t.numel() * t.element_size()
-                    stages[s].update(received)
-                else:
-                    stages[s].compute(a)
-                position[s] += 1
-                moved = True
-        if not moved:
-            stuck = [str(schedule[s][position[s]]) for s in schedule
-                     if position[s] < len(schedule[s])]
-            raise ScheduleError(f"the token pipeline is stuck waiting at {', '.join(stuck)}")
+    def step(s: int, a: Action) -> bool:
+        if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+            mailbox[a.kind, a.microbatch, a.peer] = stages[s].outgoing(a)
+        elif a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            sent = ActionKind.SEND_F if a.kind is ActionKind.RECV_F else ActionKind.SEND_B
+            if (sent, a.microbatch, s) not in mailbox:
+                return False
+            j = token_unit(a.microbatch, slices)[1]
+            stages[s].incoming(a, _names(programs, a.peer, j, sent),
+                               mailbox.pop((sent, a.microbatch, s)))
+        elif a.kind is ActionKind.UPDATE:
+            pending = [(src, p) for src, dst, p in programs.grad_transfers if dst == s]
+            if any(stages[src].items_backward < len(inputs) * slices for src, _ in pending):
+                return False
+            received: dict[str, torch.Tensor] = {}
+            for src, p in pending:
+                t = stages[src].grad_outputs[p]
+                received[p] = received[p] + t if p in received else t
+                stages[src].sent_bytes += t.numel() * t.element_size()
+            stages[s].update(received)
+        else:
+            stages[s].compute(a)
+        return True
+
+    start = take_turns(schedule, step, "token pipeline")
     spans = [Span(st.stage, a, t0 - start, t1 - start, rank=st.stage)
              for st in stages for a, t0, t1 in st.spans]
     return PipelineRun(assemble_outputs(programs.whole.graph, stages, len(inputs)),
                        [st.bytes_sent for st in stages], spans,
                        [st.intra_stage_bytes for st in stages],
-                       sum(st.tensors_left for st in stages))
+                       tensors_left=sum(st.tensors_left for st in stages))
 
 
 # ------------------------------------------------------------------ one process per stage

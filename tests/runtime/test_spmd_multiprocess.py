@@ -62,10 +62,10 @@ def test_child_error_surfaces_in_parent_within_timeout():
       return %0 output
     }
     """
-    start = time.monotonic()
+    # The parent reports the child's own error, not the timeout it would hit if it waited for
+    # the dead rank (no wall-clock bound here: a loaded machine may take long to start ranks).
     with pytest.raises(BackendError, match=r"rank 1 of 2 failed.*input %x expects f32\[4\]"):
-        run_spmd_multiprocess(text, [{"x": torch.ones(4)}, {"x": torch.ones(5)}], timeout=30)
-    assert time.monotonic() - start < 30
+        run_spmd_multiprocess(text, [{"x": torch.ones(4)}, {"x": torch.ones(5)}], timeout=120)
 
 
 def test_a_hung_program_is_killed_at_the_timeout():

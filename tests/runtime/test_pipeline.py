@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from pipeline_check import assert_matches_eager
 
 from graphpar.capture import Adam, capture_training
 from graphpar.compiler import ModelSpec
@@ -31,17 +32,6 @@ def captured_pipeline(name: str, stages: int, schedule: str = "gpipe", **config)
 @pytest.fixture(scope="module")
 def gpt_two_stages():
     return captured_pipeline("gpt", 2)
-
-
-def assert_matches_eager(pipe, processes=False):
-    check = pipe.check(processes=processes)
-    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
-    assert check.errors["parameters"].tensors == check.errors["gradients"].tensors > 0
-    assert check.errors["loss"].max_abs_error < 1e-5
-    assert check.within_tolerance, "\n".join(check.lines())
-    run = pipe.last_run
-    assert sum(run.bytes_sent) == pipe.predicted_bytes > 0  # measured == predicted
-    return run
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

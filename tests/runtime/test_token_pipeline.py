@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from pipeline_check import assert_matches_eager
 
 from graphpar.capture import Adam
 from graphpar.errors import ScheduleError, UsageError
@@ -67,17 +68,6 @@ def gpt_sliced():
 @pytest.fixture(scope="module")
 def llama_sliced():
     return bundled("llama", [5, 3])  # 4 query heads share 2 key-value heads
-
-
-def assert_matches_eager(tokens, processes=False):
-    check = tokens.check(processes=processes)
-    assert {"loss", "gradients", "parameters", "optimizer state"} <= set(check.errors)
-    assert check.errors["parameters"].tensors == check.errors["gradients"].tensors > 0
-    assert check.errors["loss"].max_abs_error < 1e-5
-    assert check.within_tolerance, "\n".join(check.lines())
-    run = tokens.last_run
-    assert sum(run.bytes_sent) == tokens.predicted_bytes > 0  # measured == predicted
-    return run
 
 
 # --- schedules ------------------------------------------------------------------------------

@@ -40,17 +40,7 @@ def random_chain(rng: random.Random, ops: int) -> Chain:
 
 def brute_force(chain: Chain, layers: int, bound: float):
     """(least max received, least sum of squared FLOPs among those) over every clustering."""
-    ops = chain.flops.size
-    best = None
-    for cuts in itertools.combinations(range(1, ops), layers - 1):
-        edges = [0, *cuts, ops]
-        spans = list(zip(edges, edges[1:]))
-        work = [int(chain.flops[a:b].sum()) for a, b in spans]
-        if max(work) > bound:
-            continue
-        key = (max(received_bytes(chain, a, b - 1) for a, b in spans), sum(w * w for w in work))
-        best = key if best is None else min(best, key)
-    return best
+    return brute_force_from(chain, layers, bound, list(range(chain.flops.size)))
 
 
 def score(chain: Chain, bounds):
@@ -112,7 +102,8 @@ def test_identical_layers_cluster_alike_and_share_a_signature():
 
 
 def brute_force_from(chain: Chain, layers: int, bound: float, starts: list[int]):
-    """brute_force over the clusterings whose layers begin only at `starts`."""
+    """(least max received, least sum of squared FLOPs among those) over the clusterings whose
+    layers begin only at `starts` (starts[0] is op 0)."""
     ops = chain.flops.size
     best = None
     for cuts in itertools.combinations(starts[1:], layers - 1):

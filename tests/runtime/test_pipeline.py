@@ -201,10 +201,12 @@ def test_gloo_ranks_time_repeated_steps_after_the_checked_one(gpt_two_stages):
     assert check.within_tolerance, "\n".join(check.lines())
     run = pipe.last_run
     times = run.step_times
-    assert times.steps == 2 and times.warmup == 1 and len(times.wall) == 2
+    # one process per device: stage 0 on rank 0, stage 1 sharded on ranks 1 and 2
+    assert pipe.devices == [(0,), (1, 2)]
+    assert times.steps == 2 and times.warmup == 1 and len(times.wall) == 3
     assert [len(s) for s in run.stage_compute_seconds] == [2, 2]
-    for stage, seconds in enumerate(run.stage_compute_seconds):
-        assert all(0 < c <= w for c, w in zip(seconds, times.wall[stage]))
+    for stage, seconds in enumerate(run.stage_compute_seconds):  # timed on the stage's first
+        assert all(0 < c <= w for c, w in zip(seconds, times.wall[pipe.devices[stage][0]]))
 
 
 def moved_update_plan(pipe):

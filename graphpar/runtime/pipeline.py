@@ -454,7 +454,6 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
     import tempfile
     from pathlib import Path
 
-    from graphpar.ir.printer import print_graph
     from graphpar.runtime.workers import WorkerGroup
 
     validate(schedule)
@@ -474,15 +473,10 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
             for phase in ("F", "B", "I", "W", "U"):
                 g = program.program(phase)
                 if g is not None:
-                    (jobdir / f"stage{s}_{phase}.gpir").write_text(
-                        print_graph(g, show_cost=False))
-                    graphs[phase] = [o.target for o in g.outputs]  # targets do not print
-            spmd = {}
-            for phase, planned in (sharded or {}).get(s, {}).items():
-                device = planned.device_program
-                (jobdir / f"stage{s}_{phase}_spmd.gpir").write_text(
-                    print_graph(device, show_cost=False))
-                spmd[phase] = [o.target for o in device.outputs]
+                    graphs[phase] = _write_with_targets(jobdir / f"stage{s}_{phase}.gpir", g)
+            spmd = {phase: _write_with_targets(jobdir / f"stage{s}_{phase}_spmd.gpir",
+                                               planned.device_program)
+                    for phase, planned in (sharded or {}).get(s, {}).items()}
             needed = {v.name for g in (program.program(p) for p in "FBIWU") if g is not None
                       for v in g.inputs}
             torch.save({"state": {k: t.clone() for k, t in state.items() if k in needed},
@@ -585,6 +579,15 @@ class _DeviceProgram:
 
     device_program: Graph
     mesh: Any
+
+
+def _write_with_targets(path, graph: Graph) -> list[str | None]:
+    """Write `graph` as IR text for a worker; returns its outputs' targets, which do not print
+    (`_parse_with_targets` puts them back)."""
+    from graphpar.ir.printer import print_graph
+
+    path.write_text(print_graph(graph, show_cost=False))
+    return [o.target for o in graph.outputs]
 
 
 def _parse_with_targets(path, targets: Sequence[str | None]) -> Graph:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +35,9 @@ from graphpar.runtime.pipeline import (
     StageProgramLike,
     StageRunner,
     _DeviceProgram,
+    _Finished,
+    _parse_with_targets,
+    _write_with_targets,
     assemble_outputs,
     mean_loss,
     take_turns,
@@ -292,7 +295,6 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
     import tempfile
     from pathlib import Path
 
-    from graphpar.ir.printer import print_graph
     from graphpar.runtime.workers import WorkerGroup
 
     validate(schedule)
@@ -303,10 +305,7 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
                         timeout=timeout, name="token pipeline stage")
 
     def write(graph: Graph | None, stem: str) -> list | None:
-        if graph is None:
-            return None
-        (jobdir / f"{stem}.gpir").write_text(print_graph(graph, show_cost=False))
-        return [o.target for o in graph.outputs]  # targets do not print
+        return None if graph is None else _write_with_targets(jobdir / f"{stem}.gpir", graph)
 
     def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
         return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
@@ -364,18 +363,6 @@ def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int)
 
 
 @dataclass
-class _Finished:
-    """What a stage's worker returns, as `assemble_outputs` reads it."""
-
-    losses: dict
-    grad_outputs: dict
-    updates: dict = field(default_factory=dict)
-
-    def mean_loss(self) -> torch.Tensor | None:
-        return mean_loss(self.losses)
-
-
-@dataclass
 class _PhasePrograms:
     """Programs of one stage by phase (StageProgramLike): a slice's F and B read back from a
     job directory, or the update alone."""
@@ -399,20 +386,14 @@ class TokenPipelineWorker:
         import json
         from pathlib import Path
 
-        from graphpar.ir.parser import parse
         from graphpar.ir.types import TensorType
 
         self.jobdir, self.rank = Path(jobdir), rank
         job = json.loads((self.jobdir / "job.json").read_text())
 
         def read(stem: str, targets: list | None) -> Graph | None:
-            if targets is None:
-                return None
-            path = self.jobdir / f"{stem}.gpir"
-            graph = parse(path.read_text(), path.name)
-            for out, target in zip(graph.outputs, targets):
-                out.target = target
-            return graph
+            return (None if targets is None
+                    else _parse_with_targets(self.jobdir / f"{stem}.gpir", targets))
 
         def read_spmd(spmd: dict, stem: str) -> dict:
             return {phase: _DeviceProgram(g, g.mesh) for phase, targets in spmd.items()

@@ -11,7 +11,11 @@ each class: half precision on a CPU runs far slower) in this process, fitted to 
 it through the interpreter (`measure_overheads`). Collectives: `ranks` worker
 processes, fitted per kind to the alpha-beta formulas of `graphpar.cost.communication`, and
 once over every kind together for the cluster's intra-node link (what collectives without a
-measured kind, and mesh axes, use).
+measured kind, and mesh axes, use). In step (`graphpar.calibration_steps`, CPU ranks): a few
+calibration programs run on the ranks with every node timed, priced by the cluster fitted so
+far; each op class's and collective kind's measured / predicted ratio divides its rates, and
+the time between priced nodes is added to every class's per-call overhead
+(`with_in_step`; `in_step=False` keeps the loop fit alone).
 """
 
 from __future__ import annotations
@@ -26,10 +30,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from graphpar.calibration_steps import PROGRAMS, QUICK_PROGRAMS, ProgramProfile, profile_programs
 from graphpar.cost.cluster import PRESETS, Cluster
-from graphpar.cost.fit import AlphaBetaFit, RooflineFit, fit_alpha_beta, fit_roofline
+from graphpar.cost.fit import (
+    AlphaBetaFit,
+    InStepFit,
+    RooflineFit,
+    fit_alpha_beta,
+    fit_in_step,
+    fit_roofline,
+)
 from graphpar.errors import UsageError
-from graphpar.ir.cluster import COMPUTE_CLASSES, normalize_dtype
+from graphpar.ir.cluster import COLLECTIVE_KINDS, COMPUTE_CLASSES, normalize_dtype
 from graphpar.runtime.calibrate import (
     MEASURED_COLLECTIVES,
     CollectiveSample,
@@ -43,7 +55,7 @@ from graphpar.runtime.calibrate import (
 from graphpar.runtime.workers import worker_threads
 from graphpar.units import format_bandwidth, format_bytes, format_flops, format_seconds
 
-__all__ = ["Calibration", "calibrate", "report", "timings"]
+__all__ = ["Calibration", "calibrate", "report", "timings", "with_in_step"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -66,6 +78,11 @@ class Calibration:
     # (dtype, class) -> seconds per node of a tiny call through the interpreter: the class's
     # overhead
     overheads: dict[tuple[str, str], float] = field(default_factory=dict)
+    # in step: the calibration programs, their fit, and the cluster before it was applied
+    profiles: list[ProgramProfile] = field(default_factory=list)
+    in_step: InStepFit | None = None
+    loop_cluster: Cluster | None = None
+    in_step_seconds: float = 0.0  # measured, wall clock
 
 
 def cpu_model() -> str:
@@ -81,7 +98,8 @@ def cpu_model() -> str:
 
 
 def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str = "cpu",
-              progress: Callable[[str], None] | None = None) -> Calibration:
+              in_step: bool = True, progress: Callable[[str], None] | None = None
+              ) -> Calibration:
     """Measure this machine as a cluster of `ranks`-rank groups (see the module docstring)."""
     if ranks < 2:
         raise UsageError(f"calibrating collectives needs at least 2 ranks, got {ranks}")
@@ -102,15 +120,76 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
     collectives = measure_collectives(ranks, collective_sizes(quick), device=device,
                                       quick=quick, progress=progress)
     cal = fit(compute, collectives, ranks, PRESETS[base], device, overheads)
+    if in_step and device == "cpu":
+        step_start = time.perf_counter()
+        cal.profiles = profile_programs(cal.cluster, ranks, quick=quick, progress=progress)
+        cal.in_step = fit_in_step([(p.samples(), p.step_seconds) for p in cal.profiles])
+        cal.loop_cluster = cal.cluster
+        cal.cluster, notes = with_in_step(cal.cluster, cal.in_step)
+        cal.notes += notes
+        cal.in_step_seconds = time.perf_counter() - step_start
+    elif in_step:
+        cal.notes.append("in step: not measured on GPUs yet (the calibration programs run on "
+                         "gloo CPU ranks); the rates are the loop fit's")
     cal.seconds, cal.load_average = time.perf_counter() - start, load
     cal.compute_seconds = compute_seconds
     return cal
 
 
-def planned_measurements(quick: bool = False) -> int:
+def planned_measurements(quick: bool = False, in_step: bool = True) -> int:
     """How many measurements `calibrate` makes (the progress bar's length)."""
     cases = sum(len(compute_cases(d, quick=quick or d != torch.float32)) for d in DTYPES)
-    return cases + len(DTYPES) + len(MEASURED_COLLECTIVES) * len(collective_sizes(quick))
+    programs = len(QUICK_PROGRAMS if quick else PROGRAMS) if in_step else 0
+    return (cases + len(DTYPES) + len(MEASURED_COLLECTIVES) * len(collective_sizes(quick))
+            + programs)
+
+
+def with_in_step(cluster: Cluster, in_step: InStepFit) -> tuple[Cluster, list[str]]:
+    """`cluster` with the in-step fit folded in: every class's FLOP/s and bytes/s divided by
+    its factor, its overhead multiplied by it and the dispatch time added; every collective
+    kind's latency multiplied and bandwidth divided by its factor, and the link's by the
+    median of them. A class or kind the programs did not run takes the median of the others'
+    (said in the notes)."""
+    notes = []
+    factors = in_step.factors
+
+    def default(names: Sequence[str]) -> float:
+        seen = [factors[n] for n in names if n in factors]
+        return float(np.median(seen)) if seen else 1.0
+
+    compute_default = default(COMPUTE_CLASSES)
+    comm_default = default(COLLECTIVE_KINDS)
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for dtype, classes in cluster.compute_table().items():
+        for op_class, rate in classes.items():
+            f = factors.get(op_class, compute_default)
+            table.setdefault(dtype, {})[op_class] = {
+                "flops": rate["flops"] / f, "bandwidth": rate["bandwidth"] / f,
+                "overhead": rate["overhead"] * f + in_step.dispatch}
+    missing = [c for c in COMPUTE_CLASSES if c not in factors]
+    if missing:
+        notes.append(f"in step: no {', '.join(missing)} op ran in the calibration programs; "
+                     f"scaled by the other classes' median factor {compute_default:.2f}")
+    collectives = {}
+    for kind, rate in cluster.to_dict().get("collectives", {}).items():
+        f = factors.get(kind, comm_default)
+        collectives[kind] = {"latency": rate["latency"] * f, "bandwidth": rate["bandwidth"] / f}
+    missing = [k for k in collectives if k not in factors]
+    if missing:
+        notes.append(f"in step: no {', '.join(missing)} ran in the calibration programs; "
+                     f"scaled by the other kinds' median factor {comm_default:.2f}")
+    fp32 = table.get("fp32", {}).get("gemm", {})
+    return dataclasses.replace(
+        cluster, compute=table, collectives=collectives,
+        intra_node_latency=cluster.intra_node_latency * comm_default,
+        intra_node_bandwidth=cluster.intra_node_bandwidth / comm_default,
+        inter_node_latency=max(cluster.inter_node_latency,
+                               cluster.intra_node_latency * comm_default),
+        inter_node_bandwidth=min(cluster.inter_node_bandwidth,
+                                 cluster.intra_node_bandwidth / comm_default),
+        peak_flops_fp32=fp32.get("flops", cluster.peak_flops_fp32),
+        source=cluster.source + (" Rates divided by the in-step factors of the calibration "
+                                 "programs (docs/calibration.md).")), notes
 
 
 def fit(compute: Sequence[ComputeSample], collectives: Sequence[CollectiveSample], ranks: int,
@@ -245,8 +324,41 @@ def report(cal: Calibration) -> str:
                     cells.append("-")
             lines.append(f"  {format_bytes(nbytes, binary=True):>10}" + "".join(
                 f" {c:>20}" for c in cells))
+    if cal.in_step is not None:
+        lines += ["", in_step_report(cal)]
     if cal.notes:
         lines += ["", "notes:"] + [f"  {n}" for n in cal.notes]
+    return "\n".join(lines)
+
+
+def in_step_report(cal: Calibration) -> str:
+    """The in-step factors (nodes, loop-fitted prediction, measured, ratio per class and kind)
+    and each calibration program's step, estimated before and after against measured."""
+    fit = cal.in_step
+    assert fit is not None
+    totals: dict[str, list[float]] = {}
+    for p in cal.profiles:
+        for kind, predicted, measured in p.samples():
+            if predicted > 0:
+                t = totals.setdefault(kind, [0, 0.0, 0.0])
+                t[0] += 1
+                t[1] += predicted
+                t[2] += measured
+    lines = [f"in step ({len(cal.profiles)} calibration programs on {cal.ranks} ranks, every "
+             "node timed; measured / loop-fitted estimate):",
+             f"  {'class or kind':15} {'nodes':>6} {'estimated':>10} {'measured':>10} "
+             f"{'factor':>7}"]
+    for kind, (nodes, predicted, measured) in sorted(totals.items(), key=lambda kv: -kv[1][2]):
+        lines.append(f"  {kind:15} {nodes:>6} {format_seconds(predicted):>10} "
+                     f"{format_seconds(measured):>10} {fit.factors[kind]:>7.2f}")
+    lines.append(f"  dispatch: {format_seconds(fit.dispatch)} per priced node (the time between "
+                 "them and in free ops)")
+    lines.append(f"  {'program':18} {'estimated before':>16} {'after':>10} {'measured':>10}")
+    for p, residual in zip(cal.profiles, fit.residuals):
+        before = sum(predicted for _, predicted, _ in p.samples())
+        lines.append(f"  {p.name:18} {format_seconds(before):>16} "
+                     f"{format_seconds(p.step_seconds * (1 + residual)):>10} "
+                     f"{format_seconds(p.step_seconds):>10}")
     return "\n".join(lines)
 
 
@@ -278,4 +390,15 @@ def timings(cal: Calibration) -> dict:
         "compute": compute_rows, "collectives": collective_rows,
         "overheads_s": [{"dtype": d, "class": c, "seconds": v}
                               for (d, c), v in cal.overheads.items()],
+        **({"in_step": {
+            "factors": cal.in_step.factors, "dispatch_s": cal.in_step.dispatch,
+            "wall_seconds": cal.in_step_seconds,
+            "programs": [{"program": p.name, "step_seconds_measured": p.step_seconds,
+                          "step_seconds_loop_estimate": sum(r.predicted for r in p.rows),
+                          "residual_after": residual,
+                          "nodes": [{"op": r.op, "kind": r.kind, "predicted_s": r.predicted,
+                                     "measured_s": r.measured} for r in p.rows]}
+                         for p, residual in zip(cal.profiles, cal.in_step.residuals)],
+            "loop_cluster": cal.loop_cluster.to_dict() if cal.loop_cluster else None,
+        }} if cal.in_step is not None else {}),
     }

@@ -28,6 +28,9 @@ def add_calibrate_parser(sub) -> None:
                         "present")
     p.add_argument("--quick", action="store_true",
                    help="fewer shapes, sizes and repeats (a rough fit in a fraction of the time)")
+    p.add_argument("--loop-only", action="store_true",
+                   help="fit the ops timed alone only: skip the calibration programs that "
+                        "measure how much slower they run inside a step (CPU ranks)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_calibrate)
 
@@ -58,10 +61,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if note:
         print(f"graphpar: warning: {note}", file=sys.stderr)
 
-    bar = ProgressBar(planned_measurements(args.quick), "calibrating", enabled=not args.quiet)
+    in_step = not args.loop_only and device == "cpu"
+    bar = ProgressBar(planned_measurements(args.quick, in_step), "calibrating",
+                      enabled=not args.quiet)
     try:
         cal = calibrate(args.ranks, base=base, quick=args.quick, device=device,
-                        progress=bar.advance)
+                        in_step=not args.loop_only, progress=bar.advance)
     finally:
         bar.close()
     print(report(cal))
@@ -72,6 +77,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f.write(json.dumps(cal.cluster.to_dict(), indent=2) + "\n")
     print(f"wrote {out} (cluster file: --cluster {out}) and {timing_file} (measured in "
           f"{cal.seconds:.0f} s: ops {cal.compute_seconds:.0f} s, collectives "
-          f"{cal.seconds - cal.compute_seconds:.0f} s; {os.cpu_count()} CPUs, load average "
+          f"{cal.seconds - cal.compute_seconds - cal.in_step_seconds:.0f} s, in step "
+          f"{cal.in_step_seconds:.0f} s; {os.cpu_count()} CPUs, load average "
           f"{cal.load_average:.1f} at the start)")
     return 0

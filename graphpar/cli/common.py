@@ -176,8 +176,8 @@ TIMED_STEPS, WARMUP_STEPS = 5, 2  # --run-cpu's step timing: the median of 5 aft
 
 
 def step_time_report(measured: dict, estimated: float) -> dict:
-    """Measured step time (`StepTimes.as_dict`) beside the estimate the plan was chosen by,
-    and their ratio (measured / estimated)."""
+    """Measured step time (`StepTimes.as_dict`) beside its estimate, and their ratio
+    (measured / estimated)."""
     return {**measured, "step_seconds_estimated": estimated,
             "step_time_ratio": (measured["step_seconds_measured"] / estimated
                                 if estimated > 0 else None)}

@@ -22,6 +22,10 @@ than they compute FLOPs) has no F to measure: `flops` is None, and likewise `ban
 Alpha-beta (one collective kind, the formulas of `graphpar.cost.communication` on n ranks):
 
     t = steps(n) * latency + factor(n) * nbytes / bandwidth
+
+In step (`fit_in_step`, whole programs profiled node by node): each class's and kind's
+measured seconds over the two fits' prediction, and a per-node dispatch time, which the
+calibration folds into the rates (`graphpar.calibration`).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import numpy as np
 
 from graphpar.cost.communication import collective_terms
 
-__all__ = ["AlphaBetaFit", "RooflineFit", "fit_alpha_beta", "fit_roofline", "nnls",
-           "roofline_seconds"]
+__all__ = ["AlphaBetaFit", "InStepFit", "RooflineFit", "fit_alpha_beta", "fit_in_step",
+           "fit_roofline", "nnls", "roofline_seconds"]
 
 
 def nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -160,3 +164,44 @@ def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> AlphaBet
     predicted = steps * x[0] + moved * x[1]
     return AlphaBetaFit(latency=float(x[0]), bandwidth=float(1.0 / x[1]) if x[1] > 0 else None,
                         residuals=_relative(predicted, seconds))
+
+
+@dataclass(frozen=True)
+class InStepFit:
+    """How much slower ops run inside a step than alone in a loop.
+
+    `factors`: per op class or collective kind, the measured seconds of its nodes over the
+    seconds the loop-fitted model predicts for them (a ratio of sums, so that the class's share
+    of a step comes out right); `dispatch`: seconds per priced node of a step that no priced
+    node accounts for (the interpreter between nodes, free view ops); `residuals`: per program,
+    (corrected estimate - measured step) / measured step."""
+
+    factors: dict[str, float]
+    dispatch: float
+    residuals: tuple[float, ...]
+
+
+def fit_in_step(programs: Sequence[tuple[Sequence[tuple[str, float, float]], float]],
+                bounds: tuple[float, float] = (0.25, 20.0)) -> InStepFit:
+    """Fit `InStepFit` to `programs`: each a list of its nodes' (class or kind, predicted
+    seconds, measured seconds) and its measured step seconds. Nodes predicted free (0 s) are
+    the dispatch's; factors are clipped to `bounds`."""
+    if not programs:
+        raise ValueError("an in-step fit needs at least one profiled program")
+    predicted: dict[str, float] = {}
+    measured: dict[str, float] = {}
+    for nodes, _ in programs:
+        for kind, p, m in nodes:
+            if p > 0:
+                predicted[kind] = predicted.get(kind, 0.0) + p
+                measured[kind] = measured.get(kind, 0.0) + m
+    factors = {k: float(np.clip(measured[k] / predicted[k], *bounds))
+               for k in sorted(predicted) if predicted[k] > 0}
+    priced = sum(1 for nodes, _ in programs for _, p, _ in nodes if p > 0)
+    unexplained = sum(step - sum(m for _, p, m in nodes if p > 0) for nodes, step in programs)
+    dispatch = max(0.0, unexplained / priced) if priced else 0.0
+    residuals = []
+    for nodes, step in programs:
+        estimate = sum(factors[k] * p + dispatch for k, p, _ in nodes if p > 0)
+        residuals.append((estimate - step) / step)
+    return InStepFit(factors, dispatch, tuple(residuals))

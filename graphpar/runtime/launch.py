@@ -42,6 +42,7 @@ from graphpar.runtime.program import (
     StepTimes,
     load_program,
 )
+from graphpar.runtime.timing import trimmed_mean
 from graphpar.runtime.workers import WorkerGroup, free_port, report_rank_error, torchrun_env
 
 __all__ = ["SpmdJob", "SpmdWorker", "free_port", "main", "run_multiprocess", "torchrun_env"]
@@ -195,10 +196,11 @@ class SpmdWorker:
     def time_steps(self, number: int, steps: int, warmup: int, profile: bool = False) -> None:
         """Run on ``inputs<rank>.<number>.pt`` `warmup` + `steps` times, each after a barrier
         so that all ranks start it together; write the timed steps' wall and CPU seconds (and
-        with `profile`, each node's mean seconds per timed step) to
+        with `profile`, each node's mean seconds over the timed steps, its slowest one
+        dropped) to
         ``timing<rank>.<number>.json``."""
         inputs = torch.load(self.jobdir / f"inputs{self.rank}.{number}.pt", weights_only=True)
-        nodes: dict[int, float] = {}
+        nodes: dict[int, list[float]] = {}
         interpreter = _profiled(self.interpreter, nodes) if profile else self.interpreter
         wall, cpu = [], []
         for i in range(warmup + steps):
@@ -214,15 +216,16 @@ class SpmdWorker:
                 cpu.append(time.process_time() - start_cpu)
         result = {"wall": wall, "cpu": cpu}
         if profile:
-            result["nodes"] = {str(i): s / steps for i, s in nodes.items()}
+            result["nodes"] = {str(i): trimmed_mean(s) for i, s in nodes.items()}
         path = self.jobdir / f"timing{self.rank}.{number}.json"
         path.with_suffix(".tmp").write_text(json.dumps(result))
         os.replace(path.with_suffix(".tmp"), path)
 
 
-def _profiled(interpreter: Interpreter, seconds: dict[int, float]) -> Interpreter:
-    """A copy of `interpreter` that adds each node's wall seconds to `seconds[index]`
-    (collectives included: their time is the wait for the group as well as the transfer)."""
+def _profiled(interpreter: Interpreter, seconds: dict[int, list[float]]) -> Interpreter:
+    """A copy of `interpreter` that appends each node's wall seconds per run to
+    `seconds[index]` (collectives included: their time is the wait for the group as well as
+    the transfer)."""
     import copy
 
     def timed(index, fn):
@@ -231,7 +234,7 @@ def _profiled(interpreter: Interpreter, seconds: dict[int, float]) -> Interprete
             try:
                 return fn(*args, **kwargs)
             finally:
-                seconds[index] = seconds.get(index, 0.0) + time.perf_counter() - start
+                seconds.setdefault(index, []).append(time.perf_counter() - start)
         return run
 
     profiled = copy.copy(interpreter)

@@ -60,7 +60,8 @@ class StepTimes:
         self.wall = [list(w) for w in wall]
         self.cpu = [list(c) for c in cpu]
         self.warmup = warmup  # untimed steps run before them
-        # when profiled: per rank, each node's (by graph position) mean seconds per step
+        # when profiled: per rank, each node's (by graph position) mean seconds per step,
+        # its slowest step dropped
         self.node_seconds: list[dict[int, float]] = []
 
     @property

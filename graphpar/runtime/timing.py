@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["call_seconds", "median_seconds"]
+__all__ = ["call_seconds", "median_seconds", "trimmed_mean"]
 
 
 def call_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
@@ -37,3 +37,11 @@ def median_seconds(fn: Callable[[], object], repeats: int, *, warmup: int = 1,
     """The median of `call_seconds`: a stray slow call (another process took the core) does not
     move it."""
     return float(np.median(call_seconds(fn, repeats, warmup=warmup, sync=sync, clock=clock)))
+
+
+def trimmed_mean(seconds: list[float]) -> float:
+    """The mean without the slowest value (of three or more): a rare stall (the scheduler, a
+    page fault) does not move it much, and, unlike a median, the means of a step's parts add
+    up to the step's."""
+    kept = sorted(seconds)[:-1] if len(seconds) >= 3 else list(seconds)
+    return sum(kept) / len(kept)

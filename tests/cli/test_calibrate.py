@@ -6,16 +6,19 @@ import dataclasses
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import graphpar.calibration as calibration
+from graphpar.calibration_steps import ProgramProfile
 from graphpar.cli import main
 from graphpar.cost.cluster import ClusterFallbackWarning, get_cluster, load_cluster
 from graphpar.cost.communication import collective_time
 from graphpar.cost.fit import roofline_seconds
 from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.ir.registry import get_op
+from graphpar.plan_runs import NodeRow
 from graphpar.runtime.calibrate import (
     CACHE_BYTES,
     MEASURED_COLLECTIVES,
@@ -57,11 +60,31 @@ def fake_overheads(dtype=torch.float32, device="cpu"):
     return {c: OVERHEAD for c in COMPUTE_CLASSES}
 
 
+# in a step: gemm 1.5x, elementwise 3x, all_reduce 2x, all_gather 4x their loop-fitted time,
+# 10 us of dispatch per priced node
+IN_STEP = {"gemm": 1.5, "elementwise": 3.0, "all_reduce": 2.0, "all_gather": 4.0}
+DISPATCH = 10e-6
+
+
+def fake_profiles(cluster, ranks, *, quick=False, progress=None):
+    def row(kind, predicted):
+        collective = kind.startswith("all_")
+        return NodeRow(kind, kind, collective, ranks if collective else 1, 0, predicted,
+                       predicted * IN_STEP.get(kind, 0.0))
+    rows = [row("gemm", 2e-3), row("elementwise", 1e-4), row("all_reduce", 1e-3),
+            row("all_gather", 5e-4), row("free", 0.0)]
+    step = sum(r.measured for r in rows) + DISPATCH * 4
+    if progress:
+        progress("in-step train/megatron")
+    return [ProgramProfile("train", "megatron", rows, step)]
+
+
 @pytest.fixture
 def synthetic(monkeypatch):
     monkeypatch.setattr(calibration, "measure_compute", fake_compute)
     monkeypatch.setattr(calibration, "measure_collectives", fake_collectives)
     monkeypatch.setattr(calibration, "measure_overheads", fake_overheads)
+    monkeypatch.setattr(calibration, "profile_programs", fake_profiles)
 
 
 def run(capsys, *argv):
@@ -116,7 +139,7 @@ def test_the_overhead_is_the_measured_per_call_time(monkeypatch):
     monkeypatch.setattr(calibration, "measure_collectives", fake_collectives)
     monkeypatch.setattr(calibration, "measure_overheads",
                         lambda dtype=torch.float32, device="cpu": {"gemm": tiny_call})
-    cal = calibration.calibrate(2, quick=True)
+    cal = calibration.calibrate(2, quick=True, in_step=False)
     assert cal.cluster.compute_rate("fp32", "gemm").overhead == tiny_call
     assert cal.cluster.compute_rate("fp32", "gemm_skinny").overhead == pytest.approx(0, abs=1e-9)
     assert {"dtype": "fp32", "class": "gemm", "seconds": tiny_call} in \
@@ -124,7 +147,7 @@ def test_the_overhead_is_the_measured_per_call_time(monkeypatch):
 
 
 def test_the_cluster_carries_the_fitted_numbers(synthetic):
-    cal = calibration.calibrate(4, quick=True)
+    cal = calibration.calibrate(4, quick=True, in_step=False)
     cluster = cal.cluster
     for dtype in ("fp32", "fp16", "bf16"):
         for op_class in COMPUTE_CLASSES:
@@ -146,6 +169,38 @@ def test_the_cluster_carries_the_fitted_numbers(synthetic):
                for n in cal.notes)
 
 
+def test_the_in_step_factors_divide_the_rates(synthetic):
+    """Each class's rates are divided by its in-step factor and its overhead multiplied, with
+    the dispatch added; a class or kind the programs did not run takes the median factor and
+    the notes say so; the loop-fitted cluster is kept beside."""
+    cal = calibration.calibrate(2, quick=True)
+    loop, cluster = cal.loop_cluster, cal.cluster
+    assert cal.in_step.factors == pytest.approx(IN_STEP)
+    assert cal.in_step.dispatch == pytest.approx(DISPATCH)
+    median_class = float(np.median([1.5, 3.0]))
+    for dtype in ("fp32", "bf16"):
+        for op_class in COMPUTE_CLASSES:
+            f = IN_STEP.get(op_class, median_class)
+            before, after = loop.compute_rate(dtype, op_class), cluster.compute_rate(dtype,
+                                                                                     op_class)
+            assert after.flops == pytest.approx(before.flops / f)
+            assert after.bandwidth == pytest.approx(before.bandwidth / f)
+            assert after.overhead == pytest.approx(before.overhead * f + DISPATCH)
+    for kind in LATENCY:
+        f = IN_STEP.get(kind, 3.0)  # the median of all_reduce's 2 and all_gather's 4
+        before, after = loop.collective_rate(kind), cluster.collective_rate(kind)
+        assert (after.latency, after.bandwidth) == (pytest.approx(before.latency * f),
+                                                    pytest.approx(before.bandwidth / f))
+    assert cluster.intra_node_bandwidth == pytest.approx(loop.intra_node_bandwidth / 3.0)
+    assert any("no gemm_skinny, normalization, attention, gather op ran" in n
+               for n in cal.notes)
+    assert any("no all_to_all, reduce_scatter, send_recv ran" in n for n in cal.notes)
+    text = calibration.report(cal)
+    assert "in step (1 calibration programs on 2 ranks" in text
+    assert "train/megatron" in text
+    assert calibration.timings(cal)["in_step"]["factors"] == pytest.approx(IN_STEP)
+
+
 def test_calibrate_writes_a_cluster_file_the_compiler_takes(synthetic, tmp_path, capsys):
     out = tmp_path / "cluster.json"
     code, stdout, _ = run(capsys, "calibrate", "--ranks", 2, "--out", out, "--quick")
@@ -157,7 +212,7 @@ def test_calibrate_writes_a_cluster_file_the_compiler_takes(synthetic, tmp_path,
     with warnings.catch_warnings():
         warnings.simplefilter("error", ClusterFallbackWarning)  # every class is in the file
         cluster = load_cluster(out)
-    assert cluster.collective_rate("all_gather").latency == pytest.approx(80e-6)
+    assert cluster.collective_rate("all_gather").latency == pytest.approx(80e-6 * 4)
     code, stdout, _ = run(capsys, "compile", "--example", "mlp:tiny", "--mesh", 2,
                           "--cluster", out, "--out", tmp_path / "c", "--time-limit", 10)
     assert code == 0 and "mesh 2 on cpu-measured" in stdout
@@ -223,6 +278,12 @@ def test_a_real_calibration_on_two_ranks(monkeypatch, tmp_path, capsys):
     m, k = gemm[0].case.operands[0].shape
     assert gemm[0].flops == 2 * m * k * gemm[0].case.operands[1].shape[1]
     assert cal.cluster.intra_node_bandwidth > 0 and cal.cluster.intra_node_latency >= 0
+    # the calibration programs ran: every node was timed, their factors divide the rates
+    assert [p.name for p in cal.profiles] == ["train/megatron", "decode/megatron"]
+    assert all(r.measured > 0 for p in cal.profiles for r in p.rows)
+    assert cal.in_step.factors["gemm"] > 0 and cal.cluster.compute_rate(
+        "fp32", "gemm").flops == pytest.approx(cal.loop_cluster.compute_rate("fp32", "gemm").flops
+                                               / cal.in_step.factors["gemm"])
     out = tmp_path / "cluster.json"
     out.write_text(json.dumps(cal.cluster.to_dict()))
     code, stdout, _ = run(capsys, "compile", "--example", "gpt:tiny", "--mesh", 2,

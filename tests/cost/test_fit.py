@@ -123,3 +123,27 @@ def test_roofline_with_a_measured_overhead_recovers_the_rates_exactly():
     assert fit_roofline(slow, overhead=overhead).overhead == overhead
     with pytest.raises(ValueError, match="overhead must be >= 0"):
         fit_roofline(samples, overhead=-1.0)
+
+
+def test_in_step_factors_are_ratios_of_sums_and_dispatch_the_rest():
+    """Each class's factor is its nodes' measured time over their estimate, summed (so its
+    share of a step comes out right); the step's time outside priced nodes, spread over them,
+    is the dispatch; the corrected estimate of each program is then its step exactly."""
+    from graphpar.cost.fit import fit_in_step
+
+    train = [("gemm", 1e-3, 1.5e-3), ("gemm", 3e-3, 4.5e-3), ("elementwise", 1e-4, 3e-4),
+             ("all_reduce", 2e-3, 5e-3), ("free", 0.0, 2e-5)]
+    decode = [("gemm_skinny", 5e-4, 1e-3), ("elementwise", 1e-4, 3e-4)]
+    dispatch = 1e-5
+    steps = [sum(m for _, _, m in nodes) + dispatch * sum(p > 0 for _, p, _ in nodes)
+             for nodes in (train, decode)]
+    steps[0] -= 2e-5  # the free node's 20 us is part of the step's dispatch time
+    fit = fit_in_step([(train, steps[0]), (decode, steps[1])])
+    assert fit.factors == pytest.approx({"gemm": 1.5, "elementwise": 3.0, "all_reduce": 2.5,
+                                         "gemm_skinny": 2.0})
+    assert fit.dispatch == pytest.approx(dispatch)
+    assert fit.residuals == pytest.approx((0, 0), abs=1e-12)
+    # factors are clipped: a node measured at nothing does not make its class free
+    assert fit_in_step([([("gemm", 1e-3, 0.0)], 1e-3)]).factors["gemm"] == 0.25
+    with pytest.raises(ValueError, match="at least one profiled program"):
+        fit_in_step([])

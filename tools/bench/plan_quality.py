@@ -17,8 +17,10 @@ slowest rank; a plan's measured time is the median over all its timed steps, and
 the spread of its repeats' medians ((max - min) / median), so that repeated runs say how far
 apart two plans must be to differ.
 
-Per row: predicted ms (the objective the plan was chosen by), measured ms (median, min), the
-relative error (predicted - measured) / measured. Per (model, mode, mesh): Kendall's tau-b
+Per row: predicted ms (the device program's estimate: its nodes priced by the cost model; the
+JSON also has `objective_ms`, the ILP objective the plan was chosen by, which prices a value
+resharded for several consumers once per consumer where the program reshards it once),
+measured ms (median, min), the relative error (predicted - measured) / measured. Per (model, mode, mesh): Kendall's tau-b
 between the predicted and measured orders of the plans, and whether the ILP's plan is the
 fastest measured or within noise of it (its median at most the fastest's times 1 + the larger
 of the two plans' noise); by wall time, and again by the ranks' CPU time (`cpu ms`, the max
@@ -42,21 +44,14 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from graphpar.api import lower
-from graphpar.capture import Adam, Captured, capture_inference, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
-from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError
-from graphpar.passes import PassContext, PassManager, parse_pipeline
-from graphpar.passes.autoshard.apply import shard_graph
-from graphpar.passes.autoshard.auto_shard import ShardingPlans
-from graphpar.passes.autoshard.hand_plans import HAND_PLANS, NotApplicable, hand_plan
-from graphpar.passes.autoshard.ilp import Problem, Reduced
+from graphpar.passes.autoshard.hand_plans import HAND_PLANS, NotApplicable
+from graphpar.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CLUSTER = str(HERE / "gloo_cluster.json")
@@ -77,7 +72,6 @@ SIZES = {
                                                             width_factor=2, stage_sizes=(1, 1))),
 }
 PRESET_BATCH = 8  # for `model:preset` given on the command line
-DECODERS = ("gpt", "llama")  # models with a decode step; the others run inference
 DECODE_PAST = 63  # tokens already in the KV cache (seq_len - 1 of the default sizes)
 
 DEFAULT_MODELS = ["gpt", "llama", "moe", "wide_resnet"]
@@ -87,102 +81,42 @@ QUICK = dict(models=["gpt"], modes=["train", "decode"], meshes=["2"], steps=3, w
              repeats=2)
 
 
-@dataclass
-class Case:
-    """One model in one mode: its captured step (cleaned up), with the tensors to run it on."""
-
-    model: str
-    mode: str
-    captured: Captured
-    args: tuple[torch.Tensor, ...]
-
-
-def build_case(model: str, mode: str) -> Case:
+def build_case(model: str, mode: str) -> PlanCase:
     """`model` ("gpt", or "gpt:125M" for a preset) captured in `mode` with real weights."""
-    from graphpar.capture.decoder import capture_decode
-    from graphpar.models import get_model
-
     name, _, preset = model.partition(":")
     size = SIZES[name] if not preset else dict(preset=preset, batch=PRESET_BATCH, config={})
-    ex = get_model(name, size["preset"], batch_size=size["batch"], train=mode == "train",
-                   **size["config"])
-    graph_name = model.replace(":", "_").replace(".", "_")
-    if mode == "train":
-        captured = capture_training(ex.module, ex.inputs, ex.loss_fn, ex.targets, Adam(),
-                                    name=f"{graph_name}_train")
-        args = (*ex.inputs, *ex.targets)
-    elif mode == "decode" and name in DECODERS:
-        past = min(DECODE_PAST, ex.config.seq_len - 1)
-        captured = capture_decode(ex.module, size["batch"], past)
-        args = _decode_args(captured, ex.config.vocab_size, past)
-    else:
-        captured = capture_inference(ex.module, ex.inputs, name=f"{graph_name}_infer")
-        args = tuple(ex.inputs)
-    PassManager(parse_pipeline("cleanup")).run(captured.graph, PassContext())
-    return Case(model, mode, captured, args)
+    return capture_case(name, mode, batch=size["batch"], config=size["config"],
+                        preset=size["preset"], past=DECODE_PAST)
 
 
-def _decode_args(captured: Captured, vocab: int, past: int) -> tuple[torch.Tensor, ...]:
-    """A decode step's inputs: token ids, positions after `past` tokens, a full attention
-    mask and random K/V caches, in the graph's input order."""
-    g = torch.Generator().manual_seed(0)
-    args = []
-    for v in captured.graph.inputs:
-        if v.name not in captured.user_inputs:
-            continue
-        shape = v.type.shape
-        if v.name == "input_ids":
-            args.append(torch.randint(0, vocab, shape, generator=g))
-        elif v.name == "positions":
-            args.append(torch.full(shape, past, dtype=torch.long))
-        elif v.name == "attn_mask":
-            args.append(torch.ones(shape, dtype=torch.bool))
-        else:
-            args.append(torch.randn(shape, generator=g, dtype=v.type.dtype))
-    return tuple(args)
-
-
-def solve_plan(case: Case, mesh, name: str, memory_limit: float | None):
-    """(plan, sharded capture) for plan `name` on `mesh`: the ILP's (as the auto-shard pass
-    solves it: compute priced by the roofline of the mesh's cluster) or a hand plan, solved
-    and written into a copy of the case's graph. Raises NotApplicable or MemoryLimitError."""
-    graph = case.captured.graph.copy()
-    reduced = Reduced(Problem(graph, mesh, Roofline.of(mesh.cluster, "fp32")))
-    if name == "ilp":
-        plan = reduced.solve(memory_limit, time_limit=60)
-    else:
-        plan = hand_plan(reduced, name, memory_limit, time_limit=60)
-    shard_graph(graph, mesh, plan)
-    return plan, Captured(graph, case.captured.state)
-
-
-def measure_plan(case: Case, mesh, name: str, cluster, args) -> dict:
+def measure_plan(case: PlanCase, mesh, name: str, cluster, args) -> dict:
     """One row: the plan's estimate and its measured step times."""
     row = {"model": case.model, "mode": case.mode, "mesh": "x".join(map(str, mesh.shape)),
            "plan": name}
     try:
-        plan, captured = solve_plan(case, mesh, name, float(cluster.device_memory))
+        plan, compiled = solve_plan(case, mesh, name)
     except NotApplicable as exc:
         return {**row, "status": f"n/a: {exc}"}
     except MemoryLimitError:
         return {**row, "status": "does not fit in memory"}
-    ctx = PassContext()
-    ctx.result(ShardingPlans)[captured.graph.name] = plan
-    compiled = lower(captured, ctx)
     start = time.perf_counter()
     runs = compiled.time_steps(args.steps, args.warmup, args.repeats, args=case.args,
                                profile=args.profile)
     wall = time.perf_counter() - start
+    rows = node_rows(compiled, runs[-1] if args.profile else None)
     if args.profile:
-        row["ops"] = op_breakdown(compiled.spmd, mesh, runs[-1].node_seconds[0])
+        row["ops"] = op_breakdown(rows)
     steps = [s for r in runs for s in r.step_seconds]
     medians = [r.median for r in runs]
     measured = statistics.median(steps)
-    predicted = plan.step_seconds
+    # the program's estimate: what the cost model prices the nodes that run at (the ILP's
+    # objective prices a value resharded for several consumers once per consumer)
+    predicted = sum(r.predicted for r in rows)
     return {**row, "status": "ok",
             "predicted_ms": predicted * 1e3,
-            "predicted_compute_ms": plan.compute_seconds * 1e3,
-            "predicted_comm_ms": plan.comm_seconds * 1e3,
+            "predicted_compute_ms": sum(r.predicted for r in rows if not r.collective) * 1e3,
+            "predicted_comm_ms": sum(r.predicted for r in rows if r.collective) * 1e3,
+            "objective_ms": plan.step_seconds * 1e3,
             "measured_ms": measured * 1e3, "measured_min_ms": min(steps) * 1e3,
             "measured_repeat_medians_ms": [m * 1e3 for m in medians],
             "measured_cpu_ms": statistics.median(r.cpu_median for r in runs) * 1e3,
@@ -198,22 +132,15 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.median(values)
 
 
-def op_breakdown(program, mesh, measured: dict[int, float]) -> dict[str, dict]:
-    """Rank 0's step by op: per op name, its nodes, the seconds the cost model predicts for
-    them on this device (compute: the roofline of its local shapes; collectives: the
-    alpha-beta cost of their buffer) and the seconds they took (mean per timed step)."""
-    from graphpar.cost.communication import node_comm_cost
-    from graphpar.cost.compute import node_seconds
-
-    roofline = Roofline.of(mesh.cluster, "fp32")
+def op_breakdown(rows: list[NodeRow]) -> dict[str, dict]:
+    """A step by op: per op name, its nodes, the seconds the cost model predicts for them on
+    one device and the seconds they took (mean over ranks and timed steps)."""
     ops: dict[str, dict] = {}
-    for index, node in enumerate(program.nodes):
-        comm = node_comm_cost(node, mesh)
-        predicted = comm.seconds if comm is not None else node_seconds(node, roofline)
-        entry = ops.setdefault(node.op, {"nodes": 0, "predicted_ms": 0.0, "measured_ms": 0.0})
+    for row in rows:
+        entry = ops.setdefault(row.op, {"nodes": 0, "predicted_ms": 0.0, "measured_ms": 0.0})
         entry["nodes"] += 1
-        entry["predicted_ms"] += predicted * 1e3
-        entry["measured_ms"] += measured.get(index, 0.0) * 1e3
+        entry["predicted_ms"] += row.predicted * 1e3
+        entry["measured_ms"] += row.measured * 1e3
     return dict(sorted(ops.items(), key=lambda kv: -kv[1]["measured_ms"]))
 
 

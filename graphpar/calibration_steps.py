@@ -1,0 +1,80 @@
+"""Ops inside a step: the second half of `graphpar calibrate`.
+
+An op timed alone in a loop finds its operands in the cache, its output buffer recycled by the
+allocator, and the other ranks idle or in the same collective; inside a step it reads what
+earlier ops wrote, allocates afresh, shares the memory system with the other ranks' work, and
+its collectives wait for gloo's threads to wake. On the development CPU ops ran 1.8-2.8 times
+their loop-fitted time in a step (docs/plan-quality.md). Alpa profiles every stage for this
+reason; graphpar profiles a few calibration programs instead and folds what it finds into the
+rates, so that every plan, of any model, is priced with it.
+
+The calibration programs are a GPT (`CALIBRATION_MODEL`: another width, depth and length than
+the plan-quality benchmark's models, which check the result) on a 1-D mesh of the calibrated
+ranks: a training step under plans that use every collective kind a plan on such a mesh uses
+(data parallel: gradient all-reduces; Megatron: activation all-reduces; ZeRO-3: all-gathers and
+reduce-scatters) and decode steps (skinny matmuls, small collectives). Each runs a few steps
+with every node timed (`Compiled.time_steps(profile=True)`); `graphpar.cost.fit.fit_in_step`
+turns the nodes into one factor per op class and collective kind and a dispatch time per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from graphpar.cost.cluster import mesh_for
+from graphpar.ir.cluster import Cluster
+from graphpar.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
+from graphpar.runtime.timing import trimmed_mean
+
+__all__ = ["CALIBRATION_MODEL", "PROGRAMS", "QUICK_PROGRAMS", "ProgramProfile",
+           "profile_programs"]
+
+CALIBRATION_MODEL = ("gpt", dict(vocab_size=768, seq_len=48, d_model=384, n_layers=2,
+                                 n_heads=6), 8)  # (model, config, batch)
+PROGRAMS = (("train", "data"), ("train", "megatron"), ("train", "zero-3"),
+            ("decode", "data"), ("decode", "megatron"))
+QUICK_PROGRAMS = (("train", "megatron"), ("decode", "megatron"))
+STEPS, WARMUP = 6, 2
+
+
+@dataclass
+class ProgramProfile:
+    """One calibration program on the ranks: its nodes (priced by the loop-fitted cluster,
+    measured in the step) and its measured step seconds."""
+
+    mode: str
+    plan: str
+    rows: list[NodeRow]
+    step_seconds: float  # measured: mean over timed steps (slowest dropped) of the ranks' mean
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}/{self.plan}"
+
+    def samples(self) -> list[tuple[str, float, float]]:
+        """(class or kind, predicted, measured) per node: what `fit_in_step` takes."""
+        return [(r.kind, r.predicted, r.measured) for r in self.rows]
+
+
+def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
+                     progress: Callable[[str], None] | None = None) -> list[ProgramProfile]:
+    """Run the calibration programs (`QUICK_PROGRAMS` with `quick`) on `ranks` gloo ranks,
+    priced by `cluster` (the loop-fitted one), every node timed."""
+    model, config, batch = CALIBRATION_MODEL
+    mesh = mesh_for(str(ranks), cluster)
+    cases: dict[str, PlanCase] = {}
+    profiles = []
+    for mode, plan_name in QUICK_PROGRAMS if quick else PROGRAMS:
+        if mode not in cases:
+            cases[mode] = capture_case(model, mode, batch=batch, config=config)
+        case = cases[mode]
+        _, compiled = solve_plan(case, mesh, plan_name, memory_limit=None)
+        times = compiled.time_steps(STEPS, WARMUP, args=case.args, profile=True)[-1]
+        per_rank = [trimmed_mean(w) for w in times.wall]
+        profiles.append(ProgramProfile(mode, plan_name, node_rows(compiled, times),
+                                       sum(per_rank) / len(per_rank)))
+        if progress:
+            progress(f"in-step {mode}/{plan_name}")
+    return profiles
+

@@ -8,13 +8,15 @@ their loop-fitted time in a step (docs/plan-quality.md). Alpa profiles every sta
 reason; graphpar profiles a few calibration programs instead and folds what it finds into the
 rates, so that every plan, of any model, is priced with it.
 
-The calibration programs are a GPT (`CALIBRATION_MODEL`: another width, depth and length than
-the plan-quality benchmark's models, which check the result) on a 1-D mesh of the calibrated
-ranks: a training step under plans that use every collective kind a plan on such a mesh uses
-(data parallel: gradient all-reduces; Megatron: activation all-reduces; ZeRO-3: all-gathers and
-reduce-scatters) and decode steps (skinny matmuls, small collectives). Each runs a few steps
-with every node timed (`Compiled.time_steps(profile=True)`); `graphpar.cost.fit.fit_in_step`
-turns the nodes into one factor per op class and collective kind and a dispatch time per node.
+The calibration programs are GPTs (`CALIBRATION_MODELS`: other widths and lengths than the
+plan-quality benchmark's models, which check the result) on a 1-D mesh of the calibrated ranks:
+a training step under plans that use every collective kind a plan on such a mesh uses (data
+parallel: gradient all-reduces; Megatron: activation all-reduces; ZeRO-3: all-gathers and
+reduce-scatters) and decode steps of a model whose weights (118 MB) no cache holds, so that its
+skinny matmuls stream them from memory with every rank doing the same at once. Each runs a few
+steps with every node timed (`Compiled.time_steps(profile=True)`);
+`graphpar.cost.fit.fit_in_step` turns the nodes into one factor per op class and collective
+kind and a dispatch time per node.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from graphpar.ir.cluster import Cluster
 from graphpar.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
 from graphpar.runtime.timing import trimmed_mean
 
-__all__ = ["CALIBRATION_MODEL", "PROGRAMS", "QUICK_PROGRAMS", "ProgramProfile",
+__all__ = ["CALIBRATION_MODELS", "PROGRAMS", "QUICK_PROGRAMS", "ProgramProfile",
            "profile_programs"]
 
-CALIBRATION_MODEL = ("gpt", dict(vocab_size=768, seq_len=48, d_model=384, n_layers=2,
-                                 n_heads=6), 8)  # (model, config, batch)
+CALIBRATION_MODELS = {  # mode -> (model, config, batch)
+    "train": ("gpt", dict(vocab_size=768, seq_len=48, d_model=384, n_layers=2, n_heads=6), 8),
+    "decode": ("gpt", dict(vocab_size=2048, seq_len=48, d_model=1024, n_layers=2, n_heads=8),
+               8),
+}
 PROGRAMS = (("train", "data"), ("train", "megatron"), ("train", "zero-3"),
             ("decode", "data"), ("decode", "megatron"))
 QUICK_PROGRAMS = (("train", "megatron"), ("decode", "megatron"))
@@ -61,12 +66,12 @@ def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
                      progress: Callable[[str], None] | None = None) -> list[ProgramProfile]:
     """Run the calibration programs (`QUICK_PROGRAMS` with `quick`) on `ranks` gloo ranks,
     priced by `cluster` (the loop-fitted one), every node timed."""
-    model, config, batch = CALIBRATION_MODEL
     mesh = mesh_for(str(ranks), cluster)
     cases: dict[str, PlanCase] = {}
     profiles = []
     for mode, plan_name in QUICK_PROGRAMS if quick else PROGRAMS:
         if mode not in cases:
+            model, config, batch = CALIBRATION_MODELS[mode]
             cases[mode] = capture_case(model, mode, batch=batch, config=config)
         case = cases[mode]
         _, compiled = solve_plan(case, mesh, plan_name, memory_limit=None)

@@ -19,14 +19,14 @@ apart two plans must be to differ.
 
 Per row: predicted ms (the device program's estimate: its nodes priced by the cost model; the
 JSON also has `objective_ms`, the ILP objective the plan was chosen by, which prices a value
-resharded for several consumers once per consumer where the program reshards it once),
-measured ms (median, min), the relative error (predicted - measured) / measured. Per (model, mode, mesh): Kendall's tau-b
-between the predicted and measured orders of the plans, and whether the ILP's plan is the
-fastest measured or within noise of it (its median at most the fastest's times 1 + the larger
-of the two plans' noise); by wall time, and again by the ranks' CPU time (`cpu ms`, the max
-over ranks per step), which other work sharing the cores inflates far less than wall time but
-which leaves out time spent waiting in collectives. Estimated and measured figures are kept
-apart in the JSON.
+resharded for several consumers once per consumer where the program reshards it once), measured
+ms (median, min), the relative error (predicted - measured) / measured. Per (model, mode,
+mesh): Kendall's tau-b between the predicted and measured orders of the plans, and whether the
+ILP's plan is the fastest measured or within noise of it (its median at most the fastest's
+times 1 + the larger of the two plans' noise); by wall time, and again by the ranks' CPU time
+(`cpu ms`, the max over ranks per step), which other work sharing the cores inflates far less
+than wall time but which leaves out time spent waiting in collectives. Estimated and measured
+figures are kept apart in the JSON.
 
 The last repeat of each plan also times every node of rank 0's program: the per-op table sums,
 over all plans, what the cost model predicts for each op (compute: the roofline on its local
@@ -255,26 +255,41 @@ def machine() -> dict:
             "python": platform.python_version(), "torch": torch.__version__}
 
 
+def cluster_for(devices: int, given: str | None) -> str:
+    """The cluster a mesh of `devices` ranks is priced on: `given`, else this machine
+    calibrated on that many ranks (`gloo_cluster.<n>ranks.json`, written by `graphpar calibrate
+    --ranks n`: n processes sharing the cores is another machine than 2 on 2), else the
+    2-rank calibration."""
+    if given:
+        return given
+    own = HERE / f"gloo_cluster.{devices}ranks.json"
+    return str(own) if devices != 2 and own.exists() else DEFAULT_CLUSTER
+
+
 def run(args) -> dict:
-    cluster = get_cluster(args.cluster)
     rows = []
+    used = {}
     for model in args.models:
         for mode in args.modes:
             start = time.perf_counter()
             case = build_case(model, mode)
             capture_s = time.perf_counter() - start
             for mesh_shape in args.meshes:
+                devices = math.prod(int(d) for d in mesh_shape.split("x"))
+                path = cluster_for(devices, args.cluster)
+                cluster = used.setdefault(path, get_cluster(path))
                 mesh = mesh_for(mesh_shape, cluster)
                 for name in args.plans:
                     row = measure_plan(case, mesh, name, cluster, args)
                     row["capture_s"] = round(capture_s, 2)
+                    row["cluster"] = path
                     rows.append(row)
                     if args.verbose:
                         print(f"  {row['model']} {row['mode']} {row['mesh']} {name}: "
                               f"{row['status']}", file=sys.stderr, flush=True)
     groups = summarize(rows)
     ok = [r for r in rows if r["status"] == "ok"]
-    return {"cluster": args.cluster, "cluster_name": cluster.name,
+    return {"clusters": {path: c.name for path, c in used.items()},
             "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
             "machine": machine(), "rows": rows, "groups": groups, "ops": op_totals(rows),
             "median_abs_relative_error": (statistics.median(abs(r["relative_error"])
@@ -289,8 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", nargs="+", choices=["train", "decode"])
     parser.add_argument("--meshes", nargs="+")
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
-    parser.add_argument("--cluster", default=DEFAULT_CLUSTER,
-                        help="the cost model's cluster: a preset or file")
+    parser.add_argument("--cluster", default=None,
+                        help="the cost model's cluster, a preset or file (default: this "
+                             "machine calibrated on as many ranks as the mesh has, "
+                             "gloo_cluster[.<n>ranks].json beside this script)")
     parser.add_argument("--steps", type=int, help="timed steps per repeat (default 5)")
     parser.add_argument("--warmup", type=int, help="untimed steps before them (default 2)")
     parser.add_argument("--repeats", type=int, help="repeats per plan (default 3)")
@@ -311,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
         print_ops(result["ops"])
     if result["median_abs_relative_error"] is not None:
         print(f"\nmedian |relative error| over all plans: "
-              f"{result['median_abs_relative_error']:.1%} (cluster {result['cluster_name']}; "
+              f"{result['median_abs_relative_error']:.1%} (clusters "
+              f"{', '.join(Path(p).name for p in result['clusters'])}; "
               f"load average {result['machine']['load_average'][0]:.1f} on "
               f"{result['machine']['cores']} cores)")
     if args.out:

@@ -2,25 +2,57 @@
 times plus the fixed costs of a request), and both placements serving every request of the
 trace on two worker processes."""
 
+import numpy as np
 import pytest
 
-from graphpar.placement.real_check import _groups
+from graphpar.placement.real_check import _breakdown, _finish, _groups
+from graphpar.placement.workload import Workload
 
 # seconds as binary fractions, so that the sums below are exact
 CAL = {"whole": {"a": 0.5, "b": 0.25}, "stages": {"a": (0.25, 0.25), "b": (0.125, 0.125)},
-       "send": 2**-6, "wake": [2**-8, 2**-9]}
+       "send": 2**-6, "receive": 2**-7, "wake": [2**-8, 2**-9]}
 
 
 def test_the_simulator_gets_service_times_plus_the_fixed_costs_of_a_request():
     simple = _groups("simple", CAL)
     assert [g.stage_latency for g in simple] == [{"a": [0.5 + 2**-8]}, {"b": [0.25 + 2**-9]}]
     (pipeline,) = _groups("pipeline", CAL)
-    # wake-up lateness and the send to the next stage ride on the first stage
-    first = 2**-8 + 2**-6
-    assert pipeline.stage_latency == {"a": [0.25 + first, 0.25], "b": [0.125 + first, 0.125]}
+    # the receive of a held send occupies the second stage; wake-up lateness and the rest of
+    # an idle pipeline's one-way send ride on the first
+    first, second = 2**-8 + (2**-6 - 2**-7), 2**-7
+    assert pipeline.stage_latency == {"a": [0.25 + first, 0.25 + second],
+                                      "b": [0.125 + first, 0.125 + second]}
     seen = {"a": (0.5, 0.5), "b": (0.25, 0.75)}
     (again,) = _groups("pipeline", CAL, seen)
-    assert again.stage_latency == {"a": [0.5 + first, 0.5], "b": [0.25 + first, 0.75]}
+    assert again.stage_latency == {"a": [0.5 + first, 0.5 + second],
+                                   "b": [0.25 + first, 0.75 + second]}
+    # a receive slower than the one-way send: nothing of the send is left for the first stage
+    (held,) = _groups("pipeline", CAL, seen, handover=(2**-7, 2**-5))
+    assert held.stage_latency == {"a": [0.5 + 2**-8, 0.5 + 2**-5],
+                                  "b": [0.25 + 2**-8, 0.75 + 2**-5]}
+
+
+def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
+    # three requests, timestamps as the ranks write them (s); the third finds stage 2 busy
+    w = Workload(("a", "b"), np.array([0.0, 0.1, 0.11]), np.array([0, 1, 0]), 1.0)
+    nan = np.nan
+    first = np.array([[0.001, 0.011, nan], [0.101, 0.111, nan], [0.12, 0.13, nan]])
+    second = np.array([[0.0, 0.0125, 0.0325],  # posted, received, end
+                       [0.0325, 0.1125, 0.1325],
+                       [0.1325, 0.1345, 0.1545]])
+    counted = np.ones(3, bool)
+    b = _breakdown([first, second], w, counted)
+    assert b["to_first_stage"] == pytest.approx((0.001 + 0.001 + 0.01) / 3)
+    assert b["first_compute"] == pytest.approx(0.01)
+    assert b["wait_for_receive"] == pytest.approx(0.0025 / 3)
+    assert b["handover_second_idle"] == pytest.approx(0.0015)
+    assert b["handover_second_busy"] == pytest.approx(0.002)
+    assert b["second_busy_share"] == pytest.approx(1 / 3)
+    assert b["second_compute"] == pytest.approx(0.02)
+    parts = ("to_first_stage", "first_compute", "wait_for_receive", "handover",
+             "second_compute")
+    latency = _finish("pipeline", [first, second]) - w.arrivals
+    assert sum(b[k] for k in parts) == pytest.approx(latency.mean())
 
 
 @pytest.mark.slow

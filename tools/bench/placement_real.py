@@ -66,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{m} {s['whole'][m] * 1e3:.1f} ms (CV {s['cv'][m]:.2f}), stages "
                           f"{s['stages'][m][0] * 1e3:.1f} + {s['stages'][m][1] * 1e3:.1f} ms"
                           for m in MODELS)
-              + f"; send {s['send'] * 1e3:.2f} ms; wake-up lateness "
+              + f"; send {s['send'] * 1e3:.2f} ms; held send received in "
+              f"{s['receive'] * 1e3:.2f} ms ({s['receive_first_busy'] * 1e3:.2f} with stage 1 "
+              f"busy, {s['receive_first_idle'] * 1e3:.2f} idle); wake-up lateness "
               + "/".join(f"{t * 1e3:.2f}" for t in s["wake"]) + " ms")
         print("  seen in the run: simple "
               + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in r["simple"]["service_in_run_s"]
@@ -78,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode]))
+        b = r["pipeline"]["breakdown_s"]
+        print("  pipeline, where a request's time went (mean ms): "
+              f"to stage 1 {b['to_first_stage'] * 1e3:.2f}, "
+              f"stage 1 {b['first_compute'] * 1e3:.2f}, "
+              f"wait for stage 2's receive {b['wait_for_receive'] * 1e3:.2f}, hand-over "
+              f"{b['handover'] * 1e3:.2f} ({b['handover_second_idle'] * 1e3:.2f} when stage 2 "
+              f"waited, {b['handover_second_busy'] * 1e3:.2f} when it was busy: "
+              f"{b['second_busy_share'] * 100:.0f} %), stage 2 {b['second_compute'] * 1e3:.2f}; "
+              f"compute CV {b['first_compute_cv']:.2f} / {b['second_compute_cv']:.2f}")
         print("  the simulator given the service times seen in the run (its queueing alone):")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode], "simulated_in_run"))

@@ -236,6 +236,15 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             "simulated_in_run_attainment": _attainment(again.latency, w, slo, counted)}
         if mode == "pipeline":
             out[mode]["breakdown_s"] = b
+            # the model before the held receive was priced: the whole send on the first
+            # stage, nothing on the second's clock
+            before = simulate(_groups(mode, cal, handover=(cal["send"], 0.0)), w,
+                              warmup=warmup)
+            out[mode]["simulated_send_on_first_mean_s"] = before.mean_latency
+            if handover:
+                before = simulate(_groups(mode, cal, seen, (handover[0], 0.0)), w,
+                                  warmup=warmup)
+                out[mode]["simulated_in_run_send_on_first_mean_s"] = before.mean_latency
     out["service_s"] = cal
     return out
 
@@ -256,19 +265,19 @@ def _calibration(service: list[dict], trip: list[float]) -> dict:
 def _groups(mode: str, cal: dict, seen: dict | None = None,
             handover: tuple[float, float] | None = None) -> list[SimGroup]:
     """The placement as the simulator sees it: service times (calibrated, or `seen` in the
-    run) plus the fixed costs of a request. The wake-up lateness rides on the first stage.
-    The pipeline's hand-over rides on the second stage's clock: a request that finds it busy
-    is received only once it posts its receive (`receive`); one that finds it waiting pays
-    the one-way `send` instead, whose excess over `receive` rides on the first stage.
-    `handover` = (send, receive) seen in the run replaces the calibrated pair."""
+    run) plus the fixed costs of a request. The wake-up lateness and the one-way `send` to an
+    idle second stage ride on the first stage; a request that finds the second stage busy is
+    received once that stage frees and posts its receive, which then takes `receive` on the
+    second stage's clock (the simulator's held receive). `handover` = (send, receive) seen in
+    the run replaces the calibrated pair."""
     wake = cal["wake"]
     if mode == "simple":
         whole = seen or cal["whole"]
         return [SimGroup({m: [wake[r] + whole[m]]}) for r, m in enumerate(MODELS)]
     stages = seen or cal["stages"]
     send, receive = handover or (cal["send"], cal["receive"])
-    first = wake[0] + max(0.0, send - receive)
-    return [SimGroup({m: [first + stages[m][0], receive + stages[m][1]] for m in MODELS})]
+    return [SimGroup({m: [wake[0] + stages[m][0] + send, stages[m][1]] for m in MODELS},
+                     receive={m: [0.0, receive] for m in MODELS})]
 
 
 def _finish(mode: str, marks: list[np.ndarray]) -> np.ndarray:

@@ -17,19 +17,16 @@ def test_the_simulator_gets_service_times_plus_the_fixed_costs_of_a_request():
     simple = _groups("simple", CAL)
     assert [g.stage_latency for g in simple] == [{"a": [0.5 + 2**-8]}, {"b": [0.25 + 2**-9]}]
     (pipeline,) = _groups("pipeline", CAL)
-    # the receive of a held send occupies the second stage; wake-up lateness and the rest of
-    # an idle pipeline's one-way send ride on the first
-    first, second = 2**-8 + (2**-6 - 2**-7), 2**-7
-    assert pipeline.stage_latency == {"a": [0.25 + first, 0.25 + second],
-                                      "b": [0.125 + first, 0.125 + second]}
+    # wake-up lateness and the one-way send ride on the first stage; the receive of a send
+    # held while the second stage was busy on the second stage's clock
+    first = 2**-8 + 2**-6
+    assert pipeline.stage_latency == {"a": [0.25 + first, 0.25], "b": [0.125 + first, 0.125]}
+    assert pipeline.receive == {"a": [0.0, 2**-7], "b": [0.0, 2**-7]}
     seen = {"a": (0.5, 0.5), "b": (0.25, 0.75)}
-    (again,) = _groups("pipeline", CAL, seen)
-    assert again.stage_latency == {"a": [0.5 + first, 0.5 + second],
-                                   "b": [0.25 + first, 0.75 + second]}
-    # a receive slower than the one-way send: nothing of the send is left for the first stage
-    (held,) = _groups("pipeline", CAL, seen, handover=(2**-7, 2**-5))
-    assert held.stage_latency == {"a": [0.5 + 2**-8, 0.5 + 2**-5],
-                                  "b": [0.25 + 2**-8, 0.75 + 2**-5]}
+    (again,) = _groups("pipeline", CAL, seen, handover=(2**-5, 2**-4))
+    assert again.stage_latency == {"a": [0.5 + 2**-8 + 2**-5, 0.5],
+                                   "b": [0.25 + 2**-8 + 2**-5, 0.75]}
+    assert again.receive == {"a": [0.0, 2**-4], "b": [0.0, 2**-4]}
 
 
 def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():

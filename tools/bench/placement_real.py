@@ -92,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         print("  the simulator given the service times seen in the run (its queueing alone):")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode], "simulated_in_run"))
+        p = r["pipeline"]
+        was = [p.get(k) for k in ("simulated_send_on_first_mean_s",
+                                  "simulated_in_run_send_on_first_mean_s")]
+        print("  pipeline with the whole send on stage 1 (the model before the held receive): "
+              + " / ".join("—" if x is None else
+                           f"{x * 1e3:.1f} ms ({(x / p['measured_mean_s'] - 1) * 100:+.1f}%)"
+                           for x in was) + " (calibrated / run's service)")
         out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

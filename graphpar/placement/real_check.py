@@ -234,6 +234,10 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             # alone, without the machine's drift since the calibration
             "simulated_in_run_mean_s": again.mean_latency,
             "simulated_in_run_attainment": _attainment(again.latency, w, slo, counted)}
+        # each request's own compute times (the run's spread, which a deterministic
+        # simulator leaves out): what is left is the model of the fixed costs and the queues
+        own = _per_request(mode, marks, w, cal, handover, warmup)
+        out[mode]["simulated_per_request_mean_s"] = own.mean_latency
         if mode == "pipeline":
             out[mode]["breakdown_s"] = b
             # the model before the held receive was priced: the whole send on the first
@@ -278,6 +282,26 @@ def _groups(mode: str, cal: dict, seen: dict | None = None,
     send, receive = handover or (cal["send"], cal["receive"])
     return [SimGroup({m: [wake[0] + stages[m][0] + send, stages[m][1]] for m in MODELS},
                      receive={m: [0.0, receive] for m in MODELS})]
+
+
+def _per_request(mode: str, marks: list[np.ndarray], w: Workload, cal: dict,
+                 handover: tuple[float, float] | None, warmup: float):
+    """The simulator on the run's trace with every request its own model, whose stage
+    latencies are the computes that request took in the run (plus the fixed costs, as
+    `_groups` prices them)."""
+    names = tuple(str(i) for i in range(len(w)))
+    each = Workload(names, w.arrivals, np.arange(len(w)), w.duration)
+    busy = _busy(mode, marks)
+    wake = cal["wake"]
+    if mode == "simple":
+        groups = [SimGroup({names[i]: [wake[r] + busy[r][i]]
+                            for i in np.flatnonzero(w.model_ids == r)}) for r in (0, 1)]
+    else:
+        send, receive = handover or (cal["send"], cal["receive"])
+        groups = [SimGroup({n: [wake[0] + busy[0][i] + send, busy[1][i]]
+                            for i, n in enumerate(names)},
+                           receive={n: [0.0, receive] for n in names})]
+    return simulate(groups, each, warmup=warmup)
 
 
 def _finish(mode: str, marks: list[np.ndarray]) -> np.ndarray:

@@ -5,7 +5,7 @@ trace on two worker processes."""
 import numpy as np
 import pytest
 
-from graphpar.placement.real_check import _breakdown, _finish, _groups
+from graphpar.placement.real_check import _breakdown, _finish, _groups, _per_request
 from graphpar.placement.workload import Workload
 
 # seconds as binary fractions, so that the sums below are exact
@@ -50,6 +50,14 @@ def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
              "second_compute")
     latency = _finish("pipeline", [first, second]) - w.arrivals
     assert sum(b[k] for k in parts) == pytest.approx(latency.mean())
+    # the simulator with each request's own computes: the idle first request pays wake-up,
+    # its compute, the send and the second compute; the third's input (ready at 0.125) is held
+    # until stage 2 frees at 0.1325, received in 0.002, and computed in 0.02: as measured
+    cal = {"wake": [0.001, 0.0], "send": 0.0015, "receive": 0.002}
+    own = _per_request("pipeline", [first, second], w, cal, None, 0.0)
+    assert own.latency[0] == pytest.approx(0.001 + 0.01 + 0.0015 + 0.02)
+    assert own.finish[2] == pytest.approx(0.1325 + 0.002 + 0.02)
+    assert own.latency[2] == pytest.approx(latency[2])
 
 
 @pytest.mark.slow

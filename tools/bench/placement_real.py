@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  the simulator given the service times seen in the run (its queueing alone):")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode], "simulated_in_run"))
+        own = {mode: (r[mode]["simulated_per_request_mean_s"], r[mode]["measured_mean_s"])
+               for mode in ("simple", "pipeline")}
+        print("  ... and each request's own compute times from the run (their spread too): "
+              + ", ".join(f"{mode} {x * 1e3:.1f} ms ({(x / m - 1) * 100:+.1f}%)"
+                          for mode, (x, m) in own.items()))
         p = r["pipeline"]
         was = [p.get(k) for k in ("simulated_send_on_first_mean_s",
                                   "simulated_in_run_send_on_first_mean_s")]

@@ -9,14 +9,17 @@ What the simulator is given, measured before the run on the same processes:
   working at a time (calibrating both at once made each measure the other's contention, and
   the median hid the slow tail that the run's queues feel);
 - the fixed costs a request pays that are not compute: the one-way send of a stage's
-  activation (a gloo ping-pong, added to the first stage) and the lateness of a process
-  woken from sleep at a request's arrival (added to the first stage).
+  activation (a gloo ping-pong, added to the first stage), the lateness of a process woken
+  from sleep at a request's arrival (added to the first stage), and the receive of an
+  activation sent while the second stage was busy (the simulator's held receive on the
+  second stage: gloo moves such a send only once its receive is posted).
 
 The run itself mirrors the simulator's queueing: each process serves FCFS, and the first
-stage of the pipeline sends without waiting for the second to receive (`isend`), so the
-stages queue independently as the simulator's stage clocks do. Per request, each process
-also records how long its compute took, so the run reports how far the machine drifted from
-the calibration (the noise of a shared machine) beside the error.
+stage of the pipeline sends without waiting for the second to receive (`isend`). Per
+request, each rank records when its compute began and ended (and the second rank when it
+posted its receive and got the data), so the run reports how far the machine drifted from
+the calibration (the noise of a shared machine), where a pipelined request's time went, and
+the simulator again with the run's own service times.
 Latencies are wall-clock on this machine."""
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ attainment. The simulator gets service times and fixed costs calibrated on the s
 first (graphpar.placement.real_check). Each run is repeated with another trace seed; the
 spread between runs and the drift of service times from calibration to run are the noise.
 
-    python tools/bench/placement_real.py                 # 2 runs of 60 s at 12 req/s
+    python tools/bench/placement_real.py                 # 2 runs of 60 s: the idle check
     python tools/bench/placement_real.py --quick         # 1 run of 20 s (a smoke check)
+    python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
 
 Two worker processes and this one (asleep while they serve): no more processes than two
 cores. Report CPU load beside the numbers: on a shared machine the run measures its

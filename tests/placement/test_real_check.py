@@ -67,6 +67,12 @@ def test_both_placements_serve_the_trace_on_two_processes():
     r = real_check(rate=8.0, duration=8.0, warmup=1.0, repeats=5)
     fastest = min(r["service_s"]["whole"].values())
     for mode in ("simple", "pipeline"):
-        for key in ("measured_mean_s", "simulated_mean_s", "simulated_in_run_mean_s"):
+        for key in ("measured_mean_s", "simulated_mean_s", "simulated_in_run_mean_s",
+                    "simulated_per_request_mean_s"):
             assert r[mode][key] >= 0.5 * fastest  # all finished (NaN fails this)
         assert 0.0 <= r[mode]["measured_attainment"] <= 1.0
+    b = r["pipeline"]["breakdown_s"]
+    parts = ("to_first_stage", "first_compute", "wait_for_receive", "handover",
+             "second_compute")
+    assert sum(b[k] for k in parts) == pytest.approx(r["pipeline"]["measured_mean_s"])
+    assert r["service_s"]["receive"] > 0

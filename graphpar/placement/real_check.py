@@ -9,14 +9,17 @@ What the simulator is given, measured before the run on the same processes:
   working at a time (calibrating both at once made each measure the other's contention, and
   the median hid the slow tail that the run's queues feel);
 - the fixed costs a request pays that are not compute: the one-way send of a stage's
-  activation (a gloo ping-pong, added to the first stage) and the lateness of a process
-  woken from sleep at a request's arrival (added to the first stage).
+  activation (a gloo ping-pong, added to the first stage), the lateness of a process woken
+  from sleep at a request's arrival (added to the first stage), and the receive of an
+  activation sent while the second stage was busy (the simulator's held receive on the
+  second stage: gloo moves such a send only once its receive is posted).
 
 The run itself mirrors the simulator's queueing: each process serves FCFS, and the first
-stage of the pipeline sends without waiting for the second to receive (`isend`), so the
-stages queue independently as the simulator's stage clocks do. Per request, each process
-also records how long its compute took, so the run reports how far the machine drifted from
-the calibration (the noise of a shared machine) beside the error.
+stage of the pipeline sends without waiting for the second to receive (`isend`). Per
+request, each rank records when its compute began and ended (and the second rank when it
+posted its receive and got the data), so the run reports how far the machine drifted from
+the calibration (the noise of a shared machine), where a pipelined request's time went, and
+the simulator again with the run's own service times.
 Latencies are wall-clock on this machine."""
 
 from __future__ import annotations
@@ -100,25 +103,55 @@ class ServingRank:
             (self.jobdir / "pingpong.json").write_text(json.dumps(times[3:]))
 
     @torch.no_grad()
+    def handover(self, repeats: int) -> None:
+        """Receives of an activation that rank 0 sent while rank 1 was still computing, as in
+        a run whenever a request finds the second stage busy: gloo holds such a send until
+        the receive is posted (a send-ready and a receive-ready notice, then the data), so the
+        hand-over happens on the receiving stage's time. Rank 1 times each receive; rank 0
+        computes through the odd ones and sleeps through the even ones (the run sees both)."""
+        buf = torch.empty(_ROWS, _HIDDEN)
+        times = []
+        for i in range(2 * repeats + 2):
+            dist.barrier()
+            if self.rank == 0:
+                req = dist.isend(self.x, 1)
+                if i % 2:
+                    for _ in range(3):  # busy until well after rank 1's receive
+                        self.stages[0](self.x)
+                else:
+                    time.sleep(0.03)
+                req.wait()
+            else:
+                self.stages[0](self.x)  # rank 1 busy while the send is posted
+                start = time.perf_counter()
+                dist.recv(buf, 0)
+                times.append(time.perf_counter() - start)
+        if self.rank == 1:
+            (self.jobdir / "handover.json").write_text(json.dumps(
+                {"first_busy": times[3::2], "first_idle": times[2::2]}))
+
+    @torch.no_grad()
     def serve(self, mode: str, trace: str, start_at: float) -> None:
+        """Replay the trace; per request, write this rank's timestamps (seconds after
+        `start_at`, wall clock, comparable across the ranks): [begin, end] of its compute, and
+        on the pipeline's second rank [recv posted, recv done, end]."""
         w = load_trace(trace, MODELS)
-        finish = np.full(len(w), np.nan)
-        busy = np.full(len(w), np.nan)  # this rank's compute per request (s)
-        wait = lambda t: time.sleep(max(0.0, start_at + t - time.time()))  # noqa: E731
+        marks = np.full((len(w), 3), np.nan)
+        now = lambda: time.time() - start_at  # noqa: E731
+        wait = lambda t: time.sleep(max(0.0, t - now()))  # noqa: E731
         if mode == "simple":
             for i in np.flatnonzero(w.model_ids == self.rank):
                 wait(w.arrivals[i])
-                begin = time.time()
+                marks[i, 0] = now()
                 self.models[self.rank](self.x)
-                finish[i] = time.time() - start_at
-                busy[i] = finish[i] - (begin - start_at)
+                marks[i, 1] = now()
         elif self.rank == 0:
             pending = []
             for i in range(len(w)):
                 wait(w.arrivals[i])
-                begin = time.perf_counter()
+                marks[i, 0] = now()
                 out = self.stages[w.model_ids[i]](self.x).contiguous()
-                busy[i] = time.perf_counter() - begin
+                marks[i, 1] = now()
                 # no wait for the next stage to receive: the stages queue independently
                 pending.append((dist.isend(out, 1), out))
                 pending = [p for p in pending if not p[0].is_completed()]
@@ -127,14 +160,12 @@ class ServingRank:
         else:
             buf = torch.empty(_ROWS, _HIDDEN)
             for i in range(len(w)):
+                marks[i, 0] = now()
                 dist.recv(buf, 0)
-                begin = time.perf_counter()
+                marks[i, 1] = now()
                 self.stages[w.model_ids[i]](buf)
-                end = time.time()
-                busy[i] = time.perf_counter() - begin
-                finish[i] = end - start_at
-        np.save(self.jobdir / f"finish_{mode}{self.rank}.npy", finish)
-        np.save(self.jobdir / f"busy_{mode}{self.rank}.npy", busy)
+                marks[i, 2] = now()
+        np.save(self.jobdir / f"marks_{mode}{self.rank}.npy", marks)
 
 
 def factory(jobdir: str, rank: int, world: int) -> ServingRank:
@@ -160,29 +191,42 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             for r in (0, 1):
                 group.wait(group.send("calibrate", r, repeats))
             group.wait(group.send("pingpong", repeats))
+            group.wait(group.send("handover", repeats))
             service = [json.loads((job / f"service{r}.json").read_text()) for r in (0, 1)]
             trip = json.loads((job / "pingpong.json").read_text())
+            held = json.loads((job / "handover.json").read_text())
             cal = _calibration(service, trip)
             if rate is None:  # each model gets half the requests, one process each
                 rate = 2 * utilisation / max(cal["whole"].values())
+            # a held send finds the first stage computing a share of the time equal to its
+            # utilisation (each model half of the requests)
+            busy = min(1.0, rate * float(np.mean([s[0] for s in cal["stages"].values()])))
+            cal["receive"] = (busy * float(np.mean(held["first_busy"]))
+                              + (1 - busy) * float(np.mean(held["first_idle"])))
+            cal["receive_first_busy"] = float(np.mean(held["first_busy"]))
+            cal["receive_first_idle"] = float(np.mean(held["first_idle"]))
             w = gamma_workload(MODELS, rate, 1.0, duration, seed=seed)
             save_trace(w, job / "trace.csv")
             runs = {}
             for mode in ("simple", "pipeline"):
                 group.timeout = duration + 60.0
                 group.wait(group.send("serve", mode, str(job / "trace.csv"), time.time() + 2.0))
-                parts = [np.load(job / f"finish_{mode}{r}.npy") for r in (0, 1)]
-                busy = [np.load(job / f"busy_{mode}{r}.npy") for r in (0, 1)]
-                runs[mode] = (np.fmax(parts[0], parts[1]) - w.arrivals, busy)
+                runs[mode] = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
         finally:
             group.stop()
     out: dict = {"requests": len(w), "rate": rate, "duration_s": duration}
     slo = {m: slo_scale * cal["whole"][m] for m in MODELS}
     counted = w.arrivals >= warmup
-    for mode, (measured, busy) in runs.items():
-        seen = _in_run(mode, busy, w)
+    for mode, marks in runs.items():
+        measured = _finish(mode, marks) - w.arrivals
+        seen = _in_run(mode, _busy(mode, marks), w)
+        handover = None
+        if mode == "pipeline":
+            b = _breakdown(marks, w, counted)
+            if b["second_busy_share"] > 0 and b["second_busy_share"] < 1:
+                handover = (b["handover_second_idle"], b["handover_second_busy"])
         sim = simulate(_groups(mode, cal), w, warmup=warmup)  # no rejection: as served
-        again = simulate(_groups(mode, cal, seen), w, warmup=warmup)
+        again = simulate(_groups(mode, cal, seen, handover), w, warmup=warmup)
         out[mode] = {
             "measured_mean_s": float(measured[counted].mean()),
             "simulated_mean_s": sim.mean_latency,
@@ -193,6 +237,21 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             # alone, without the machine's drift since the calibration
             "simulated_in_run_mean_s": again.mean_latency,
             "simulated_in_run_attainment": _attainment(again.latency, w, slo, counted)}
+        # each request's own compute times (the run's spread, which a deterministic
+        # simulator leaves out): what is left is the model of the fixed costs and the queues
+        own = _per_request(mode, marks, w, cal, handover, warmup)
+        out[mode]["simulated_per_request_mean_s"] = own.mean_latency
+        if mode == "pipeline":
+            out[mode]["breakdown_s"] = b
+            # the model before the held receive was priced: the whole send on the first
+            # stage, nothing on the second's clock
+            before = simulate(_groups(mode, cal, handover=(cal["send"], 0.0)), w,
+                              warmup=warmup)
+            out[mode]["simulated_send_on_first_mean_s"] = before.mean_latency
+            if handover:
+                before = simulate(_groups(mode, cal, seen, (handover[0], 0.0)), w,
+                                  warmup=warmup)
+                out[mode]["simulated_in_run_send_on_first_mean_s"] = before.mean_latency
     out["service_s"] = cal
     return out
 
@@ -210,16 +269,56 @@ def _calibration(service: list[dict], trip: list[float]) -> dict:
                    for r, m in enumerate(MODELS)}}
 
 
-def _groups(mode: str, cal: dict, seen: dict | None = None) -> list[SimGroup]:
+def _groups(mode: str, cal: dict, seen: dict | None = None,
+            handover: tuple[float, float] | None = None) -> list[SimGroup]:
     """The placement as the simulator sees it: service times (calibrated, or `seen` in the
-    run) plus the fixed costs, wake-up lateness and the first stage's send, on the first
-    stage."""
-    wake, send = cal["wake"], cal["send"]
+    run) plus the fixed costs of a request. The wake-up lateness and the one-way `send` to an
+    idle second stage ride on the first stage; a request that finds the second stage busy is
+    received once that stage frees and posts its receive, which then takes `receive` on the
+    second stage's clock (the simulator's held receive). `handover` = (send, receive) seen in
+    the run replaces the calibrated pair."""
+    wake = cal["wake"]
     if mode == "simple":
         whole = seen or cal["whole"]
         return [SimGroup({m: [wake[r] + whole[m]]}) for r, m in enumerate(MODELS)]
     stages = seen or cal["stages"]
-    return [SimGroup({m: [wake[0] + stages[m][0] + send, stages[m][1]] for m in MODELS})]
+    send, receive = handover or (cal["send"], cal["receive"])
+    return [SimGroup({m: [wake[0] + stages[m][0] + send, stages[m][1]] for m in MODELS},
+                     receive={m: [0.0, receive] for m in MODELS})]
+
+
+def _per_request(mode: str, marks: list[np.ndarray], w: Workload, cal: dict,
+                 handover: tuple[float, float] | None, warmup: float):
+    """The simulator on the run's trace with every request its own model, whose stage
+    latencies are the computes that request took in the run (plus the fixed costs, as
+    `_groups` prices them)."""
+    names = tuple(str(i) for i in range(len(w)))
+    each = Workload(names, w.arrivals, np.arange(len(w)), w.duration)
+    busy = _busy(mode, marks)
+    wake = cal["wake"]
+    if mode == "simple":
+        groups = [SimGroup({names[i]: [wake[r] + busy[r][i]]
+                            for i in np.flatnonzero(w.model_ids == r)}) for r in (0, 1)]
+    else:
+        send, receive = handover or (cal["send"], cal["receive"])
+        groups = [SimGroup({n: [wake[0] + busy[0][i] + send, busy[1][i]]
+                            for i, n in enumerate(names)},
+                           receive={n: [0.0, receive] for n in names})]
+    return simulate(groups, each, warmup=warmup)
+
+
+def _finish(mode: str, marks: list[np.ndarray]) -> np.ndarray:
+    """When each request finished (s after the start): on its rank, or on the last stage."""
+    if mode == "simple":
+        return np.fmax(marks[0][:, 1], marks[1][:, 1])
+    return marks[1][:, 2]
+
+
+def _busy(mode: str, marks: list[np.ndarray]) -> list[np.ndarray]:
+    """Each rank's compute per request (s; NaN where the rank did not serve it)."""
+    if mode == "simple":
+        return [m[:, 1] - m[:, 0] for m in marks]
+    return [marks[0][:, 1] - marks[0][:, 0], marks[1][:, 2] - marks[1][:, 1]]
 
 
 def _in_run(mode: str, busy: list[np.ndarray], w: Workload) -> dict:
@@ -229,6 +328,36 @@ def _in_run(mode: str, busy: list[np.ndarray], w: Workload) -> dict:
         return {m: float(np.nanmean(busy[r][w.model_ids == r])) for r, m in enumerate(MODELS)}
     return {m: [float(np.nanmean(busy[r][w.model_ids == k])) for r in (0, 1)]
             for k, m in enumerate(MODELS)}
+
+
+def _breakdown(marks: list[np.ndarray], w: Workload, counted: np.ndarray) -> dict:
+    """Where a pipelined request's latency went (means, s; they sum to the measured mean):
+    from arrival to the first stage's start (wake-up and queue), its compute, the wait for the
+    second rank to post its receive (busy with earlier requests), the hand-over (from the
+    later of the first stage's end and the posted receive to the data received), and the
+    second stage's compute. The hand-over is split by whether the second rank was already
+    waiting."""
+    begin0, end0 = marks[0][:, 0], marks[0][:, 1]
+    posted, got, end1 = marks[1][:, 0], marks[1][:, 1], marks[1][:, 2]
+    handover = got - np.maximum(end0, posted)
+    idle = posted <= end0
+    c = counted
+    mean = lambda x: float(np.mean(x)) if x.size else float("nan")  # noqa: E731
+    return {"to_first_stage": mean(begin0[c] - w.arrivals[c]),
+            "first_compute": mean(end0[c] - begin0[c]),
+            "wait_for_receive": mean(np.maximum(0.0, posted - end0)[c]),
+            "handover": mean(handover[c]),
+            "second_compute": mean(end1[c] - got[c]),
+            "handover_second_idle": mean(handover[c & idle]),
+            "handover_second_busy": mean(handover[c & ~idle]),
+            "second_busy_share": mean((~idle)[c].astype(float)),
+            # the spread a deterministic-service simulator leaves out
+            "first_compute_cv": _cv((end0 - begin0)[c]),
+            "second_compute_cv": _cv((end1 - got)[c])}
+
+
+def _cv(x: np.ndarray) -> float:
+    return float(np.std(x) / np.mean(x)) if x.size else float("nan")
 
 
 def _attainment(latency: np.ndarray, w: Workload, slo: dict, counted: np.ndarray) -> float:

@@ -6,6 +6,11 @@ Semantics (AlpaServe §4.3 and its public simulator):
   becomes free). A request of model m entering at time t leaves stage s at
   `t_s = max(clock[s], t_{s-1}) + latency[m][s]` — FCFS per stage, so a pipeline's occupancy
   per request is its slowest stage while a request's latency is the sum of its stages.
+- Optionally a stage receives its input on its own clock when it was busy as the input came
+  (`receive[m][s]`): `t_s = max(clock[s] + receive[m][s], t_{s-1}) + latency[m][s]`. A
+  rendezvous transport (gloo, NCCL) moves a message only once its receive is posted, so a send
+  to a busy stage costs that stage the hand-over after it frees; the one-way send to an idle
+  stage stays in the previous stage's latency.
 - A controller sends each request to the group, among those hosting its model, that would
   finish it soonest.
 - A request that cannot finish within its SLO even so is rejected on arrival (it counts as
@@ -35,9 +40,11 @@ _EPS = 1e-9
 @dataclass(frozen=True)
 class SimGroup:
     """One device group as the simulator sees it: per hosted model, its stage latencies in
-    seconds (all models of a group have the same number of stages)."""
+    seconds (all models of a group have the same number of stages), and optionally per stage
+    the seconds it takes to receive an input sent while it was busy (none by default)."""
 
     stage_latency: Mapping[str, Sequence[float]]
+    receive: Mapping[str, Sequence[float]] | None = None
 
     @property
     def stages(self) -> int:
@@ -86,12 +93,13 @@ class SimResult:
 class Tables:
     """A placement as arrays, built once and simulated many times: hosts of model m are
     `host_group[host_start[m]:host_start[m+1]]`; `latency[g, m, s]` is stage s of model m on
-    group g (zero past the group's `stages[g]`)."""
+    group g (zero past the group's `stages[g]`), `receive[g, m, s]` its held-receive time."""
 
     host_start: np.ndarray
     host_group: np.ndarray
     latency: np.ndarray
     stages: np.ndarray
+    receive: np.ndarray
 
 
 def tables(groups: Sequence[SimGroup], models: Sequence[str]) -> Tables:
@@ -99,6 +107,7 @@ def tables(groups: Sequence[SimGroup], models: Sequence[str]) -> Tables:
     index = {name: m for m, name in enumerate(models)}
     most = max([g.stages for g in groups] + [1])
     latency = np.zeros((max(len(groups), 1), max(len(models), 1), most))
+    receive = np.zeros_like(latency)
     stages = np.ones(max(len(groups), 1), dtype=np.int64)
     hosts: list[list[int]] = [[] for _ in models]
     for g, group in enumerate(groups):
@@ -110,23 +119,28 @@ def tables(groups: Sequence[SimGroup], models: Sequence[str]) -> Tables:
             if name not in index:
                 continue  # a model the workload never asks for
             latency[g, index[name], :len(lat)] = lat
+            held = (group.receive or {}).get(name, ())
+            receive[g, index[name], :len(held)] = held
             hosts[index[name]].append(g)
     start = np.zeros(len(models) + 1, dtype=np.int64)
     start[1:] = np.cumsum([len(h) for h in hosts])
     flat = np.array([g for h in hosts for g in h], dtype=np.int64)
-    return Tables(start, flat, latency, stages)
+    return Tables(start, flat, latency, stages, receive)
 
 
 @njit(cache=True)
-def _finish_time(clock, lat, g, m, stages, start, scale):
+def _finish_time(clock, lat, rcv, g, m, stages, start, scale):
     t = start
     for s in range(stages):
-        t = max(clock[g, s], t) + lat[g, m, s] * scale
+        if rcv is None:  # pruned at compile time: the plain stage clocks stay as fast
+            t = max(clock[g, s], t) + lat[g, m, s] * scale
+        else:
+            t = max(clock[g, s] + rcv[g, m, s], t) + lat[g, m, s] * scale
     return t
 
 
 @njit(cache=True)
-def _run(arrivals, model_ids, slo, host_start, host_group, lat, stages, max_batch,
+def _run(arrivals, model_ids, slo, host_start, host_group, lat, rcv, stages, max_batch,
          batch_scale, finish):
     groups, depth = lat.shape[0], lat.shape[2]
     clock = np.zeros((groups, depth))
@@ -142,13 +156,14 @@ def _run(arrivals, model_ids, slo, host_start, host_group, lat, stages, max_batc
         best, best_g, join = np.inf, -1, False
         for h in range(host_start[m], host_start[m + 1]):
             g = host_group[h]
-            done = _finish_time(clock, lat, g, m, stages[g], t, 1.0)
+            done = _finish_time(clock, lat, rcv, g, m, stages[g], t, 1.0)
             if done < best:
                 best, best_g, join = done, g, False
             if (max_batch > 1 and last_model[g] == m and last_size[g] < max_batch
                     and t <= last_begin[g]):
                 b = last_size[g] + 1
-                done = _finish_time(before, lat, g, m, stages[g], last_begin[g], batch_scale[b])
+                done = _finish_time(before, lat, rcv, g, m, stages[g], last_begin[g],
+                                    batch_scale[b])
                 if done <= last_deadline[g] + 1e-9 and done < best:
                     best, best_g, join = done, g, True
         if best_g < 0 or best > deadline + 1e-9:
@@ -170,7 +185,10 @@ def _run(arrivals, model_ids, slo, host_start, host_group, lat, stages, max_batc
             members[g, 0] = i
         u = start
         for s in range(stages[g]):
-            u = max(before[g, s], u) + lat[g, m, s] * scale
+            if rcv is None:
+                u = max(before[g, s], u) + lat[g, m, s] * scale
+            else:
+                u = max(before[g, s] + rcv[g, m, s], u) + lat[g, m, s] * scale
             clock[g, s] = u
         for k in range(last_size[g]):
             finish[members[g, k]] = u
@@ -188,7 +206,9 @@ def run_tables(tab: Tables, workload: Workload, slo: np.ndarray, max_batch: int 
     finish = np.empty(len(workload))
     if len(workload):
         _run(workload.arrivals, workload.model_ids, np.asarray(slo, dtype=np.float64),
-             tab.host_start, tab.host_group, tab.latency, tab.stages, int(max_batch), scale,
+             tab.host_start, tab.host_group, tab.latency,
+             tab.receive if tab.receive.any() else None, tab.stages,
+             int(max_batch), scale,
              finish)
     return finish
 

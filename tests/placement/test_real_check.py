@@ -2,25 +2,62 @@
 times plus the fixed costs of a request), and both placements serving every request of the
 trace on two worker processes."""
 
+import numpy as np
 import pytest
 
-from graphpar.placement.real_check import _groups
+from graphpar.placement.real_check import _breakdown, _finish, _groups, _per_request
+from graphpar.placement.workload import Workload
 
 # seconds as binary fractions, so that the sums below are exact
 CAL = {"whole": {"a": 0.5, "b": 0.25}, "stages": {"a": (0.25, 0.25), "b": (0.125, 0.125)},
-       "send": 2**-6, "wake": [2**-8, 2**-9]}
+       "send": 2**-6, "receive": 2**-7, "wake": [2**-8, 2**-9]}
 
 
 def test_the_simulator_gets_service_times_plus_the_fixed_costs_of_a_request():
     simple = _groups("simple", CAL)
     assert [g.stage_latency for g in simple] == [{"a": [0.5 + 2**-8]}, {"b": [0.25 + 2**-9]}]
     (pipeline,) = _groups("pipeline", CAL)
-    # wake-up lateness and the send to the next stage ride on the first stage
+    # wake-up lateness and the one-way send ride on the first stage; the receive of a send
+    # held while the second stage was busy on the second stage's clock
     first = 2**-8 + 2**-6
     assert pipeline.stage_latency == {"a": [0.25 + first, 0.25], "b": [0.125 + first, 0.125]}
+    assert pipeline.receive == {"a": [0.0, 2**-7], "b": [0.0, 2**-7]}
     seen = {"a": (0.5, 0.5), "b": (0.25, 0.75)}
-    (again,) = _groups("pipeline", CAL, seen)
-    assert again.stage_latency == {"a": [0.5 + first, 0.5], "b": [0.25 + first, 0.75]}
+    (again,) = _groups("pipeline", CAL, seen, handover=(2**-5, 2**-4))
+    assert again.stage_latency == {"a": [0.5 + 2**-8 + 2**-5, 0.5],
+                                   "b": [0.25 + 2**-8 + 2**-5, 0.75]}
+    assert again.receive == {"a": [0.0, 2**-4], "b": [0.0, 2**-4]}
+
+
+def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
+    # three requests, timestamps as the ranks write them (s); the third finds stage 2 busy
+    w = Workload(("a", "b"), np.array([0.0, 0.1, 0.11]), np.array([0, 1, 0]), 1.0)
+    nan = np.nan
+    first = np.array([[0.001, 0.011, nan], [0.101, 0.111, nan], [0.12, 0.13, nan]])
+    second = np.array([[0.0, 0.0125, 0.0325],  # posted, received, end
+                       [0.0325, 0.1125, 0.1325],
+                       [0.1325, 0.1345, 0.1545]])
+    counted = np.ones(3, bool)
+    b = _breakdown([first, second], w, counted)
+    assert b["to_first_stage"] == pytest.approx((0.001 + 0.001 + 0.01) / 3)
+    assert b["first_compute"] == pytest.approx(0.01)
+    assert b["wait_for_receive"] == pytest.approx(0.0025 / 3)
+    assert b["handover_second_idle"] == pytest.approx(0.0015)
+    assert b["handover_second_busy"] == pytest.approx(0.002)
+    assert b["second_busy_share"] == pytest.approx(1 / 3)
+    assert b["second_compute"] == pytest.approx(0.02)
+    parts = ("to_first_stage", "first_compute", "wait_for_receive", "handover",
+             "second_compute")
+    latency = _finish("pipeline", [first, second]) - w.arrivals
+    assert sum(b[k] for k in parts) == pytest.approx(latency.mean())
+    # the simulator with each request's own computes: the idle first request pays wake-up,
+    # its compute, the send and the second compute; the third's input (ready at 0.125) is held
+    # until stage 2 frees at 0.1325, received in 0.002, and computed in 0.02: as measured
+    cal = {"wake": [0.001, 0.0], "send": 0.0015, "receive": 0.002}
+    own = _per_request("pipeline", [first, second], w, cal, None, 0.0)
+    assert own.latency[0] == pytest.approx(0.001 + 0.01 + 0.0015 + 0.02)
+    assert own.finish[2] == pytest.approx(0.1325 + 0.002 + 0.02)
+    assert own.latency[2] == pytest.approx(latency[2])
 
 
 @pytest.mark.slow
@@ -30,6 +67,12 @@ def test_both_placements_serve_the_trace_on_two_processes():
     r = real_check(rate=8.0, duration=8.0, warmup=1.0, repeats=5)
     fastest = min(r["service_s"]["whole"].values())
     for mode in ("simple", "pipeline"):
-        for key in ("measured_mean_s", "simulated_mean_s", "simulated_in_run_mean_s"):
+        for key in ("measured_mean_s", "simulated_mean_s", "simulated_in_run_mean_s",
+                    "simulated_per_request_mean_s"):
             assert r[mode][key] >= 0.5 * fastest  # all finished (NaN fails this)
         assert 0.0 <= r[mode]["measured_attainment"] <= 1.0
+    b = r["pipeline"]["breakdown_s"]
+    parts = ("to_first_stage", "first_compute", "wait_for_receive", "handover",
+             "second_compute")
+    assert sum(b[k] for k in parts) == pytest.approx(r["pipeline"]["measured_mean_s"])
+    assert r["service_s"]["receive"] > 0

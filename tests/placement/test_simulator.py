@@ -24,6 +24,16 @@ def test_stage_clocks_pipeline_requests_and_reject_what_would_miss_the_slo():
     assert res.attainment_per_model() == {"a": pytest.approx(2 / 3), "b": 1.0}
 
 
+def test_a_held_receive_costs_a_busy_stage_and_not_an_idle_one():
+    w = _w([0.0, 0.0, 10.0], [0, 0, 0], models=("a",))
+    plain = SimGroup({"a": [1.0, 2.0]})
+    held = SimGroup({"a": [1.0, 2.0]}, receive={"a": [0.0, 0.25]})
+    np.testing.assert_allclose(simulate([plain], w).finish, [3.0, 5.0, 13.0])
+    # the 1st finds stage 1 idle; the 2nd's input (ready at 2.0) waits for stage 1 to free at
+    # 3.0 and then takes 0.25 to arrive; the 3rd comes to an idle pipeline again
+    np.testing.assert_allclose(simulate([held], w).finish, [3.0, 5.25, 13.0])
+
+
 def test_the_controller_picks_the_group_that_finishes_soonest():
     w = _w([0.0, 0.0, 0.0], [0, 0, 0], models=("a",))
     res = simulate([SimGroup({"a": [1.0]}), SimGroup({"a": [0.5, 0.5]})], w)

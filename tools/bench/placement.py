@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulator: {speed['requests_per_cpu_second'] / 1e6:.1f} M requests per CPU second "
           f"({speed['requests']} requests, 8 models, 4 two-stage groups)")
     results["settings"] = {}
+    results["load_average_1min_start"] = os.getloadavg()[0]
     start = time.process_time()
     for name in filter(None, args.settings.split(",")):
         for shape in SETTINGS[name][0]:
@@ -309,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['profile_cpu_s']:.0f} s CPU")
     for name in filter(None, args.settings.split(",")):
         for kind in kinds:
+            load = os.getloadavg()[0]
             r = results["settings"][f"{name}/{kind}"] = setting(name, kind, steps, scale,
                                                                 args.seconds)
+            r["load_average_1min"] = [load, os.getloadavg()[0]]  # before, after
             d = r["default"]
             cv = f"CV {d['cv']:g}" if kind == "gamma" else "CV scale 1 (the trace's)"
             print(f"{name} {kind} ({args.seconds:g} s trace): {r['models']} models, "
@@ -330,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
             out.write_text(json.dumps(results, indent=1) + "\n")  # kept if a later one stops
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
+    # AlpaServe's search space holds every selective-replication placement: a loss is a bug
+    lost = [f"{k}" for k, r in results["settings"].items()
+            if r["policies"]["alpaserve"].get("never_loses") is False]
+    if lost:
+        print(f"error: AlpaServe lost to selective replication in {', '.join(lost)}")
+        return 1
     return 0
 
 

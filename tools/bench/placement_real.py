@@ -5,8 +5,9 @@ attainment. The simulator gets service times and fixed costs calibrated on the s
 first (graphpar.placement.real_check). Each run is repeated with another trace seed; the
 spread between runs and the drift of service times from calibration to run are the noise.
 
-    python tools/bench/placement_real.py                 # 2 runs of 60 s at 12 req/s
+    python tools/bench/placement_real.py                 # 2 runs of 60 s: the idle check
     python tools/bench/placement_real.py --quick         # 1 run of 20 s (a smoke check)
+    python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
 
 Two worker processes and this one (asleep while they serve): no more processes than two
 cores. Report CPU load beside the numbers: on a shared machine the run measures its
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{m} {s['whole'][m] * 1e3:.1f} ms (CV {s['cv'][m]:.2f}), stages "
                           f"{s['stages'][m][0] * 1e3:.1f} + {s['stages'][m][1] * 1e3:.1f} ms"
                           for m in MODELS)
-              + f"; send {s['send'] * 1e3:.2f} ms; wake-up lateness "
+              + f"; send {s['send'] * 1e3:.2f} ms; held send received in "
+              f"{s['receive'] * 1e3:.2f} ms ({s['receive_first_busy'] * 1e3:.2f} with stage 1 "
+              f"busy, {s['receive_first_idle'] * 1e3:.2f} idle); wake-up lateness "
               + "/".join(f"{t * 1e3:.2f}" for t in s["wake"]) + " ms")
         print("  seen in the run: simple "
               + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in r["simple"]["service_in_run_s"]
@@ -78,9 +81,30 @@ def main(argv: list[str] | None = None) -> int:
               f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode]))
+        b = r["pipeline"]["breakdown_s"]
+        print("  pipeline, where a request's time went (mean ms): "
+              f"to stage 1 {b['to_first_stage'] * 1e3:.2f}, "
+              f"stage 1 {b['first_compute'] * 1e3:.2f}, "
+              f"wait for stage 2's receive {b['wait_for_receive'] * 1e3:.2f}, hand-over "
+              f"{b['handover'] * 1e3:.2f} ({b['handover_second_idle'] * 1e3:.2f} when stage 2 "
+              f"waited, {b['handover_second_busy'] * 1e3:.2f} when it was busy: "
+              f"{b['second_busy_share'] * 100:.0f} %), stage 2 {b['second_compute'] * 1e3:.2f}; "
+              f"compute CV {b['first_compute_cv']:.2f} / {b['second_compute_cv']:.2f}")
         print("  the simulator given the service times seen in the run (its queueing alone):")
         for mode in ("simple", "pipeline"):
             print(_row(mode, r[mode], "simulated_in_run"))
+        own = {mode: (r[mode]["simulated_per_request_mean_s"], r[mode]["measured_mean_s"])
+               for mode in ("simple", "pipeline")}
+        print("  ... and each request's own compute times from the run (their spread too): "
+              + ", ".join(f"{mode} {x * 1e3:.1f} ms ({(x / m - 1) * 100:+.1f}%)"
+                          for mode, (x, m) in own.items()))
+        p = r["pipeline"]
+        was = [p.get(k) for k in ("simulated_send_on_first_mean_s",
+                                  "simulated_in_run_send_on_first_mean_s")]
+        print("  pipeline with the whole send on stage 1 (the model before the held receive): "
+              + " / ".join("—" if x is None else
+                           f"{x * 1e3:.1f} ms ({(x / p['measured_mean_s'] - 1) * 100:+.1f}%)"
+                           for x in was) + " (calibrated / run's service)")
         out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -42,6 +42,7 @@ from graphpar.errors import GraphparError
 from graphpar.ir.parser import parse_program
 from graphpar.ir.printer import print_graph
 from graphpar.models import example_batch, get_model
+from graphpar.passes.pipeline.layers import equal_op_bounds
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.slice_stages import logical_meshes, slice_stages
 from graphpar.passes.pipeline.stage_dp import submesh_shapes
@@ -75,11 +76,6 @@ def capture(model: str, batch: int, ir_cache: str | None = None):
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(print_graph(graph, show_source=True))
     return graph, seconds
-
-
-def equal_ranges(count: int, stages: int) -> list[tuple[int, int]]:
-    edges = [round(i * count / stages) for i in range(stages + 1)]
-    return [(a, b - 1) for a, b in zip(edges, edges[1:])]
 
 
 def shape_index(shapes, devices: int) -> int | None:
@@ -116,6 +112,7 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
                         "logical_mesh": list(s.logical_mesh), "family": f or "ilp",
                         "est_s": s.est_seconds, "mem_gib": round(s.mem_bytes / 2**30, 2)}
                        for s, f in zip(plan.stages, search.stage_families)],
+            "clustering": search.clustering,
             "ilp_solves": plan.ilp_solves, "search_s": round(time.perf_counter() - start, 2),
             "steps_s": {k: round(v, 3) for k, v in search.seconds.items()},
             "search_cpu_s": round(time.process_time() - cpu, 2), **extra})
@@ -142,19 +139,19 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
         m = shape_index(shapes, devices // stages)
         if devices % stages or m is None:
             continue
-        fixed = [(a, b, m) for a, b in equal_ranges(layers, stages)]
+        fixed = [(a, b, m) for a, b in equal_op_bounds(layers, stages)]
         record(f"equal layer S={stages}",
                lambda f=fixed: slice_stages(graph, mesh, fixed=f, **common))
     if "equal operator" in kinds:
         forward, _, _ = forward_backward_optimizer(graph)
         ops = sum(1 for n in graph.nodes if n in forward)
         record("equal operator", lambda: slice_stages(
-            graph, mesh, forward_layers=equal_ranges(ops, layers), **common))
+            graph, mesh, forward_layers=equal_op_bounds(ops, layers), **common))
     for pp in range(1, min(layers, devices) + 1) if "megatron" in kinds else ():
         m = shape_index(shapes, devices // pp)
         if devices % pp or m is None:
             continue
-        fixed = [(a, b, m) for a, b in equal_ranges(layers, pp)]
+        fixed = [(a, b, m) for a, b in equal_op_bounds(layers, pp)]
         for tp in (1, 2, 4, 8):
             if (devices // pp) % tp or tp > per_host:
                 continue

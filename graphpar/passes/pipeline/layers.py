@@ -257,6 +257,13 @@ def _block_runs(graph: Graph, forward: Sequence[Node]) -> list[tuple[np.ndarray,
     return sorted(runs, key=lambda run: (-run[0].size, int(run[0][0])))
 
 
+def equal_op_bounds(ops: int, layers: int) -> list[tuple[int, int]]:
+    """(first op, last op) of `layers` layers of equal op counts (within one): Alpa's "equal
+    operator" clustering (§8.3)."""
+    edges = [round(i * ops / layers) for i in range(layers + 1)]
+    return [(a, b - 1) for a, b in zip(edges, edges[1:])]
+
+
 _LAYER_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 

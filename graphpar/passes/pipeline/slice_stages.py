@@ -46,7 +46,7 @@ from graphpar.passes.pipeline.layers import (
     canonical_order,
     cluster_bounds,
     default_layer_count,
-    equal_op_bounds,
+    equal_ranges,
     forward_chain,
     layer_signature,
     regular_bounds,
@@ -189,7 +189,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         count = min(layers or default_layer_count(forward), len(forward))
         candidates = [("eq6", regular_bounds(graph, forward, count, delta))]
         if fixed is None:  # fixed stages name the layers of Eq. 6's clustering
-            candidates.append(("equal operator", equal_op_bounds(len(forward), count)))
+            candidates.append(("equal operator", equal_ranges(len(forward), count)))
     else:
         candidates = [("given", list(forward_layers))]
     count = len(candidates[0][1])

@@ -14,7 +14,7 @@ from graphpar.ir.graph import OutputRole, Role
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import solve
-from graphpar.passes.pipeline.layers import equal_op_bounds, regular_bounds
+from graphpar.passes.pipeline.layers import equal_ranges, regular_bounds
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.plan import StagePlan
 from graphpar.passes.pipeline.slice_stages import UNBOUNDED, max_after, slice_stages
@@ -128,13 +128,13 @@ def test_the_two_level_plan_is_never_worse_than_equal_operator_or_equal_layer_sl
     eq6 = regular_bounds(graph, [n for n in graph.nodes if n in forward], 3)
     assert len(two.forward_layers) == len(eq6) == 3
     ops = sum(1 for n in graph.nodes if n in forward)
-    equal_op = slice_stages(graph, mesh, forward_layers=equal_op_bounds(ops, 3), **common)
+    equal_op = slice_stages(graph, mesh, forward_layers=equal_ranges(ops, 3), **common)
     assert two.plan.est_step_seconds <= equal_op.plan.est_step_seconds
     assert two.clustering == "equal operator"  # what wins here
     # equal layers: S stages of Eq. 6's layers on S equal (1, devices / S) sub-meshes
     shapes = submesh_shapes(1, devices)
     equal_layer = [slice_stages(graph, mesh, fixed=[(a, b, shapes.index((1, devices // n)))
-                                                    for a, b in equal_op_bounds(3, n)],
+                                                    for a, b in equal_ranges(3, n)],
                                 **common).plan.est_step_seconds
                    for n in range(1, 4) if devices % n == 0]
     assert len(equal_layer) == 2 and two.plan.est_step_seconds <= min(equal_layer)

@@ -1,7 +1,9 @@
 """The `slice-stages` pass: Alpa's inter-operator pass over a training step.
 
 1. Cluster the forward ops into L layers (Eq. 6, `layers.py`); backward ops and optimizer
-   updates follow their forward ops (`partition.follow_forward`).
+   updates follow their forward ops (`partition.follow_forward`). Layers of equal op counts
+   are a second candidate where they add few kinds of layers: steps 2-4 run on each, and
+   the plan with the least estimated step is kept.
 2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
    the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
    solve, so the number of ILP solves grows with the kinds of layers, not with depth.
@@ -167,7 +169,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    one.
+    one. The DP runs on Eq. 6's layers and on as many layers of equal op counts (when
+    `_affordable`), and the faster plan is kept (`StageSearch.clustering` says whose).
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
     in order) replaces the clustering; `families` are the ways a stage may be sharded, each

@@ -49,3 +49,20 @@ def test_two_level_plan_is_never_worse_on_a_small_case(load_bench):
     assert set(best) == set(bench.KINDS)
     assert bench.beaten_by(best) == []
     assert best["two-level+hand"] < best["intra-op only"]  # pipelining pays here
+
+
+def test_markdown_table_shows_each_kind_best_row_and_why_not(load_bench):
+    bench = load_bench("pipeline")
+    rows = [{"variant": "two-level", "est_step_s": 1.5, "clustering": "eq6"},
+            {"variant": "two-level+hand", "est_step_s": 1.5},
+            {"variant": "equal layer S=2", "est_step_s": 2.0},
+            {"variant": "equal layer S=4", "est_step_s": 1.75},
+            {"variant": "megatron dp=2 tp=4 pp=2", "est_step_s": 0.0016},
+            {"variant": "inter-op only", "error": "no pipeline ... fits"}]
+    table = bench.markdown([{"model": "gpt:1.3B", "mesh": "2x8", "microbatch_size": 8,
+                             "microbatches": 128, "rows": rows, "never_worse": False,
+                             "beaten_by": ["megatron"], "two_level_ilp_solves": 70,
+                             "two_level_cpu_s": 28.74}])
+    assert table.splitlines()[2] == (
+        "| gpt:1.3B | 2x8 | 8 x 128 | 1,500 | 1,500 | not run | does not fit | 1,750 (S=4) "
+        "| not run | 1.600 (dp 2, tp 4, pp 2) | no: megatron | eq6 | 70 | 28.7 |")

@@ -223,3 +223,23 @@ def test_one_solve_for_identical_layers_gives_the_full_ilp_plan(tiny_gpts, mesh)
     assert {n: s.outputs for n, s in tied.node_strategy.items()} == \
         {n: s.outputs for n, s in full.node_strategy.items()}
     assert tied.input_layout == full.input_layout
+
+
+@pytest.mark.parametrize("solver", ["highs", "cp-sat", "scip", "cbc"])
+def test_a_graph_with_nothing_to_choose_is_solved_under_a_memory_limit(solver):
+    # A pipeline stage's forward that only counts batch-norm steps: a scalar i64 add, one
+    # layout to pick from, so the ILP has no variables; HiGHS, given a memory row and no
+    # variables, answered neither optimal nor infeasible, and the stage failed to shard.
+    from graphpar.ir.parser import parse_program
+
+    graph = next(iter(parse_program(
+        "graph @stage1_forward(\n"
+        "    %stem.1.num_batches_tracked: i64[] buffer,\n"
+        ") {\n"
+        "  %0 = add(%stem.1.num_batches_tracked, 1) : i64[]\n"
+        "  return %0 update(%stem.1.num_batches_tracked)\n"
+        "}\n")))
+    red = Reduced(Problem(graph, mesh_for((2, 1), CLUSTER), ROOF))
+    plan = red.solve(memory_limit=4 * 2**30, solver=solver, time_limit=10)
+    assert plan.memory_bytes == 8  # the i64 buffer, whole on each device
+    assert all(layout.is_replicated for layout in plan.input_layout.values())

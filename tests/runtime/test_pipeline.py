@@ -165,8 +165,11 @@ def assert_one_process_per_device(pipe):
     for rank, stage in ranks.items():
         assert len([s for s in run.spans if s.rank == rank]) == len(pipe.schedule[stage])
     assert run.gathered_bytes == cross_mesh_prediction(pipe)
-    for s in pipe.sharded:  # its phases' collectives ran on its own process groups
-        assert run.intra_stage_bytes[s] > run.gathered_bytes[s]
+    # the stages' phases ran their collectives and boundary gathers on their own process
+    # groups; a stage may send nothing but the tiles it gathers (wide_resnet's stage 1 on 4
+    # stages only counts a batch norm's steps, and passes the activations on)
+    assert all(run.intra_stage_bytes[s] >= run.gathered_bytes[s] for s in pipe.sharded)
+    assert any(run.intra_stage_bytes[s] > run.gathered_bytes[s] for s in pipe.sharded)
     return run
 
 

@@ -18,8 +18,10 @@ stage times from the ILP's cost model) of:
 - megatron (DP, TP, PP): every grid point of equal stages with Megatron-LM's layout, best one.
 
 The "never worse" column checks the promise: two-level+hand is at most every other variant's
-step (equal operator aside: its layers are not the DP's, so it can in principle win; the
-column says so when it does). Times of the search itself are measured wall-clock and CPU
+step. The two-level search is itself offered the equal-op layers beside Eq. 6's where they
+add at most as many kinds of layers (shallow models), so there it is never worse than equal
+operator by construction; on deep models equal operator is a baseline it may lose to, and
+the column says so when it does. Times of the search itself are measured wall-clock and CPU
 seconds on this machine (the machine may be shared: CPU seconds are the fairer measure).
 Models are captured on the meta device (no weights allocated).
 """
@@ -42,6 +44,7 @@ from graphpar.errors import GraphparError
 from graphpar.ir.parser import parse_program
 from graphpar.ir.printer import print_graph
 from graphpar.models import example_batch, get_model
+from graphpar.passes.pipeline.layers import equal_ranges
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.slice_stages import logical_meshes, slice_stages
 from graphpar.passes.pipeline.stage_dp import submesh_shapes
@@ -75,11 +78,6 @@ def capture(model: str, batch: int, ir_cache: str | None = None):
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(print_graph(graph, show_source=True))
     return graph, seconds
-
-
-def equal_ranges(count: int, stages: int) -> list[tuple[int, int]]:
-    edges = [round(i * count / stages) for i in range(stages + 1)]
-    return [(a, b - 1) for a, b in zip(edges, edges[1:])]
 
 
 def shape_index(shapes, devices: int) -> int | None:
@@ -116,6 +114,7 @@ def run_variants(graph, mesh: str, microbatches: int, cluster, kinds=KINDS,
                         "logical_mesh": list(s.logical_mesh), "family": f or "ilp",
                         "est_s": s.est_seconds, "mem_gib": round(s.mem_bytes / 2**30, 2)}
                        for s, f in zip(plan.stages, search.stage_families)],
+            "clustering": search.clustering,
             "ilp_solves": plan.ilp_solves, "search_s": round(time.perf_counter() - start, 2),
             "steps_s": {k: round(v, 3) for k, v in search.seconds.items()},
             "search_cpu_s": round(time.process_time() - cpu, 2), **extra})
@@ -208,10 +207,15 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(KINDS),
                         help="which to run (two-level alone: its compile time)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
+    parser.add_argument("--markdown", action="store_true",
+                        help="print --out's results as docs/stage-slicing.md's table; run nothing")
     parser.add_argument("--append", action="store_true",
                         help="merge into --out: a model and mesh run before keeps the "
                         "variants not run again")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.out).read_text())["results"]))
+        return 0
     models = args.models.split(",") if args.models else (
         FULL_MODELS if args.full else QUICK_MODELS)
     meshes = args.meshes.split(",") if args.meshes else (
@@ -268,6 +272,39 @@ def main(argv=None) -> int:
             out.write_text(json.dumps(_document(args, results), indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def markdown(results: list[dict]) -> str:
+    """The results as a Markdown table: estimated step milliseconds per kind of variant (the
+    best of its rows, with its S or grid point), "does not fit" where every row of the kind
+    ran out of memory, "not run" where none ran."""
+    head = ["model", "mesh", "mb x B", *KINDS, "never worse", "layers", "solves",
+            "search CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        cells = [r["model"], r["mesh"], f"{r['microbatch_size']} x {r['microbatches']}"]
+        for kind in KINDS:
+            mine = [row for row in r["rows"]
+                    if row["variant"].split(" S=")[0].split(" dp=")[0] == kind]
+            done = [row for row in mine if "est_step_s" in row]
+            if done:
+                row = min(done, key=lambda row: row["est_step_s"])
+                what = row["variant"][len(kind):].strip()  # "S=4", "dp=2 tp=4 pp=2"
+                if what.startswith("dp="):
+                    what = what.replace("=", " ").replace(" tp", ", tp").replace(" pp", ", pp")
+                cell = f"{row['est_step_s'] * 1e3:,.{3 if row['est_step_s'] < 1 else 0}f}"
+                cells.append(cell + (f" ({what})" if what else ""))
+            else:
+                cells.append("does not fit" if mine else "not run")
+        two = next((row for row in r["rows"] if row["variant"] == "two-level"), {})
+        verdict = r.get("never_worse")
+        cells += ["yes" if verdict else "-" if verdict is None else
+                  "no: " + ", ".join(r["beaten_by"]),
+                  two.get("clustering", "-") if "est_step_s" in two else "-",
+                  str(r.get("two_level_ilp_solves") or "-"),
+                  f"{r['two_level_cpu_s']:.1f}" if r.get("two_level_cpu_s") else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _document(args, results) -> dict:

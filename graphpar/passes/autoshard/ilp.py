@@ -488,7 +488,11 @@ class Reduced:
         reduce_seconds = time.perf_counter() - start
         if memory_limit is not None and inst.least_memory() > memory_limit:
             raise _memory_error(self, inst, memory_limit)
-        result = _SOLVERS[solver](inst, memory_limit, time_limit)
+        if any(inst.free(c) for c in range(len(inst.keep))):
+            result = _SOLVERS[solver](inst, memory_limit, time_limit)
+        else:  # one choice each (and within memory, checked above): nothing to solve, and a
+            # MIP solver given no variables but a memory row answers neither optimal nor not
+            result = _Result("OPTIMAL", [0] * len(inst.keep), 0.0, 0.0, 0, 0)
         if result.status not in ("OPTIMAL", "FEASIBLE"):
             if memory_limit is not None and result.status == "INFEASIBLE":
                 raise _memory_error(self, inst, memory_limit)

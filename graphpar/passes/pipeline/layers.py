@@ -257,6 +257,13 @@ def _block_runs(graph: Graph, forward: Sequence[Node]) -> list[tuple[np.ndarray,
     return sorted(runs, key=lambda run: (-run[0].size, int(run[0][0])))
 
 
+def equal_ranges(count: int, parts: int) -> list[tuple[int, int]]:
+    """(first, last) of `parts` consecutive ranges of `count` items, equal in size within one:
+    of ops, Alpa's "equal operator" clustering (§8.3); of layers, equal-layer stages."""
+    edges = [round(i * count / parts) for i in range(parts + 1)]
+    return [(a, b - 1) for a, b in zip(edges, edges[1:])]
+
+
 _LAYER_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 

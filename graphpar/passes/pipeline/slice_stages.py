@@ -1,7 +1,9 @@
 """The `slice-stages` pass: Alpa's inter-operator pass over a training step.
 
 1. Cluster the forward ops into L layers (Eq. 6, `layers.py`); backward ops and optimizer
-   updates follow their forward ops (`partition.follow_forward`).
+   updates follow their forward ops (`partition.follow_forward`). Layers of equal op counts
+   are a second candidate where they add few kinds of layers: steps 2-4 run on each, and
+   the plan with the least estimated step is kept.
 2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
    the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
    solve, so the number of ILP solves grows with the kinds of layers, not with depth.
@@ -46,6 +48,7 @@ from graphpar.passes.pipeline.layers import (
     canonical_order,
     cluster_bounds,
     default_layer_count,
+    equal_ranges,
     forward_chain,
     layer_signature,
     regular_bounds,
@@ -111,6 +114,48 @@ class StageSearch:
     forward_layers: list[tuple[int, int]] = field(default_factory=list)
     # measured wall seconds of each step: clustering, layer costs (ILP), the DP
     seconds: dict[str, float] = field(default_factory=dict)
+    # which clustering the plan's layers are: "eq6", "equal operator" or "given"
+    clustering: str = "eq6"
+
+
+@dataclass
+class _Clustered:
+    """One candidate clustering of the forward ops into layers, and what the search made of
+    it (filled in as it goes)."""
+
+    name: str
+    bounds: list[tuple[int, int]]  # (first, last) forward op of each layer
+    layer_of: dict[Node, int]  # every node's layer
+    units: list[_Layer]
+    options: _StageOptions | None = None
+    costs: StageCosts | None = None
+    chosen: np.ndarray | None = None
+    solution: StageSolution | None = None
+
+    @classmethod
+    def of(cls, graph: Graph, name: str, bounds: Sequence[tuple[int, int]],
+           forward: Sequence[Node], forward_set: set[Node]) -> _Clustered:
+        layer_of = follow_forward(graph, {forward[k]: i for i, (a, b) in enumerate(bounds)
+                                          for k in range(a, b + 1)})
+        return cls(name, list(bounds), layer_of,
+                   _units(graph, layer_of, len(bounds), forward_set))
+
+    @property
+    def kinds(self) -> set[str]:
+        return {u.signature for u in self.units}
+
+
+def _affordable(candidates: list[_Clustered]) -> list[_Clustered]:
+    """The first candidate (Eq. 6), and each other one whose layers add at most as many new
+    kinds (hence ILP solves) as the first has: the search at most doubles its solves. Equal-op
+    layers of a deep model are all different (every block cut at another op), so there they
+    are left out; on a shallow one they cost about what Eq. 6's do."""
+    kept, kinds = candidates[:1], set(candidates[0].kinds)
+    for c in candidates[1:]:
+        if c.bounds != kept[0].bounds and len(c.kinds - kinds) <= len(candidates[0].kinds):
+            kept.append(c)
+            kinds |= c.kinds
+    return kept
 
 
 def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster = "dgx-a100",
@@ -124,7 +169,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    one.
+    one. The DP runs on Eq. 6's layers and on as many layers of equal op counts (when
+    `_affordable`), and the faster plan is kept (`StageSearch.clustering` says whose).
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
     in order) replaces the clustering; `families` are the ways a stage may be sharded, each
@@ -143,9 +189,13 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     forward_set, _, optimizer = forward_backward_optimizer(graph)
     forward = [n for n in graph.nodes if n in forward_set]
     if forward_layers is None:
-        count = layers or default_layer_count(forward)
-        forward_layers = regular_bounds(graph, forward, min(count, len(forward)), delta)
-    count = len(forward_layers)
+        count = min(layers or default_layer_count(forward), len(forward))
+        candidates = [("eq6", regular_bounds(graph, forward, count, delta))]
+        if fixed is None:  # fixed stages name the layers of Eq. 6's clustering
+            candidates.append(("equal operator", equal_ranges(len(forward), count)))
+    else:
+        candidates = [("given", list(forward_layers))]
+    count = len(candidates[0][1])
     if stages > count:
         raise PassError(f"stages={stages} is more than the {count} layers graph @{graph.name} "
                         f"was clustered into; ask for at most {count} stages, or for more "
@@ -153,30 +203,39 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     if stages > hosts * per_host:
         raise PassError(f"stages={stages} needs at least as many devices; the mesh "
                         f"{hosts}x{per_host} has {hosts * per_host}")
-    clustered = time.perf_counter()
-    layer_of_forward = {forward[k]: i for i, (a, b) in enumerate(forward_layers)
-                        for k in range(a, b + 1)}
-    layer_of = follow_forward(graph, layer_of_forward)
-    units = _units(graph, layer_of, count, forward_set)
-
     shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
     solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
                          optimizer, cache)
-    options = _StageOptions.build(units, solver, shapes, hosts, per_host, cluster,
-                                  _boundary_bytes(graph, layer_of, count), logical, families)
-    costs, chosen = options.table(limit, microbatches)
-    costed = time.perf_counter()
-    if fixed is not None:
-        solution = evaluate_stages(costs, fixed, microbatches)
-        if solution is None:
-            raise MemoryLimitError(f"the fixed stages {list(fixed)} do not fit "
-                                   f"{format_bytes(limit)} per device")
-    else:
-        solution = solve_stages(costs, hosts * per_host, microbatches, stages, epsilon)
-    if solution is None:
-        raise _no_plan(options, hosts * per_host, microbatches, stages, epsilon, limit)
+    clusterings = _affordable([_Clustered.of(graph, name, bounds, forward, forward_set)
+                               for name, bounds in candidates])
+    clustered = time.perf_counter()
+    costing = searching = 0.0
+    best = None
+    for c in clusterings:
+        begun = time.perf_counter()
+        c.options = _StageOptions.build(c.units, solver, shapes, hosts, per_host, cluster,
+                                        _boundary_bytes(graph, c.layer_of, count), logical,
+                                        families)
+        c.costs, c.chosen = c.options.table(limit, microbatches)
+        costed = time.perf_counter()
+        if fixed is not None:
+            c.solution = evaluate_stages(c.costs, fixed, microbatches)
+            if c.solution is None:
+                raise MemoryLimitError(f"the fixed stages {list(fixed)} do not fit "
+                                       f"{format_bytes(limit)} per device")
+        else:
+            c.solution = solve_stages(c.costs, hosts * per_host, microbatches, stages, epsilon)
+        costing, searching = costing + costed - begun, searching + time.perf_counter() - costed
+        # ties go to the earlier candidate: Eq. 6's clustering
+        if c.solution is not None and (best is None
+                                       or c.solution.seconds < best.solution.seconds):
+            best = c
+    if best is None:
+        raise _no_plan(clusterings[0].options, hosts * per_host, microbatches, stages, epsilon,
+                       limit)
+    options, costs, chosen, solution = best.options, best.costs, best.chosen, best.solution
+    units, layer_of, forward_layers = best.units, best.layer_of, best.bounds
 
-    searched = time.perf_counter()
     placed = place_submeshes([shapes[m] for _, _, m in solution.stages], hosts, per_host)
     result, families_used = [], []
     stage_of_layer = {}
@@ -197,9 +256,9 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
         dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
-    steps = {"clustering": clustered - started, "layer_costs": costed - clustered,
-             "dp": searched - costed}
-    return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps)
+    steps = {"clustering": clustered - started, "layer_costs": costing, "dp": searching}
+    return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps,
+                       best.name)
 
 
 def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Node]

@@ -147,9 +147,9 @@ def planned_measurements(quick: bool = False, in_step: bool = True) -> int:
 def with_in_step(cluster: Cluster, in_step: InStepFit) -> tuple[Cluster, list[str]]:
     """`cluster` with the in-step fit folded in: every class's FLOP/s and bytes/s divided by
     its factor, its overhead multiplied by it and the dispatch time added; every collective
-    kind's latency multiplied and bandwidth divided by its factor, and the link's by the
-    median of them. A class or kind the programs did not run takes the median of the others'
-    (said in the notes)."""
+    kind's latency multiplied by its latency factor and bandwidth divided by its bandwidth
+    factor, and the link's by the medians of them. A class or kind the programs did not run
+    takes the median of the others' (said in the notes)."""
     notes = []
     factors = in_step.factors
 
@@ -170,23 +170,26 @@ def with_in_step(cluster: Cluster, in_step: InStepFit) -> tuple[Cluster, list[st
     if missing:
         notes.append(f"in step: no {', '.join(missing)} op ran in the calibration programs; "
                      f"scaled by the other classes' median factor {compute_default:.2f}")
+    seen = list(in_step.collectives.values())
+    default_pair = ((float(np.median([a for a, _ in seen])), float(np.median([b for _, b in seen])))
+                    if seen else (comm_default, comm_default))
     collectives = {}
     for kind, rate in cluster.to_dict().get("collectives", {}).items():
-        f = factors.get(kind, comm_default)
-        collectives[kind] = {"latency": rate["latency"] * f, "bandwidth": rate["bandwidth"] / f}
-    missing = [k for k in collectives if k not in factors]
+        a, b = in_step.collectives.get(kind, default_pair)
+        collectives[kind] = {"latency": rate["latency"] * a, "bandwidth": rate["bandwidth"] / b}
+    missing = [k for k in collectives if k not in in_step.collectives]
     if missing:
         notes.append(f"in step: no {', '.join(missing)} ran in the calibration programs; "
-                     f"scaled by the other kinds' median factor {comm_default:.2f}")
+                     f"latency x{default_pair[0]:.2f}, bandwidth /{default_pair[1]:.2f} (the "
+                     "other kinds' medians)")
+    link_latency, link_bandwidth = (cluster.intra_node_latency * default_pair[0],
+                                    cluster.intra_node_bandwidth / default_pair[1])
     fp32 = table.get("fp32", {}).get("gemm", {})
     return dataclasses.replace(
         cluster, compute=table, collectives=collectives,
-        intra_node_latency=cluster.intra_node_latency * comm_default,
-        intra_node_bandwidth=cluster.intra_node_bandwidth / comm_default,
-        inter_node_latency=max(cluster.inter_node_latency,
-                               cluster.intra_node_latency * comm_default),
-        inter_node_bandwidth=min(cluster.inter_node_bandwidth,
-                                 cluster.intra_node_bandwidth / comm_default),
+        intra_node_latency=link_latency, intra_node_bandwidth=link_bandwidth,
+        inter_node_latency=max(cluster.inter_node_latency, link_latency),
+        inter_node_bandwidth=min(cluster.inter_node_bandwidth, link_bandwidth),
         peak_flops_fp32=fp32.get("flops", cluster.peak_flops_fp32),
         source=cluster.source + (" Rates divided by the in-step factors of the calibration "
                                  "programs (docs/calibration.md).")), notes
@@ -338,7 +341,7 @@ def in_step_report(cal: Calibration) -> str:
     assert fit is not None
     totals: dict[str, list[float]] = {}
     for p in cal.profiles:
-        for kind, predicted, measured in p.samples():
+        for kind, predicted, measured, *_ in p.samples():
             if predicted > 0:
                 t = totals.setdefault(kind, [0, 0.0, 0.0])
                 t[0] += 1
@@ -349,13 +352,15 @@ def in_step_report(cal: Calibration) -> str:
              f"  {'class or kind':15} {'nodes':>6} {'estimated':>10} {'measured':>10} "
              f"{'factor':>7}"]
     for kind, (nodes, predicted, measured) in sorted(totals.items(), key=lambda kv: -kv[1][2]):
+        pair = fit.collectives.get(kind)
+        split = f"  latency x{pair[0]:.2f}, bandwidth /{pair[1]:.2f}" if pair else ""
         lines.append(f"  {kind:15} {nodes:>6} {format_seconds(predicted):>10} "
-                     f"{format_seconds(measured):>10} {fit.factors[kind]:>7.2f}")
+                     f"{format_seconds(measured):>10} {fit.factors[kind]:>7.2f}{split}")
     lines.append(f"  dispatch: {format_seconds(fit.dispatch)} per priced node (the time between "
                  "them and in free ops)")
     lines.append(f"  {'program':18} {'estimated before':>16} {'after':>10} {'measured':>10}")
     for p, residual in zip(cal.profiles, fit.residuals):
-        before = sum(predicted for _, predicted, _ in p.samples())
+        before = sum(r.predicted for r in p.rows)
         lines.append(f"  {p.name:18} {format_seconds(before):>16} "
                      f"{format_seconds(p.step_seconds * (1 + residual)):>10} "
                      f"{format_seconds(p.step_seconds):>10}")
@@ -392,6 +397,8 @@ def timings(cal: Calibration) -> dict:
                               for (d, c), v in cal.overheads.items()],
         **({"in_step": {
             "factors": cal.in_step.factors, "dispatch_s": cal.in_step.dispatch,
+            "collectives": {k: {"latency_factor": a, "bandwidth_factor": b}
+                            for k, (a, b) in cal.in_step.collectives.items()},
             "wall_seconds": cal.in_step_seconds,
             "programs": [{"program": p.name, "step_seconds_measured": p.step_seconds,
                           "step_seconds_loop_estimate": sum(r.predicted for r in p.rows),

@@ -22,9 +22,10 @@ kind and a dispatch time per node.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from graphpar.cost.cluster import mesh_for
+from graphpar.cost.communication import collective_terms
 from graphpar.ir.cluster import Cluster
 from graphpar.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
 from graphpar.runtime.timing import trimmed_mean
@@ -58,9 +59,21 @@ class ProgramProfile:
     def name(self) -> str:
         return f"{self.mode}/{self.plan}"
 
-    def samples(self) -> list[tuple[str, float, float]]:
-        """(class or kind, predicted, measured) per node: what `fit_in_step` takes."""
-        return [(r.kind, r.predicted, r.measured) for r in self.rows]
+    latency: dict[str, float] = field(default_factory=dict)  # per collective kind, the
+    # loop-fitted latency per step that priced it
+
+    def samples(self) -> list[tuple]:
+        """Per node (class or kind, predicted, measured), a collective's with its prediction's
+        (latency term, bandwidth term): what `fit_in_step` takes."""
+        out: list[tuple] = []
+        for r in self.rows:
+            if r.collective and r.kind in self.latency:
+                alpha = min(r.predicted, collective_terms(r.kind, r.group)[0]
+                            * self.latency[r.kind])
+                out.append((r.kind, r.predicted, r.measured, (alpha, r.predicted - alpha)))
+            else:
+                out.append((r.kind, r.predicted, r.measured))
+        return out
 
 
 def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
@@ -77,8 +90,13 @@ def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
         case = cases[mode]
         _, compiled = solve_plan(case, mesh, plan_name, memory_limit=None)
         times = compiled.time_steps(STEPS, WARMUP, args=case.args, profile=True)[-1]
-        profiles.append(ProgramProfile(mode, plan_name, node_rows(compiled, times),
-                                       trimmed_mean(times.step_seconds)))
+        rows = node_rows(compiled, times)
+        latency = {}
+        for kind in {r.kind for r in rows if r.collective}:
+            rate = cluster.collective_rate(kind)
+            latency[kind] = rate.latency if rate else cluster.intra_node_latency
+        profiles.append(ProgramProfile(mode, plan_name, rows, trimmed_mean(times.step_seconds),
+                                       latency))
         if progress:
             progress(f"in-step {mode}/{plan_name}")
     return profiles

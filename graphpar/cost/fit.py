@@ -172,36 +172,61 @@ class InStepFit:
 
     `factors`: per op class or collective kind, the measured seconds of its nodes over the
     seconds the loop-fitted model predicts for them (a ratio of sums, so that the class's share
-    of a step comes out right); `dispatch`: seconds per priced node of a step that no priced
-    node accounts for (the interpreter between nodes, free view ops); `residuals`: per program,
+    of a step comes out right); `collectives`: per collective kind, (latency factor, bandwidth
+    factor) fitted to its nodes' latency and bandwidth terms separately (in a step a small
+    collective pays most for waking the other rank, a large one little more than alone);
+    `dispatch`: seconds per priced node of a step that no priced node accounts for (the
+    interpreter between nodes, freeing tensors, free view ops); `residuals`: per program,
     (corrected estimate - measured step) / measured step."""
 
     factors: dict[str, float]
+    collectives: dict[str, tuple[float, float]]
     dispatch: float
     residuals: tuple[float, ...]
 
 
-def fit_in_step(programs: Sequence[tuple[Sequence[tuple[str, float, float]], float]],
+InStepNode = tuple  # (class or kind, predicted s, measured s[, (latency term s, bandwidth term s)])
+
+
+def fit_in_step(programs: Sequence[tuple[Sequence[InStepNode], float]],
                 bounds: tuple[float, float] = (0.25, 20.0)) -> InStepFit:
-    """Fit `InStepFit` to `programs`: each a list of its nodes' (class or kind, predicted
-    seconds, measured seconds) and its measured step seconds. Nodes predicted free (0 s) are
-    the dispatch's; factors are clipped to `bounds`."""
+    """Fit `InStepFit` to `programs`: each a list of its nodes and its measured step seconds.
+    A node is (class or kind, predicted seconds, measured seconds), a collective's with its
+    prediction's (latency term, bandwidth term) as a fourth item. Nodes predicted free (0 s)
+    are the dispatch's; factors are clipped to `bounds`."""
     if not programs:
         raise ValueError("an in-step fit needs at least one profiled program")
     predicted: dict[str, float] = {}
     measured: dict[str, float] = {}
+    terms: dict[str, list[tuple[float, float, float]]] = {}
     for nodes, _ in programs:
-        for kind, p, m in nodes:
+        for kind, p, m, *split in nodes:
             if p > 0:
                 predicted[kind] = predicted.get(kind, 0.0) + p
                 measured[kind] = measured.get(kind, 0.0) + m
+                if split:
+                    terms.setdefault(kind, []).append((*split[0], m))
     factors = {k: float(np.clip(measured[k] / predicted[k], *bounds))
                for k in sorted(predicted) if predicted[k] > 0}
-    priced = sum(1 for nodes, _ in programs for _, p, _ in nodes if p > 0)
-    unexplained = sum(step - sum(m for _, p, m in nodes if p > 0) for nodes, step in programs)
+    collectives = {}
+    for kind, rows in terms.items():
+        data = np.array(rows, dtype=float)
+        x = nnls(data[:, :2], data[:, 2]) if len(rows) >= 2 else np.zeros(2)
+        if not x.all():  # one term alone cannot say: both scale alike
+            x = np.array([factors[kind], factors[kind]])
+        collectives[kind] = (float(np.clip(x[0], *bounds)), float(np.clip(x[1], *bounds)))
+
+    def corrected(kind: str, p: float, split: list) -> float:
+        if split and kind in collectives:
+            return collectives[kind][0] * split[0][0] + collectives[kind][1] * split[0][1]
+        return factors[kind] * p
+
+    priced = sum(1 for nodes, _ in programs for _, p, *_ in nodes if p > 0)
+    unexplained = sum(step - sum(corrected(k, p, split) for k, p, _, *split in nodes if p > 0)
+                      for nodes, step in programs)
     dispatch = max(0.0, unexplained / priced) if priced else 0.0
     residuals = []
     for nodes, step in programs:
-        estimate = sum(factors[k] * p + dispatch for k, p, _ in nodes if p > 0)
+        estimate = sum(corrected(k, p, split) + dispatch for k, p, _, *split in nodes if p > 0)
         residuals.append((estimate - step) / step)
-    return InStepFit(factors, dispatch, tuple(residuals))
+    return InStepFit(factors, collectives, dispatch, tuple(residuals))

@@ -76,7 +76,8 @@ def fake_profiles(cluster, ranks, *, quick=False, progress=None):
     step = sum(r.measured for r in rows) + DISPATCH * 4
     if progress:
         progress("in-step train/megatron")
-    return [ProgramProfile("train", "megatron", rows, step)]
+    return [ProgramProfile("train", "megatron", rows, step,
+                           {"all_reduce": 1e-4, "all_gather": 1e-4})]
 
 
 @pytest.fixture
@@ -195,6 +196,8 @@ def test_the_in_step_factors_divide_the_rates(synthetic):
     assert any("no gemm_skinny, normalization, attention, gather op ran" in n
                for n in cal.notes)
     assert any("no all_to_all, reduce_scatter, send_recv ran" in n for n in cal.notes)
+    # one node of a kind cannot split latency from bandwidth: both take its factor
+    assert cal.in_step.collectives == {"all_gather": (4.0, 4.0), "all_reduce": (2.0, 2.0)}
     text = calibration.report(cal)
     assert "in step (1 calibration programs on 2 ranks" in text
     assert "train/megatron" in text

@@ -147,3 +147,19 @@ def test_in_step_factors_are_ratios_of_sums_and_dispatch_the_rest():
     assert fit_in_step([([("gemm", 1e-3, 0.0)], 1e-3)]).factors["gemm"] == 0.25
     with pytest.raises(ValueError, match="at least one profiled program"):
         fit_in_step([])
+
+
+def test_in_step_collectives_split_latency_from_bandwidth():
+    """In a step a small collective pays most for waking its peer: the fit gives each kind a
+    latency factor and a bandwidth factor, from its nodes' two terms, exactly on exact data."""
+    from graphpar.cost.fit import fit_in_step
+
+    nodes = [("all_reduce", a + b, 3.0 * a + 1.2 * b, (a, b))
+             for a, b in ((2e-4, 1e-4), (2e-4, 1e-3), (2e-4, 8e-3), (4e-4, 2e-3))]
+    step = sum(m for _, _, m, _ in nodes)
+    fit = fit_in_step([(nodes, step)])
+    assert fit.collectives["all_reduce"] == pytest.approx((3.0, 1.2))
+    assert fit.dispatch == pytest.approx(0, abs=1e-12)
+    assert fit.residuals == pytest.approx((0,), abs=1e-9)
+    # the ratio of sums is still reported beside
+    assert fit.factors["all_reduce"] == pytest.approx(step / sum(p for _, p, _, _ in nodes))

@@ -284,11 +284,12 @@ def _residuals(residuals: Sequence[float]) -> str:
 def report(cal: Calibration) -> str:
     """The fits as tables a person reads: achieved rates per class, alpha-beta per kind, and
     each fit's relative error over its samples (|model - measured| / measured)."""
-    lines = ["compute (measured, fitted to max(FLOPs / F, bytes / B) + overhead; the overhead "
-             "is a tiny call's):",
+    lines = ["compute (ops timed alone, fitted to max(FLOPs / F, bytes / B) + overhead; the "
+             "overhead is a tiny call's; the file's rates are these scaled in step, below):",
              f"  {'dtype':5} {'class':13} {'F FLOP/s':>11} {'B bytes/s':>11} {'overhead':>9}"
              "  residual over shapes"]
-    for dtype, classes in cal.cluster.compute_table().items():
+    loop = cal.loop_cluster or cal.cluster  # the fits' own numbers, before the in-step factors
+    for dtype, classes in loop.compute_table().items():
         for op_class, rate in classes.items():
             f = cal.compute_fits[dtype, op_class]
             flags = ("" if f.flops else " (F: not bound)") + ("" if f.bandwidth else
@@ -300,7 +301,7 @@ def report(cal: Calibration) -> str:
     lines += ["", f"collectives over {cal.ranks} ranks (measured, fitted to steps(n) * latency "
                   "+ factor(n) * bytes / bandwidth):",
               f"  {'kind':15} {'latency':>9} {'bandwidth':>11}  residual over sizes"]
-    for kind, rate in cal.cluster.to_dict().get("collectives", {}).items():
+    for kind, rate in loop.to_dict().get("collectives", {}).items():
         lines.append(f"  {kind:15} {format_seconds(rate['latency']):>9} "
                      f"{format_bandwidth(rate['bandwidth']):>11}  "
                      f"{_residuals(cal.collective_fits[kind].residuals)}")

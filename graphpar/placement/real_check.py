@@ -5,9 +5,12 @@ process ("simple") or as a 2-stage pipeline over both processes holding half of 
 
 What the simulator is given, measured before the run on the same processes:
 
-- each model's and each stage's service time: the mean of repeated runs with one process
-  working at a time (calibrating both at once made each measure the other's contention, and
-  the median hid the slow tail that the run's queues feel);
+- each model's and each stage's service time: the mean of repeated runs (the median hid the
+  slow tail that the run's queues feel), once with one process working at a time and once
+  with both always busy (each placement's serving loop on requests that all arrive at once),
+  blended by how busy the other process is at the trace's rate (on the idle machine the
+  stages ran 9-11 % slower in the run than alone, as ops do inside a training step:
+  `docs/calibration.md`);
 - the fixed costs a request pays that are not compute: the one-way send of a stage's
   activation (a gloo ping-pong, added to the first stage), the lateness of a process woken
   from sleep at a request's arrival (added to the first stage), and the receive of an
@@ -198,6 +201,7 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             cal = _calibration(service, trip)
             if rate is None:  # each model gets half the requests, one process each
                 rate = 2 * utilisation / max(cal["whole"].values())
+            _side_by_side(cal, _saturated(group, job, repeats), rate)
             # a held send finds the first stage computing a share of the time equal to its
             # utilisation (each model half of the requests)
             busy = min(1.0, rate * float(np.mean([s[0] for s in cal["stages"].values()])))
@@ -267,6 +271,46 @@ def _calibration(service: list[dict], trip: list[float]) -> dict:
             "wake": [mean(service[r]["wake"]) for r in (0, 1)],
             "cv": {m: float(np.std(service[r]["whole"][r]) / np.mean(service[r]["whole"][r]))
                    for r, m in enumerate(MODELS)}}
+
+
+def _saturated(group, job: Path, repeats: int) -> dict:
+    """Service times with both processes always computing: each placement's own serving
+    loop (`ServingRank.serve`) replaying `2 * repeats` requests that all arrive at once,
+    alternating models; the pipeline's stages then run beside each other and beside their
+    sends, as they do in a busy run. Means per model (and stage), the first two requests of
+    each model dropped (warm-up)."""
+    n = 2 * repeats
+    w = Workload(MODELS, np.zeros(n), np.arange(n) % len(MODELS), 0.0)
+    save_trace(w, job / "saturated.csv")
+    both = {}
+    for mode in ("simple", "pipeline"):
+        group.wait(group.send("serve", mode, str(job / "saturated.csv"), time.time() + 0.5))
+        marks = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
+        busy = _busy(mode, marks)
+        for b in busy:
+            b[:2 * len(MODELS)] = np.nan
+        both[mode] = _in_run(mode, busy, w)
+    return {"whole": both["simple"], "stages": {m: tuple(v) for m, v in
+                                                 both["pipeline"].items()}}
+
+
+def _side_by_side(cal: dict, both: dict, rate: float) -> None:
+    """Blend `cal`'s service times (each process alone) with `both`'s (both computing at once)
+    by how busy the other process is at `rate` (its utilisation: the chance that it computes
+    while this one does), keeping the alone times as `whole_alone` / `stages_alone`. In the
+    simple placement each process serves one model at half the rate; in the pipeline each
+    stage runs beside the other stage of every model."""
+    half = rate / 2
+    whole, stages = dict(cal["whole"]), dict(cal["stages"])
+    cal["whole_alone"], cal["stages_alone"] = whole, stages
+    cal["whole_together"], cal["stages_together"] = both["whole"], both["stages"]
+    other = {m: min(1.0, half * whole[n]) for m, n in zip(MODELS, reversed(MODELS))}
+    cal["whole"] = {m: whole[m] + other[m] * (both["whole"][m] - whole[m]) for m in MODELS}
+    busy = [min(1.0, sum(half * stages[m][k] for m in MODELS)) for k in (0, 1)]
+    cal["stages"] = {m: tuple(stages[m][k] + busy[1 - k] * (both["stages"][m][k]
+                                                           - stages[m][k]) for k in (0, 1))
+                     for m in MODELS}
+    cal["other_busy"] = {"simple": other, "pipeline": busy}
 
 
 def _groups(mode: str, cal: dict, seen: dict | None = None,

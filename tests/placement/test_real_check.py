@@ -5,7 +5,13 @@ trace on two worker processes."""
 import numpy as np
 import pytest
 
-from graphpar.placement.real_check import _breakdown, _finish, _groups, _per_request
+from graphpar.placement.real_check import (
+    _breakdown,
+    _finish,
+    _groups,
+    _per_request,
+    _side_by_side,
+)
 from graphpar.placement.workload import Workload
 
 # seconds as binary fractions, so that the sums below are exact
@@ -27,6 +33,22 @@ def test_the_simulator_gets_service_times_plus_the_fixed_costs_of_a_request():
     assert again.stage_latency == {"a": [0.5 + 2**-8 + 2**-5, 0.5],
                                    "b": [0.25 + 2**-8 + 2**-5, 0.75]}
     assert again.receive == {"a": [0.0, 2**-4], "b": [0.0, 2**-4]}
+
+
+def test_service_times_blend_alone_and_side_by_side_by_the_other_process_utilisation():
+    """Each process's service time is its time alone plus the other process's utilisation
+    times what running beside it adds: in the simple placement the other serves the other
+    model at half the rate; in the pipeline the other stage runs every model's other half."""
+    cal = {"whole": {"a": 0.5, "b": 0.25}, "stages": {"a": (0.25, 0.25), "b": (0.125, 0.125)}}
+    both = {"whole": {"a": 1.0, "b": 0.5}, "stages": {"a": (0.5, 0.75), "b": (0.25, 0.25)}}
+    _side_by_side(cal, both, rate=2.0)  # each model 1 request/s
+    # simple: a's process is busy 0.5 of the time, b's 0.25
+    assert cal["whole"] == {"a": 0.5 + 0.25 * 0.5, "b": 0.25 + 0.5 * 0.25}
+    # pipeline: each stage busy 0.25 + 0.125 of the time
+    assert cal["stages"] == {"a": (0.25 + 0.375 * 0.25, 0.25 + 0.375 * 0.5),
+                             "b": (0.125 + 0.375 * 0.125, 0.125 + 0.375 * 0.125)}
+    assert cal["whole_alone"] == {"a": 0.5, "b": 0.25}
+    assert cal["stages_together"] == both["stages"]
 
 
 def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():

@@ -63,8 +63,15 @@ def main(argv: list[str] | None = None) -> int:
         s = r["service_s"]
         print(f"run {seed}: {r['requests']} requests at {r['rate']:.3g} req/s over {duration:g} s; "
               f"load average {load:.1f} before, {r['load_average_1min_after']:.1f} after")
-        print("  calibrated (mean, one process at a time): "
-              + ", ".join(f"{m} {s['whole'][m] * 1e3:.1f} ms (CV {s['cv'][m]:.2f}), stages "
+        print("  calibrated (mean; alone -> both processes at once -> blended by the other's "
+              "utilisation): "
+              + ", ".join(f"{m} {s['whole_alone'][m] * 1e3:.1f} -> "
+                          f"{s['whole_together'][m] * 1e3:.1f} -> {s['whole'][m] * 1e3:.1f} ms "
+                          f"(CV {s['cv'][m]:.2f}), stages "
+                          f"{s['stages_alone'][m][0] * 1e3:.1f} + "
+                          f"{s['stages_alone'][m][1] * 1e3:.1f} -> "
+                          f"{s['stages_together'][m][0] * 1e3:.1f} + "
+                          f"{s['stages_together'][m][1] * 1e3:.1f} -> "
                           f"{s['stages'][m][0] * 1e3:.1f} + {s['stages'][m][1] * 1e3:.1f} ms"
                           for m in MODELS)
               + f"; send {s['send'] * 1e3:.2f} ms; held send received in "

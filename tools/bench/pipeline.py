@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from graphpar.calibration import cpu_model
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster
 from graphpar.errors import GraphparError
@@ -316,19 +317,10 @@ def _document(args, results) -> dict:
                          "logical_meshes": "(d/mp, mp), mp = 1, 2, 4, ... up to the devices "
                          "per host; "
                          f"e.g. 1x8: {logical_meshes((1, 8))}"},
-            "machine": {"cpu": _cpu_model(), "cpu_count": torch.get_num_threads(),
+            "machine": {"cpu": cpu_model(), "cpu_count": torch.get_num_threads(),
                         "python": sys.version.split()[0], "torch": torch.__version__,
                         "platform": platform.platform()},
             "results": results}
-
-
-def _cpu_model() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return next((line.split(":", 1)[1].strip() for line in lines
-                 if line.startswith("model name")), platform.processor())
 
 
 if __name__ == "__main__":

@@ -243,15 +243,9 @@ def print_ops(totals: dict[str, dict], top: int = 15) -> None:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_average": list(os.getloadavg()),
+    from graphpar.calibration import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": list(os.getloadavg()),
             "python": platform.python_version(), "torch": torch.__version__}
 
 

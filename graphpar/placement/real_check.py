@@ -210,12 +210,8 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             cal["receive_first_busy"] = float(np.mean(held["first_busy"]))
             cal["receive_first_idle"] = float(np.mean(held["first_idle"]))
             w = gamma_workload(MODELS, rate, 1.0, duration, seed=seed)
-            save_trace(w, job / "trace.csv")
-            runs = {}
-            for mode in ("simple", "pipeline"):
-                group.timeout = duration + 60.0
-                group.wait(group.send("serve", mode, str(job / "trace.csv"), time.time() + 2.0))
-                runs[mode] = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
+            group.timeout = duration + 60.0
+            runs = _replay(group, job, w, "trace", lead=2.0)
         finally:
             group.stop()
     out: dict = {"requests": len(w), "rate": rate, "duration_s": duration}
@@ -281,17 +277,27 @@ def _saturated(group, job: Path, repeats: int) -> dict:
     each model dropped (warm-up)."""
     n = 2 * repeats
     w = Workload(MODELS, np.zeros(n), np.arange(n) % len(MODELS), 0.0)
-    save_trace(w, job / "saturated.csv")
     both = {}
-    for mode in ("simple", "pipeline"):
-        group.wait(group.send("serve", mode, str(job / "saturated.csv"), time.time() + 0.5))
-        marks = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
+    for mode, marks in _replay(group, job, w, "saturated", lead=0.5).items():
         busy = _busy(mode, marks)
         for b in busy:
             b[:2 * len(MODELS)] = np.nan
         both[mode] = _in_run(mode, busy, w)
     return {"whole": both["simple"], "stages": {m: tuple(v) for m, v in
                                                  both["pipeline"].items()}}
+
+
+def _replay(group, job: Path, w: Workload, name: str, lead: float
+            ) -> dict[str, list[np.ndarray]]:
+    """Serve trace `w` (written to `<name>.csv`) in both placements, each starting `lead`
+    seconds after it is sent: per placement, each rank's timestamps (`ServingRank.serve`)."""
+    trace = str(job / f"{name}.csv")
+    save_trace(w, trace)
+    runs = {}
+    for mode in ("simple", "pipeline"):
+        group.wait(group.send("serve", mode, trace, time.time() + lead))
+        runs[mode] = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
+    return runs
 
 
 def _side_by_side(cal: dict, both: dict, rate: float) -> None:

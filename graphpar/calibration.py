@@ -340,19 +340,12 @@ def in_step_report(cal: Calibration) -> str:
     and each calibration program's step, estimated before and after against measured."""
     fit = cal.in_step
     assert fit is not None
-    totals: dict[str, list[float]] = {}
-    for p in cal.profiles:
-        for kind, predicted, measured, *_ in p.samples():
-            if predicted > 0:
-                t = totals.setdefault(kind, [0, 0.0, 0.0])
-                t[0] += 1
-                t[1] += predicted
-                t[2] += measured
     lines = [f"in step ({len(cal.profiles)} calibration programs on {cal.ranks} ranks, every "
              "node timed; measured / loop-fitted estimate):",
              f"  {'class or kind':15} {'nodes':>6} {'estimated':>10} {'measured':>10} "
              f"{'factor':>7}"]
-    for kind, (nodes, predicted, measured) in sorted(totals.items(), key=lambda kv: -kv[1][2]):
+    for kind, (nodes, predicted, measured) in sorted(fit.totals.items(),
+                                                     key=lambda kv: -kv[1][2]):
         pair = fit.collectives.get(kind)
         split = f"  latency x{pair[0]:.2f}, bandwidth /{pair[1]:.2f}" if pair else ""
         lines.append(f"  {kind:15} {nodes:>6} {format_seconds(predicted):>10} "

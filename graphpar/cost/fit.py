@@ -177,12 +177,14 @@ class InStepFit:
     collective pays most for waking the other rank, a large one little more than alone);
     `dispatch`: seconds per priced node of a step that no priced node accounts for (the
     interpreter between nodes, freeing tensors, free view ops); `residuals`: per program,
-    (corrected estimate - measured step) / measured step."""
+    (corrected estimate - measured step) / measured step; `totals`: per class or kind, its
+    priced nodes, their predicted and their measured seconds (what the factors divide)."""
 
     factors: dict[str, float]
     collectives: dict[str, tuple[float, float]]
     dispatch: float
     residuals: tuple[float, ...]
+    totals: dict[str, tuple[int, float, float]]
 
 
 InStepNode = tuple  # (class or kind, predicted s, measured s[, (latency term s, bandwidth term s)])
@@ -196,18 +198,17 @@ def fit_in_step(programs: Sequence[tuple[Sequence[InStepNode], float]],
     are the dispatch's; factors are clipped to `bounds`."""
     if not programs:
         raise ValueError("an in-step fit needs at least one profiled program")
-    predicted: dict[str, float] = {}
-    measured: dict[str, float] = {}
+    totals: dict[str, tuple[int, float, float]] = {}
     terms: dict[str, list[tuple[float, float, float]]] = {}
     for nodes, _ in programs:
         for kind, p, m, *split in nodes:
             if p > 0:
-                predicted[kind] = predicted.get(kind, 0.0) + p
-                measured[kind] = measured.get(kind, 0.0) + m
+                count, predicted, measured = totals.get(kind, (0, 0.0, 0.0))
+                totals[kind] = (count + 1, predicted + p, measured + m)
                 if split:
                     terms.setdefault(kind, []).append((*split[0], m))
-    factors = {k: float(np.clip(measured[k] / predicted[k], *bounds))
-               for k in sorted(predicted) if predicted[k] > 0}
+    factors = {k: float(np.clip(measured / predicted, *bounds))
+               for k, (_, predicted, measured) in sorted(totals.items())}
     collectives = {}
     for kind, rows in terms.items():
         data = np.array(rows, dtype=float)
@@ -229,4 +230,4 @@ def fit_in_step(programs: Sequence[tuple[Sequence[InStepNode], float]],
     for nodes, step in programs:
         estimate = sum(corrected(k, p, split) + dispatch for k, p, _, *split in nodes if p > 0)
         residuals.append((estimate - step) / step)
-    return InStepFit(factors, collectives, dispatch, tuple(residuals))
+    return InStepFit(factors, collectives, dispatch, tuple(residuals), totals)

@@ -268,14 +268,17 @@ def test_a_real_calibration_on_two_ranks(monkeypatch, tmp_path, capsys):
                         lambda dtype=torch.float32, quick=False: [
                             c for c in compute_cases(dtype, quick=True)
                             if c.op_class in ("gemm", "elementwise")][:4])
-    monkeypatch.setattr(measure, "collective_sizes", lambda quick=False: [256, 65536])
+    # sizes far enough apart that bytes, not gloo's wake-up jitter (up to ~1 ms on 2 cores
+    # for any small message), set the larger one's time: the fit needs a time that grows
+    sizes = [256, 4 << 20]
+    monkeypatch.setattr(measure, "collective_sizes", lambda quick=False: sizes)
     monkeypatch.setattr(calibration, "compute_cases", measure.compute_cases)
     monkeypatch.setattr(calibration, "collective_sizes", measure.collective_sizes)
     seen = []
     cal = calibration.calibrate(2, quick=True, progress=seen.append)
     assert len(seen) == calibration.planned_measurements(quick=True)
     assert {(s.kind, s.ranks, s.nbytes) for s in cal.collective_samples} == {
-        (k, 2, m) for k in MEASURED_COLLECTIVES for m in (256, 65536)}
+        (k, 2, m) for k in MEASURED_COLLECTIVES for m in sizes}
     assert all(s.seconds > 0 for s in cal.collective_samples + cal.compute_samples)
     gemm = [s for s in cal.compute_samples if s.case.op_class == "gemm"]
     m, k = gemm[0].case.operands[0].shape

@@ -3,26 +3,29 @@ processes started by the worker group, under one Poisson trace, placed either on
 process ("simple") or as a 2-stage pipeline over both processes holding half of each model
 ("pipeline", activations sent over gloo).
 
-What the simulator is given, measured before the run on the same processes:
+What the simulator is given, measured on the same processes:
 
-- each model's and each stage's service time: the mean of repeated runs (the median hid the
-  slow tail that the run's queues feel), once with one process working at a time and once
-  with both always busy (each placement's serving loop on requests that all arrive at once),
-  blended by how busy the other process is at the trace's rate (on the idle machine the
-  stages ran 9-11 % slower in the run than alone, as ops do inside a training step:
-  `docs/calibration.md`);
+- each model's and each stage's service time, from probes: a short trace of its own (the same
+  rate, another seed) that each placement serves before the checked trace, between its parts
+  and after it, the run's processes used as the run uses them (paced arrivals and sleeps
+  between requests, the other process at the same load, the pipeline's sends). The
+  simulator's service times for a part are the means over the two probes around it, so they
+  follow the machine's drift during the check. (A calibration of each process alone, one at
+  a time, is reported beside it: on the idle machine the stages ran 9-18 % slower in the run
+  than alone, as ops do inside a training step: `docs/calibration.md`.)
 - the fixed costs a request pays that are not compute: the one-way send of a stage's
   activation (a gloo ping-pong, added to the first stage), the lateness of a process woken
   from sleep at a request's arrival (added to the first stage), and the receive of an
   activation sent while the second stage was busy (the simulator's held receive on the
-  second stage: gloo moves such a send only once its receive is posted).
+  second stage: gloo moves such a send only once its receive is posted); the probes' own
+  hand-overs replace the calibrated pair where they saw both.
 
 The run itself mirrors the simulator's queueing: each process serves FCFS, and the first
-stage of the pipeline sends without waiting for the second to receive (`isend`). Per
-request, each rank records when its compute began and ended (and the second rank when it
-posted its receive and got the data), so the run reports how far the machine drifted from
-the calibration (the noise of a shared machine), where a pipelined request's time went, and
-the simulator again with the run's own service times.
+stage of the pipeline sends without waiting for the second to receive (`isend`). Each part of
+the trace starts with empty queues, in the run and in the simulator. Per request, each rank
+records when its compute began and ended (and the second rank when it posted its receive and
+got the data), so the run reports where a pipelined request's time went and the simulator
+again with the run's own service times (its queueing model alone).
 Latencies are wall-clock on this machine."""
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from graphpar.placement.workload import Workload, gamma_workload, load_trace, sa
 from graphpar.runtime.timing import call_seconds
 
 MODELS = ("a", "b")
+MODES = ("simple", "pipeline")
+_PROBE_SEED = 7919  # the probes' trace is not the checked one
 _HIDDEN, _LAYERS, _ROWS = 1536, 8, 32  # tens of ms per request on one CPU thread
 
 
@@ -177,12 +182,19 @@ def factory(jobdir: str, rank: int, world: int) -> ServingRank:
 
 def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: float = 5.0,
                seed: int = 0, warmup: float = 2.0, repeats: int = 30,
-               utilisation: float = 0.4) -> dict:
+               utilisation: float = 0.4, segments: int = 4, probe: float = 4.0) -> dict:
     """Measured and simulated mean latency (s) and SLO attainment of both placements, with
     the calibration the simulator was given and the service times the run itself saw.
     Without `rate`, the trace's total rate keeps each process of the simple placement busy a
     `utilisation` share of the time at the calibrated service times (a load the machine can
-    serve)."""
+    serve).
+
+    The trace is served in `segments` parts, each placement in turn, and before the first
+    part, between parts and after the last, each placement serves a probe: another trace
+    (`probe` seconds, the same rate, another seed). The simulator's service times for a part
+    are those its placement saw in the two probes around it: measured the way the run uses
+    the processes (paced arrivals, sleeps between requests, the other process at the same
+    load, the sends), and close enough in time to follow the machine's drift."""
     from graphpar.runtime.workers import WorkerGroup
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -201,7 +213,6 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             cal = _calibration(service, trip)
             if rate is None:  # each model gets half the requests, one process each
                 rate = 2 * utilisation / max(cal["whole"].values())
-            _side_by_side(cal, _saturated(group, job, repeats), rate)
             # a held send finds the first stage computing a share of the time equal to its
             # utilisation (each model half of the requests)
             busy = min(1.0, rate * float(np.mean([s[0] for s in cal["stages"].values()])))
@@ -210,50 +221,117 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             cal["receive_first_busy"] = float(np.mean(held["first_busy"]))
             cal["receive_first_idle"] = float(np.mean(held["first_idle"]))
             w = gamma_workload(MODELS, rate, 1.0, duration, seed=seed)
-            group.timeout = duration + 60.0
-            runs = _replay(group, job, w, "trace", lead=2.0)
+            probe_w = gamma_workload(MODELS, rate, 1.0, probe, seed=seed + _PROBE_SEED)
+            step = duration / segments
+            parts = [_part(w, k * step, (k + 1) * step) for k in range(segments)]
+            group.timeout = step + probe + 60.0
+            served, probed = _interleaved(group, job, parts, probe_w)
         finally:
             group.stop()
-    out: dict = {"requests": len(w), "rate": rate, "duration_s": duration}
+    out: dict = {"requests": len(w), "rate": rate, "duration_s": duration,
+                 "segments": segments, "probe_s": probe}
     slo = {m: slo_scale * cal["whole"][m] for m in MODELS}
     counted = w.arrivals >= warmup
-    for mode, marks in runs.items():
-        measured = _finish(mode, marks) - w.arrivals
-        seen = _in_run(mode, _busy(mode, marks), w)
-        handover = None
-        if mode == "pipeline":
-            b = _breakdown(marks, w, counted)
-            if b["second_busy_share"] > 0 and b["second_busy_share"] < 1:
-                handover = (b["handover_second_idle"], b["handover_second_busy"])
-        sim = simulate(_groups(mode, cal), w, warmup=warmup)  # no rejection: as served
-        again = simulate(_groups(mode, cal, seen, handover), w, warmup=warmup)
-        out[mode] = {
-            "measured_mean_s": float(measured[counted].mean()),
-            "simulated_mean_s": sim.mean_latency,
-            "measured_attainment": _attainment(measured, w, slo, counted),
-            "simulated_attainment": _attainment(sim.latency, w, slo, counted),
-            "service_in_run_s": seen,
-            # the simulator given the service times the run itself saw: its queueing model
-            # alone, without the machine's drift since the calibration
-            "simulated_in_run_mean_s": again.mean_latency,
-            "simulated_in_run_attainment": _attainment(again.latency, w, slo, counted)}
-        # each request's own compute times (the run's spread, which a deterministic
-        # simulator leaves out): what is left is the model of the fixed costs and the queues
-        own = _per_request(mode, marks, w, cal, handover, warmup)
-        out[mode]["simulated_per_request_mean_s"] = own.mean_latency
-        if mode == "pipeline":
-            out[mode]["breakdown_s"] = b
-            # the model before the held receive was priced: the whole send on the first
-            # stage, nothing on the second's clock
-            before = simulate(_groups(mode, cal, handover=(cal["send"], 0.0)), w,
-                              warmup=warmup)
-            out[mode]["simulated_send_on_first_mean_s"] = before.mean_latency
-            if handover:
-                before = simulate(_groups(mode, cal, seen, (handover[0], 0.0)), w,
-                                  warmup=warmup)
-                out[mode]["simulated_in_run_send_on_first_mean_s"] = before.mean_latency
+    for mode in MODES:
+        out[mode] = _compare(mode, cal, parts, served[mode], probe_w, probed[mode], w, slo,
+                             counted)
     out["service_s"] = cal
     return out
+
+
+def _part(w: Workload, start: float, end: float) -> Workload:
+    """The requests of `w` arriving in [start, end), as a trace of its own starting at 0."""
+    win = w.window(start, end)
+    return Workload(w.models, win.arrivals - start, win.model_ids, end - start)
+
+
+def _joined(parts: list[Workload]) -> Workload:
+    """Parts' requests one after the other (times as they are: each part's own), to pool
+    their per-request statistics."""
+    return Workload(parts[0].models, np.concatenate([p.arrivals for p in parts]),
+                    np.concatenate([p.model_ids for p in parts]),
+                    sum(p.duration for p in parts))
+
+
+def _stacked(marks: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """Per rank, the timestamps of several replays one after the other."""
+    return [np.vstack([m[r] for m in marks]) for r in (0, 1)]
+
+
+def _interleaved(group, job: Path, parts: list[Workload], probe: Workload):
+    """Serve the probe, then each part followed by the probe again, alternating the
+    placements: per placement, each part's timestamps and each probe's (one more probe than
+    parts)."""
+    served: dict[str, list] = {m: [] for m in MODES}
+    probed: dict[str, list] = {m: [] for m in MODES}
+    for k in range(len(parts) + 1):
+        for mode in MODES:
+            probed[mode].append(_replay(group, job, probe, "probe", mode))
+            if k < len(parts):
+                served[mode].append(_replay(group, job, parts[k], f"part{k}", mode))
+    return served, probed
+
+
+def _compare(mode: str, cal: dict, parts: list[Workload], served: list, probe: Workload,
+             probed: list, w: Workload, slo: dict, counted: np.ndarray) -> dict:
+    """One placement's measured latencies against the simulator's, part by part (each part
+    starts with empty queues in the run and in the simulator): given the probes' service
+    times (the check), the one-process-at-a-time calibration's, the part's own means (the
+    queueing model alone) and each request's own computes (its spread too)."""
+    measured, sim = [], {k: [] for k in ("probed", "alone", "in_run", "per_request")}
+    seen_parts, probe_parts = [], []
+    twice = _joined([probe, probe])
+    for k, (part, marks) in enumerate(zip(parts, served)):
+        measured.append(_finish(mode, marks) - part.arrivals)
+        around = _stacked(probed[k:k + 2])
+        probe_service = _in_run(mode, _busy(mode, around), twice)
+        seen = _in_run(mode, _busy(mode, marks), part)
+        handover = _handover(mode, marks, part)
+        sim["probed"].append(simulate(_groups(mode, cal, probe_service,
+                                              _handover(mode, around, twice)), part).latency)
+        sim["alone"].append(simulate(_groups(mode, cal), part).latency)
+        sim["in_run"].append(simulate(_groups(mode, cal, seen, handover), part).latency)
+        sim["per_request"].append(_per_request(mode, marks, part, cal, handover, 0.0).latency)
+        seen_parts.append(seen)
+        probe_parts.append(probe_service)
+    lat = np.concatenate(measured)
+    out = {"measured_mean_s": float(lat[counted].mean()),
+           "measured_attainment": _attainment(lat, w, slo, counted)}
+    for key, name in (("probed", "simulated"), ("alone", "simulated_alone"),
+                      ("in_run", "simulated_in_run"), ("per_request", "simulated_per_request")):
+        x = np.concatenate(sim[key])
+        out[f"{name}_mean_s"] = float(x[counted].mean())
+        out[f"{name}_attainment"] = _attainment(x, w, slo, counted)
+    out["service_in_run_s"] = _in_run(mode, _busy(mode, _stacked(served)), _joined(parts))
+    out["service_probed_s"] = _in_run(mode, _busy(mode, _stacked(probed)),
+                                      _joined([probe] * len(probed)))
+    out["service_in_run_by_part_s"] = seen_parts
+    out["service_probed_by_part_s"] = probe_parts
+    if mode == "pipeline":
+        out["breakdown_s"] = _breakdown(_stacked(served), _joined(parts), counted)
+    return out
+
+
+def _replay(group, job: Path, w: Workload, name: str, mode: str, lead: float = 0.5
+            ) -> list[np.ndarray]:
+    """Serve trace `w` (written to `<name>.csv`) in one placement, starting `lead` seconds
+    after it is sent: each rank's timestamps (`ServingRank.serve`)."""
+    trace = str(job / f"{name}.csv")
+    save_trace(w, trace)
+    group.wait(group.send("serve", mode, trace, time.time() + lead))
+    return [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
+
+
+def _handover(mode: str, marks: list[np.ndarray], w: Workload
+              ) -> tuple[float, float] | None:
+    """The pipeline's (send to a waiting second stage, receive of a held one) as the
+    timestamps show them; None where the replay saw only one of the two."""
+    if mode != "pipeline":
+        return None
+    b = _breakdown(marks, w, np.ones(len(w), bool))
+    if 0 < b["second_busy_share"] < 1:
+        return b["handover_second_idle"], b["handover_second_busy"]
+    return None
 
 
 def _calibration(service: list[dict], trip: list[float]) -> dict:
@@ -267,56 +345,6 @@ def _calibration(service: list[dict], trip: list[float]) -> dict:
             "wake": [mean(service[r]["wake"]) for r in (0, 1)],
             "cv": {m: float(np.std(service[r]["whole"][r]) / np.mean(service[r]["whole"][r]))
                    for r, m in enumerate(MODELS)}}
-
-
-def _saturated(group, job: Path, repeats: int) -> dict:
-    """Service times with both processes always computing: each placement's own serving
-    loop (`ServingRank.serve`) replaying `2 * repeats` requests that all arrive at once,
-    alternating models; the pipeline's stages then run beside each other and beside their
-    sends, as they do in a busy run. Means per model (and stage), the first two requests of
-    each model dropped (warm-up)."""
-    n = 2 * repeats
-    w = Workload(MODELS, np.zeros(n), np.arange(n) % len(MODELS), 0.0)
-    both = {}
-    for mode, marks in _replay(group, job, w, "saturated", lead=0.5).items():
-        busy = _busy(mode, marks)
-        for b in busy:
-            b[:2 * len(MODELS)] = np.nan
-        both[mode] = _in_run(mode, busy, w)
-    return {"whole": both["simple"], "stages": {m: tuple(v) for m, v in
-                                                 both["pipeline"].items()}}
-
-
-def _replay(group, job: Path, w: Workload, name: str, lead: float
-            ) -> dict[str, list[np.ndarray]]:
-    """Serve trace `w` (written to `<name>.csv`) in both placements, each starting `lead`
-    seconds after it is sent: per placement, each rank's timestamps (`ServingRank.serve`)."""
-    trace = str(job / f"{name}.csv")
-    save_trace(w, trace)
-    runs = {}
-    for mode in ("simple", "pipeline"):
-        group.wait(group.send("serve", mode, trace, time.time() + lead))
-        runs[mode] = [np.load(job / f"marks_{mode}{r}.npy") for r in (0, 1)]
-    return runs
-
-
-def _side_by_side(cal: dict, both: dict, rate: float) -> None:
-    """Blend `cal`'s service times (each process alone) with `both`'s (both computing at once)
-    by how busy the other process is at `rate` (its utilisation: the chance that it computes
-    while this one does), keeping the alone times as `whole_alone` / `stages_alone`. In the
-    simple placement each process serves one model at half the rate; in the pipeline each
-    stage runs beside the other stage of every model."""
-    half = rate / 2
-    whole, stages = dict(cal["whole"]), dict(cal["stages"])
-    cal["whole_alone"], cal["stages_alone"] = whole, stages
-    cal["whole_together"], cal["stages_together"] = both["whole"], both["stages"]
-    other = {m: min(1.0, half * whole[n]) for m, n in zip(MODELS, reversed(MODELS))}
-    cal["whole"] = {m: whole[m] + other[m] * (both["whole"][m] - whole[m]) for m in MODELS}
-    busy = [min(1.0, sum(half * stages[m][k] for m in MODELS)) for k in (0, 1)]
-    cal["stages"] = {m: tuple(stages[m][k] + busy[1 - k] * (both["stages"][m][k]
-                                                           - stages[m][k]) for k in (0, 1))
-                     for m in MODELS}
-    cal["other_busy"] = {"simple": other, "pipeline": busy}
 
 
 def _groups(mode: str, cal: dict, seen: dict | None = None,

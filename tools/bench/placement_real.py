@@ -1,12 +1,13 @@
 """The placement simulator against a real run on CPU processes (docs/placement.md): two MLPs
 served one per process vs as a 2-stage pipeline over both, under one Poisson trace, through
 graphpar's worker group; measured (wall clock) against simulated mean latency and SLO
-attainment. The simulator gets service times and fixed costs calibrated on the same processes
-first (graphpar.placement.real_check). Each run is repeated with another trace seed; the
-spread between runs and the drift of service times from calibration to run are the noise.
+attainment. The simulator gets fixed costs calibrated on the same processes first and
+service times from probes served around each part of the trace (graphpar.placement.real_check).
+Each run is repeated with another trace seed; the spread between runs and the drift of service
+times through the run are the noise.
 
     python tools/bench/placement_real.py                 # 2 runs of 60 s: the idle check
-    python tools/bench/placement_real.py --quick         # 1 run of 20 s (a smoke check)
+    python tools/bench/placement_real.py --quick         # 1 run of 20 s in 2 parts (a smoke check)
     python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
 
 Two worker processes and this one (asleep while they serve): no more processes than two
@@ -44,46 +45,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of trace")
     parser.add_argument("--runs", type=int, default=2, help="runs, each with its own seed")
     parser.add_argument("--slo-scale", type=float, default=5.0)
-    parser.add_argument("--quick", action="store_true", help="one run of 20 s")
+    parser.add_argument("--segments", type=int, default=4,
+                        help="parts the trace is served in, a probe around each")
+    parser.add_argument("--probe", type=float, default=4.0,
+                        help="seconds of each probe (service times for the simulator)")
+    parser.add_argument("--quick", action="store_true", help="one run of 20 s in 2 parts")
     parser.add_argument("--out", default=None,
                         help="JSON (default: placement_real.json beside this script)")
     args = parser.parse_args(argv)
-    duration, runs = (20.0, 1) if args.quick else (args.duration, args.runs)
+    duration, runs, segments = ((20.0, 1, 2) if args.quick
+                                else (args.duration, args.runs, args.segments))
     out = Path(args.out or Path(__file__).with_suffix(".json"))
     results = {"machine": platform.node(), "cpus": os.cpu_count(), "runs": []}
     for seed in range(runs):
         load = os.getloadavg()[0]
         cpu, wall = time.process_time(), time.perf_counter()
         r = real_check(args.rate, duration, args.slo_scale, seed=seed,
-                       utilisation=args.utilisation)
+                       utilisation=args.utilisation, segments=segments, probe=args.probe)
         r |= {"seed": seed, "load_average_1min_before": load,
               "load_average_1min_after": os.getloadavg()[0],
               "wall_s": time.perf_counter() - wall, "cpu_s_main": time.process_time() - cpu}
         results["runs"].append(r)
         s = r["service_s"]
-        print(f"run {seed}: {r['requests']} requests at {r['rate']:.3g} req/s over {duration:g} s; "
-              f"load average {load:.1f} before, {r['load_average_1min_after']:.1f} after")
-        print("  calibrated (mean; alone -> both processes at once -> blended by the other's "
-              "utilisation): "
-              + ", ".join(f"{m} {s['whole_alone'][m] * 1e3:.1f} -> "
-                          f"{s['whole_together'][m] * 1e3:.1f} -> {s['whole'][m] * 1e3:.1f} ms "
-                          f"(CV {s['cv'][m]:.2f}), stages "
-                          f"{s['stages_alone'][m][0] * 1e3:.1f} + "
-                          f"{s['stages_alone'][m][1] * 1e3:.1f} -> "
-                          f"{s['stages_together'][m][0] * 1e3:.1f} + "
-                          f"{s['stages_together'][m][1] * 1e3:.1f} -> "
-                          f"{s['stages'][m][0] * 1e3:.1f} + {s['stages'][m][1] * 1e3:.1f} ms"
-                          for m in MODELS)
-              + f"; send {s['send'] * 1e3:.2f} ms; held send received in "
+        print(f"run {seed}: {r['requests']} requests at {r['rate']:.3g} req/s over {duration:g} s "
+              f"in {r['segments']} parts, a {r['probe_s']:g} s probe around each; load average "
+              f"{load:.1f} before, {r['load_average_1min_after']:.1f} after")
+        print("  service (mean ms; alone -> in the probes -> in the run): "
+              + ", ".join(f"{m} {s['whole'][m] * 1e3:.1f} -> "
+                          f"{r['simple']['service_probed_s'][m] * 1e3:.1f} -> "
+                          f"{r['simple']['service_in_run_s'][m] * 1e3:.1f}" for m in MODELS)
+              + "; stages " + ", ".join(
+                  f"{m} " + " + ".join(f"{a * 1e3:.1f}" for a in s['stages'][m]) + " -> "
+                  + " + ".join(f"{a * 1e3:.1f}" for a in r['pipeline']['service_probed_s'][m])
+                  + " -> "
+                  + " + ".join(f"{a * 1e3:.1f}" for a in r['pipeline']['service_in_run_s'][m])
+                  for m in MODELS))
+        print(f"  fixed costs: send {s['send'] * 1e3:.2f} ms; held send received in "
               f"{s['receive'] * 1e3:.2f} ms ({s['receive_first_busy'] * 1e3:.2f} with stage 1 "
               f"busy, {s['receive_first_idle'] * 1e3:.2f} idle); wake-up lateness "
               + "/".join(f"{t * 1e3:.2f}" for t in s["wake"]) + " ms")
-        print("  seen in the run: simple "
-              + ", ".join(f"{m} {t * 1e3:.1f} ms" for m, t in r["simple"]["service_in_run_s"]
-                          .items())
-              + "; pipeline " + ", ".join(f"{m} {a * 1e3:.1f} + {b * 1e3:.1f} ms"
-                                          for m, (a, b) in r["pipeline"]["service_in_run_s"]
-                                          .items()))
+        drift = [[p[m][0] for m in MODELS] for p in r["pipeline"]["service_probed_by_part_s"]]
+        print("  drift: pipeline stage 1 in the probes around each part (ms): "
+              + ", ".join("/".join(f"{t * 1e3:.1f}" for t in d) for d in drift))
         print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} {'error':>7s} "
               f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
         for mode in ("simple", "pipeline"):
@@ -97,21 +100,17 @@ def main(argv: list[str] | None = None) -> int:
               f"waited, {b['handover_second_busy'] * 1e3:.2f} when it was busy: "
               f"{b['second_busy_share'] * 100:.0f} %), stage 2 {b['second_compute'] * 1e3:.2f}; "
               f"compute CV {b['first_compute_cv']:.2f} / {b['second_compute_cv']:.2f}")
-        print("  the simulator given the service times seen in the run (its queueing alone):")
-        for mode in ("simple", "pipeline"):
-            print(_row(mode, r[mode], "simulated_in_run"))
+        for key, what in (("simulated_alone", "service times of each process calibrated alone"),
+                          ("simulated_in_run", "the run's own mean service times (its queueing "
+                                               "alone)")):
+            print(f"  the simulator given {what}:")
+            for mode in ("simple", "pipeline"):
+                print(_row(mode, r[mode], key))
         own = {mode: (r[mode]["simulated_per_request_mean_s"], r[mode]["measured_mean_s"])
                for mode in ("simple", "pipeline")}
         print("  ... and each request's own compute times from the run (their spread too): "
               + ", ".join(f"{mode} {x * 1e3:.1f} ms ({(x / m - 1) * 100:+.1f}%)"
                           for mode, (x, m) in own.items()))
-        p = r["pipeline"]
-        was = [p.get(k) for k in ("simulated_send_on_first_mean_s",
-                                  "simulated_in_run_send_on_first_mean_s")]
-        print("  pipeline with the whole send on stage 1 (the model before the held receive): "
-              + " / ".join("—" if x is None else
-                           f"{x * 1e3:.1f} ms ({(x / p['measured_mean_s'] - 1) * 100:+.1f}%)"
-                           for x in was) + " (calibrated / run's service)")
         out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

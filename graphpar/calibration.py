@@ -26,6 +26,7 @@ import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -97,6 +98,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cluster_file_for(ranks: int, default: str | Path) -> str:
+    """The calibration a mesh of `ranks` processes is priced on: `default`'s sibling
+    `<stem>.<ranks>ranks.json` where `graphpar calibrate --ranks <ranks>` wrote one (that many
+    processes sharing this machine's cores is another machine than `default`'s ranks), else
+    `default`."""
+    default = Path(default)
+    own = default.with_name(f"{default.stem}.{ranks}ranks.json")
+    return str(own if own.exists() else default)
+
+
 def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str = "cpu",
               in_step: bool = True, progress: Callable[[str], None] | None = None
               ) -> Calibration:
@@ -123,7 +134,8 @@ def calibrate(ranks: int, *, base: str = "cpu", quick: bool = False, device: str
     if in_step and device == "cpu":
         step_start = time.perf_counter()
         cal.profiles = profile_programs(cal.cluster, ranks, quick=quick, progress=progress)
-        cal.in_step = fit_in_step([(p.samples(), p.step_seconds) for p in cal.profiles])
+        cal.in_step = fit_in_step([(p.samples(), p.step_seconds, p.result_bytes)
+                                   for p in cal.profiles])
         cal.loop_cluster = cal.cluster
         cal.cluster, notes = with_in_step(cal.cluster, cal.in_step)
         cal.notes += notes
@@ -146,7 +158,8 @@ def planned_measurements(quick: bool = False, in_step: bool = True) -> int:
 
 def with_in_step(cluster: Cluster, in_step: InStepFit) -> tuple[Cluster, list[str]]:
     """`cluster` with the in-step fit folded in: every class's FLOP/s and bytes/s divided by
-    its factor, its overhead multiplied by it and the dispatch time added; every collective
+    its factor, its overhead multiplied by it and the dispatch time per node added, the
+    dispatch per result byte as the cluster's `seconds_per_result_byte`; every collective
     kind's latency multiplied by its latency factor and bandwidth divided by its bandwidth
     factor, and the link's by the medians of them. A class or kind the programs did not run
     takes the median of the others' (said in the notes)."""
@@ -187,6 +200,7 @@ def with_in_step(cluster: Cluster, in_step: InStepFit) -> tuple[Cluster, list[st
     fp32 = table.get("fp32", {}).get("gemm", {})
     return dataclasses.replace(
         cluster, compute=table, collectives=collectives,
+        seconds_per_result_byte=in_step.dispatch_per_byte,
         intra_node_latency=link_latency, intra_node_bandwidth=link_bandwidth,
         inter_node_latency=max(cluster.inter_node_latency, link_latency),
         inter_node_bandwidth=min(cluster.inter_node_bandwidth, link_bandwidth),
@@ -350,8 +364,9 @@ def in_step_report(cal: Calibration) -> str:
         split = f"  latency x{pair[0]:.2f}, bandwidth /{pair[1]:.2f}" if pair else ""
         lines.append(f"  {kind:15} {nodes:>6} {format_seconds(predicted):>10} "
                      f"{format_seconds(measured):>10} {fit.factors[kind]:>7.2f}{split}")
-    lines.append(f"  dispatch: {format_seconds(fit.dispatch)} per priced node (the time between "
-                 "them and in free ops)")
+    lines.append(f"  dispatch: {format_seconds(fit.dispatch)} per priced node + "
+                 f"{format_seconds(fit.dispatch_per_byte * 2**20)} per MiB of its results (the "
+                 "time between nodes and in free ops; fresh memory allocated and freed)")
     lines.append(f"  {'program':18} {'estimated before':>16} {'after':>10} {'measured':>10}")
     for p, residual in zip(cal.profiles, fit.residuals):
         before = sum(r.predicted for r in p.rows)
@@ -391,14 +406,17 @@ def timings(cal: Calibration) -> dict:
                               for (d, c), v in cal.overheads.items()],
         **({"in_step": {
             "factors": cal.in_step.factors, "dispatch_s": cal.in_step.dispatch,
+            "dispatch_s_per_result_byte": cal.in_step.dispatch_per_byte,
             "collectives": {k: {"latency_factor": a, "bandwidth_factor": b}
                             for k, (a, b) in cal.in_step.collectives.items()},
             "wall_seconds": cal.in_step_seconds,
             "programs": [{"program": p.name, "step_seconds_measured": p.step_seconds,
                           "step_seconds_loop_estimate": sum(r.predicted for r in p.rows),
+                          "result_bytes": p.result_bytes,
                           "residual_after": residual,
                           "nodes": [{"op": r.op, "kind": r.kind, "predicted_s": r.predicted,
-                                     "measured_s": r.measured} for r in p.rows]}
+                                     "measured_s": r.measured, "result_bytes": r.result_bytes}
+                                    for r in p.rows]}
                          for p, residual in zip(cal.profiles, cal.in_step.residuals)],
             "loop_cluster": cal.loop_cluster.to_dict() if cal.loop_cluster else None,
         }} if cal.in_step is not None else {}),

@@ -43,7 +43,7 @@ def test_the_ilp_plan_counts_as_fastest_only_within_the_measured_noise(load_benc
 def test_a_mesh_is_priced_on_this_machine_calibrated_on_as_many_ranks(load_bench, tmp_path,
                                                                      monkeypatch):
     bench = load_bench("plan_quality")
-    monkeypatch.setattr(bench, "HERE", tmp_path)
+    monkeypatch.setattr(bench, "DEFAULT_CLUSTER", str(tmp_path / "gloo_cluster.json"))
     assert bench.cluster_for(4, None) == bench.DEFAULT_CLUSTER  # no 4-rank file: the 2-rank
     (tmp_path / "gloo_cluster.4ranks.json").write_text("{}")
     assert bench.cluster_for(4, None) == str(tmp_path / "gloo_cluster.4ranks.json")

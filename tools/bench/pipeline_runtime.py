@@ -1,11 +1,13 @@
 """Measure pipelined training steps on gloo CPU ranks, one process per device, per schedule.
 
-For each schedule the step runs once to warm up and once measured; each rank times its own
-actions (wall clock). The table gives the measured step time and bubble fraction, the
-simulator's estimate from the measured per-action times (median F, B, I, W, send per stage:
-does the schedule model predict the runtime?), the cost model's transfer time for the bytes
-between stages, and (p-1)/(m+p-1), GPipe's and 1F1B's bubble with uniform stages and free
-transfers. Every step is also checked against eager PyTorch.
+For each schedule one step is checked against eager PyTorch, then the same processes time 5
+steps after 2 untimed ones (all ranks start each after a barrier; wall clock). The table gives
+the measured step time and bubble fraction (medians of the timed steps), the step and bubble
+the cost model estimates on this machine's calibration (`graphpar calibrate --ranks n` for as
+many ranks as the pipeline has processes, `gloo_cluster.<n>ranks.json`, else the 2-rank
+`gloo_cluster.json`), the schedule simulator's step from the checked step's per-action times
+(median F, B, I, W, send per stage: does the schedule model predict the runtime?), and
+(p-1)/(m+p-1), GPipe's and 1F1B's bubble with uniform stages and free transfers.
 
 With `--submeshes` some stages run on sub-meshes of several devices (their phases sharded by
 the auto-shard ILP, one process per device): the second table gives the bytes that crossed
@@ -27,10 +29,14 @@ import statistics
 import time
 from pathlib import Path
 
+from graphpar.calibration import cluster_file_for
 from graphpar.capture import Adam
+from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS
 from graphpar.models import get_model
 from graphpar.pipelined import compile_pipeline
-from graphpar.runtime.schedules import COMPUTE_KINDS, ActionKind, simulate
+from graphpar.runtime.schedules import ActionKind, simulate
+
+DEFAULT_CLUSTER = Path(__file__).with_name("gloo_cluster.json")
 
 
 def cross_mesh_bytes(pipe) -> dict:
@@ -51,19 +57,24 @@ def cross_mesh_bytes(pipe) -> dict:
     return {"bytes_across_naive": naive, "bytes_gathered_inside_predicted": int(inside)}
 
 
-def measure(pipe, schedule: str, warm_up: bool = True) -> dict:
+def measure(pipe, schedule: str, timed_steps: int = TIMED_STEPS) -> dict:
+    """One schedule: a step checked against eager, then `timed_steps` steps timed after
+    `WARMUP_STEPS` untimed ones, in the same processes. The measured step and bubble are the
+    timed steps' medians (every rank starts a step together after a barrier); the per-action
+    medians of the checked step feed the schedule simulator."""
     pipe = pipe.with_schedule(schedule)
-    if warm_up:
-        pipe.run(*pipe.spec.inputs, *pipe.spec.targets, processes=True)
     start, cpu = time.perf_counter(), _cpu_seconds()
-    check = pipe.check(processes=True)
+    check = pipe.check(processes=True, timed_steps=timed_steps, warmup=WARMUP_STEPS)
     wall = time.perf_counter() - start
     cpu = _cpu_seconds() - cpu
-    spans = pipe.last_run.spans
+    run = pipe.last_run
+    spans = run.spans
     stages = pipe.stages
-    step = max(s.end_s for s in spans) - min(s.start_s for s in spans)
-    compute = sum(s.end_s - s.start_s for s in spans if s.action.kind in COMPUTE_KINDS)
-    measured_bubble = 1 - compute / (stages * step)
+    timed = run.step_times.as_dict()
+    step = timed["step_seconds_measured"]
+    # each stage's compute in a step (its first device's), median over the timed steps
+    compute = [statistics.median(c) for c in run.stage_compute_seconds]
+    measured_bubble = 1 - sum(compute) / (stages * step)
 
     def median(kind: ActionKind, stage: int) -> float:
         times = [s.end_s - s.start_s for s in spans
@@ -82,10 +93,15 @@ def measure(pipe, schedule: str, warm_up: bool = True) -> dict:
     update = [median(ActionKind.UPDATE, s) for s in range(stages)]
     estimate = simulate(pipe.schedule, forward, backward, comm, weight, update)
     m = pipe.microbatches
-    calibrated = pipe.estimate(str(Path(__file__).with_name("gloo_cluster.json")))
+    cluster = cluster_file_for(sum(len(d) for d in pipe.devices), DEFAULT_CLUSTER)
+    calibrated = pipe.estimate(cluster)
     return {
         "schedule": schedule, "stages": stages, "microbatches": m,
-        "step_seconds_measured": step,
+        "step_seconds_measured": step, "step_seconds_measured_min": timed["step_seconds_min"],
+        "steps_timed": timed["steps"],
+        "stage_compute_seconds_measured": compute,
+        "stage_compute_seconds_estimated": list(calibrated.compute_seconds),
+        "cluster": cluster,
         "step_seconds_simulated_from_measured_actions": estimate.step_seconds,
         "step_seconds_estimated_by_cost_model": calibrated.step_seconds,
         "bubble_fraction_estimated_by_cost_model": calibrated.bubble_fraction,
@@ -120,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="each stage's sub-mesh, comma-separated (e.g. 1,1x2: stage 1 "
                              "sharded on 2 devices); default one device per stage")
     parser.add_argument("--quick", action="store_true",
-                        help="gpt tiny as bundled (2 layers, d_model 64), 1F1B only, no "
-                             "warm-up run")
+                        help="gpt tiny as bundled (2 layers, d_model 64), 1F1B only, 2 "
+                             "timed steps")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".json")))
     args = parser.parse_args(argv)
     submeshes = [m.strip() for m in args.submeshes.split(",") if m.strip()]
@@ -135,21 +151,28 @@ def main(argv: list[str] | None = None) -> int:
     if sharded:
         pipe = pipe.on_submeshes(sharded)
     schedules = ("1f1b",) if args.quick else ("gpipe", "1f1b", "zb")
-    rows = [measure(pipe, name, warm_up=not args.quick) for name in schedules]
+    rows = [measure(pipe, name, 2 if args.quick else TIMED_STEPS) for name in schedules]
     model = "bundled size" if args.quick else "4 layers, d_model 128"
     print(f"gpt tiny ({model}), {stages} stages on {'+'.join(map(str, rows[0]['devices']))} "
           f"gloo ranks (one per device), {args.microbatches} microbatches; times measured "
           "(wall clock, shared machine)")
-    print(f"{'schedule':8} {'step ms':>8} {'sim ms':>8} {'est ms':>7} {'bubble':>7} {'sim':>6} "
-          f"{'est':>5} {'(p-1)/(m+p-1)':>13} {'bytes':>9} {'eager':>5}")
+    print(f"priced on {rows[0]['cluster']}")
+    print(f"{'schedule':8} {'step ms':>8} {'est ms':>7} {'ratio':>6} {'bubble':>7} {'est':>5} "
+          f"{'(p-1)/(m+p-1)':>13} {'sim ms':>7} {'sim bubble':>10} {'eager':>5}")
     for r in rows:
         print(f"{r['schedule']:8} {1e3 * r['step_seconds_measured']:8.1f} "
-              f"{1e3 * r['step_seconds_simulated_from_measured_actions']:8.1f} "
               f"{1e3 * r['step_seconds_estimated_by_cost_model']:7.1f} "
-              f"{r['bubble_fraction_measured']:7.2f} {r['bubble_fraction_simulated']:6.2f} "
+              f"{r['step_seconds_measured'] / r['step_seconds_estimated_by_cost_model']:6.2f} "
+              f"{r['bubble_fraction_measured']:7.2f} "
               f"{r['bubble_fraction_estimated_by_cost_model']:5.2f} "
               f"{r['bubble_fraction_uniform_formula']:13.2f} "
-              f"{r['bytes_between_stages_measured']:9d} {str(r['equal_to_eager']):>5}")
+              f"{1e3 * r['step_seconds_simulated_from_measured_actions']:7.1f} "
+              f"{r['bubble_fraction_simulated']:10.2f} {str(r['equal_to_eager']):>5}")
+    print("\neach stage's compute per step (ms), measured / estimated")
+    for r in rows:
+        print(f"{r['schedule']:8} " + "  ".join(
+            f"{1e3 * m:.1f} / {1e3 * e:.1f}" for m, e in
+            zip(r["stage_compute_seconds_measured"], r["stage_compute_seconds_estimated"])))
     print("\nbytes per step between and inside sub-meshes (B); seconds for the whole check")
     print(f"{'schedule':8} {'across meas.':>12} {'predicted':>10} {'naive':>10} "
           f"{'gathered meas.':>14} {'cost model':>10} {'wall s':>7} {'CPU s':>6}")

@@ -251,13 +251,10 @@ def machine() -> dict:
 
 def cluster_for(devices: int, given: str | None) -> str:
     """The cluster a mesh of `devices` ranks is priced on: `given`, else this machine
-    calibrated on that many ranks (`gloo_cluster.<n>ranks.json`, written by `graphpar calibrate
-    --ranks n`: n processes sharing the cores is another machine than 2 on 2), else the
-    2-rank calibration."""
-    if given:
-        return given
-    own = HERE / f"gloo_cluster.{devices}ranks.json"
-    return str(own) if devices != 2 and own.exists() else DEFAULT_CLUSTER
+    calibrated on that many ranks (`calibration.cluster_file_for`)."""
+    from graphpar.calibration import cluster_file_for
+
+    return given or cluster_file_for(devices, DEFAULT_CLUSTER)
 
 
 def run(args) -> dict:

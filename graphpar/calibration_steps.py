@@ -16,7 +16,8 @@ reduce-scatters) and decode steps of a model whose weights (118 MB) no cache hol
 skinny matmuls stream them from memory with every rank doing the same at once. Each runs a few
 steps with every node timed (`Compiled.time_steps(profile=True)`);
 `graphpar.cost.fit.fit_in_step` turns the nodes into one factor per op class and collective
-kind and a dispatch time per node.
+kind and a dispatch time per node and per byte of results (the small training step, the same
+nodes on tensors 36x smaller, tells the two apart).
 """
 
 from __future__ import annotations
@@ -33,14 +34,19 @@ from graphpar.runtime.timing import trimmed_mean
 __all__ = ["CALIBRATION_MODELS", "PROGRAMS", "QUICK_PROGRAMS", "ProgramProfile",
            "profile_programs"]
 
-CALIBRATION_MODELS = {  # mode -> (model, config, batch)
-    "train": ("gpt", dict(vocab_size=768, seq_len=48, d_model=384, n_layers=2, n_heads=6), 8),
-    "decode": ("gpt", dict(vocab_size=2048, seq_len=48, d_model=1024, n_layers=2, n_heads=8),
-               8),
+CALIBRATION_MODELS = {  # name -> (model, mode, config, batch)
+    "train": ("gpt", "train",
+              dict(vocab_size=768, seq_len=48, d_model=384, n_layers=2, n_heads=6), 8),
+    # the same step at a width whose tensors are 36x smaller: the same nodes with little
+    # memory each, so that the fit can tell time per node from time per byte
+    "train-small": ("gpt", "train",
+                    dict(vocab_size=768, seq_len=48, d_model=64, n_layers=2, n_heads=2), 8),
+    "decode": ("gpt", "decode",
+               dict(vocab_size=2048, seq_len=48, d_model=1024, n_layers=2, n_heads=8), 8),
 }
 PROGRAMS = (("train", "data"), ("train", "megatron"), ("train", "zero-3"),
-            ("decode", "data"), ("decode", "megatron"))
-QUICK_PROGRAMS = (("train", "megatron"), ("decode", "megatron"))
+            ("train-small", "data"), ("decode", "data"), ("decode", "megatron"))
+QUICK_PROGRAMS = (("train", "megatron"), ("train-small", "data"), ("decode", "megatron"))
 STEPS, WARMUP = 6, 2
 
 
@@ -49,7 +55,7 @@ class ProgramProfile:
     """One calibration program on the ranks: its nodes (priced by the loop-fitted cluster,
     measured in the step) and its measured step seconds."""
 
-    mode: str
+    mode: str  # its `CALIBRATION_MODELS` name
     plan: str
     rows: list[NodeRow]
     step_seconds: float  # measured: mean over timed steps (the slowest dropped) of the slowest
@@ -61,6 +67,12 @@ class ProgramProfile:
 
     latency: dict[str, float] = field(default_factory=dict)  # per collective kind, the
     # loop-fitted latency per step that priced it
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of results of its priced compute nodes, on one device (the fresh memory a
+        step allocates: `fit_in_step`'s per-byte dispatch)."""
+        return sum(r.result_bytes for r in self.rows if r.predicted > 0 and not r.collective)
 
     def samples(self) -> list[tuple]:
         """Per node (class or kind, predicted, measured), a collective's with its prediction's
@@ -83,11 +95,11 @@ def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
     mesh = mesh_for(str(ranks), cluster)
     cases: dict[str, PlanCase] = {}
     profiles = []
-    for mode, plan_name in QUICK_PROGRAMS if quick else PROGRAMS:
-        if mode not in cases:
-            model, config, batch = CALIBRATION_MODELS[mode]
-            cases[mode] = capture_case(model, mode, batch=batch, config=config)
-        case = cases[mode]
+    for name, plan_name in QUICK_PROGRAMS if quick else PROGRAMS:
+        if name not in cases:
+            model, mode, config, batch = CALIBRATION_MODELS[name]
+            cases[name] = capture_case(model, mode, batch=batch, config=config)
+        case = cases[name]
         _, compiled = solve_plan(case, mesh, plan_name, memory_limit=None)
         times = compiled.time_steps(STEPS, WARMUP, args=case.args, profile=True)[-1]
         rows = node_rows(compiled, times)
@@ -95,9 +107,9 @@ def profile_programs(cluster: Cluster, ranks: int, *, quick: bool = False,
         for kind in {r.kind for r in rows if r.collective}:
             rate = cluster.collective_rate(kind)
             latency[kind] = rate.latency if rate else cluster.intra_node_latency
-        profiles.append(ProgramProfile(mode, plan_name, rows, trimmed_mean(times.step_seconds),
+        profiles.append(ProgramProfile(name, plan_name, rows, trimmed_mean(times.step_seconds),
                                        latency))
         if progress:
-            progress(f"in-step {mode}/{plan_name}")
+            progress(f"in-step {name}/{plan_name}")
     return profiles
 

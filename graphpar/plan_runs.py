@@ -22,6 +22,7 @@ from graphpar.api import Compiled, lower
 from graphpar.capture import Adam, Captured, capture_inference, capture_training
 from graphpar.cost.communication import node_comm_cost
 from graphpar.cost.compute import Roofline, node_seconds, op_class
+from graphpar.ir.types import TensorType
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.auto_shard import ShardingPlans
@@ -120,6 +121,7 @@ class NodeRow:
     nbytes: int  # the collective's buffer (0 for compute)
     predicted: float  # seconds on one device (estimated)
     measured: float  # seconds (measured: the ranks' mean of the node's mean per step)
+    result_bytes: int = 0  # a compute node's results on one device (fresh memory in a step)
 
 
 def node_rows(compiled: Compiled, times=None, roofline: Roofline | None = None
@@ -142,8 +144,9 @@ def node_rows(compiled: Compiled, times=None, roofline: Roofline | None = None
                                 int(comm.nbytes), comm.seconds, measured))
         else:
             operands = [getattr(v, "type", v) for v in node.inputs]
+            fresh = sum(o.type.nbytes for o in node.outputs if isinstance(o.type, TensorType))
             rows.append(NodeRow(node.op, op_class(node.op, operands), False, 1, 0,
-                                node_seconds(node, roof), measured))
+                                node_seconds(node, roof), measured, fresh))
     return rows
 
 

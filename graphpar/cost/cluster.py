@@ -202,12 +202,14 @@ PRESETS: Mapping[str, Cluster] = MappingProxyType({c.name: c for c in _PRESET_LI
 
 _REQUIRED = ("num_nodes", "devices_per_node", "device_memory", "intra_node_bandwidth",
              "intra_node_latency", "inter_node_bandwidth", "inter_node_latency", "peak_flops")
-_OPTIONAL = ("name", "base", "device", "source", "compute", "collectives")
+_OPTIONAL = ("name", "base", "device", "source", "compute", "collectives",
+             "seconds_per_result_byte")
 _EXPECTED = {
     "name": "a string",
     "base": f"a preset name ({', '.join(PRESETS)})",
     "device": "a string",
     "source": "a string",
+    "seconds_per_result_byte": "a number >= 0 (seconds per byte of a node's results)",
     "num_nodes": "a positive integer",
     "devices_per_node": "a positive integer",
     "device_memory": 'a size like "80GiB", "40GB" or a number of bytes',
@@ -319,6 +321,11 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "<cluster>") -> Clus
             fields["peak_flops_" + name] = rate
     if "collectives" in data:
         fields["collectives"] = _collective_rows(data["collectives"], where)
+    if "seconds_per_result_byte" in data:
+        value = data["seconds_per_result_byte"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise _fail(where, "seconds_per_result_byte", value)
+        fields["seconds_per_result_byte"] = float(value)
     if "compute" in data or "base" not in data:
         given = _compute_rows(data.get("compute", {}), where)
         fields["compute"] = _with_fallbacks(given, fields.get("compute", ()), where,

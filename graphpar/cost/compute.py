@@ -43,12 +43,13 @@ class Roofline:
 
     rates: tuple[tuple[str, ComputeRate], ...]
     name: str = ""  # what the rates are of, for messages: "dgx-a100 bf16"
+    per_result_byte: float = 0.0  # seconds per byte of a call's results (fresh memory)
 
     @classmethod
     def of(cls, cluster: Cluster, dtype: object = "fp32") -> Roofline:
         """The rates of `cluster`'s devices at `dtype` (classes its table lacks: peak FLOP/s)."""
         return cls(tuple((c, cluster.compute_rate(dtype, c)) for c in COMPUTE_CLASSES),
-                   f"{cluster.name} {dtype}")
+                   f"{cluster.name} {dtype}", cluster.seconds_per_result_byte)
 
     @classmethod
     def flops_only(cls, peak_flops: float) -> Roofline:
@@ -70,12 +71,15 @@ class Roofline:
         raise ValueError(f"unknown op class {op_class!r}; the classes are "
                          f"{', '.join(COMPUTE_CLASSES)}")
 
-    def seconds(self, op_class: str, flops: float, nbytes: float) -> float:
-        """max(flops / achieved FLOP/s, nbytes / achieved bandwidth) + overhead; 0 if free."""
+    def seconds(self, op_class: str, flops: float, nbytes: float, result_bytes: float = 0.0
+                ) -> float:
+        """max(flops / achieved FLOP/s, nbytes / achieved bandwidth) + overhead, plus the
+        fresh memory of `result_bytes` of results; 0 if free."""
         if op_class == FREE:
             return 0.0
         rate = self.rate(op_class)
-        return max(flops / rate.flops, nbytes / rate.bandwidth) + rate.overhead
+        return (max(flops / rate.flops, nbytes / rate.bandwidth) + rate.overhead
+                + result_bytes * self.per_result_byte)
 
     def bound(self, op_class: str, flops: float, nbytes: float) -> str:
         """Which term decides: "compute", "memory" (or "free")."""
@@ -128,7 +132,8 @@ def op_seconds(op: str | OpDef, operands: Sequence[Any], results: Sequence[Tenso
         return 0.0
     if flops is None:
         flops = op.flops(operands, list(results), attrs)
-    return roof.seconds(cls, flops, bytes_moved(op, operands, results, attrs))
+    fresh = sum(r.nbytes for r in results if isinstance(r, TensorType))
+    return roof.seconds(cls, flops, bytes_moved(op, operands, results, attrs), fresh)
 
 
 def node_seconds(node, roofline: Roofline | float, dtype: torch.dtype | None = None) -> float:

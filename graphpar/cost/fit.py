@@ -175,8 +175,9 @@ class InStepFit:
     of a step comes out right); `collectives`: per collective kind, (latency factor, bandwidth
     factor) fitted to its nodes' latency and bandwidth terms separately (in a step a small
     collective pays most for waking the other rank, a large one little more than alone);
-    `dispatch`: seconds per priced node of a step that no priced node accounts for (the
-    interpreter between nodes, freeing tensors, free view ops); `residuals`: per program,
+    `dispatch` + `dispatch_per_byte` x its results' bytes: what each priced node adds to a
+    step beyond the priced nodes' own measured times (the interpreter between nodes, free view
+    ops, and, growing with the bytes, fresh memory allocated and freed); `residuals`: per program,
     (corrected estimate - measured step) / measured step; `totals`: per class or kind, its
     priced nodes, their predicted and their measured seconds (what the factors divide)."""
 
@@ -185,22 +186,26 @@ class InStepFit:
     dispatch: float
     residuals: tuple[float, ...]
     totals: dict[str, tuple[int, float, float]]
+    dispatch_per_byte: float = 0.0
 
 
 InStepNode = tuple  # (class or kind, predicted s, measured s[, (latency term s, bandwidth term s)])
 
 
-def fit_in_step(programs: Sequence[tuple[Sequence[InStepNode], float]],
-                bounds: tuple[float, float] = (0.25, 20.0)) -> InStepFit:
-    """Fit `InStepFit` to `programs`: each a list of its nodes and its measured step seconds.
-    A node is (class or kind, predicted seconds, measured seconds), a collective's with its
-    prediction's (latency term, bandwidth term) as a fourth item. Nodes predicted free (0 s)
-    are the dispatch's; factors are clipped to `bounds`."""
+def fit_in_step(programs: Sequence[tuple], bounds: tuple[float, float] = (0.25, 20.0)
+                ) -> InStepFit:
+    """Fit `InStepFit` to `programs`: each (nodes, measured step seconds[, bytes of its priced
+    nodes' results]). A node is (class or kind, predicted seconds, measured seconds), a
+    collective's with its prediction's (latency term, bandwidth term) as a fourth item. Nodes
+    predicted free (0 s) are the dispatch's; factors are clipped to `bounds`. The time left
+    between the priced nodes is fitted per node and per result byte over the programs
+    (relative to each step, so a small program counts as much as a large one); with one
+    program, or no bytes, it is all per node."""
     if not programs:
         raise ValueError("an in-step fit needs at least one profiled program")
     totals: dict[str, tuple[int, float, float]] = {}
     terms: dict[str, list[tuple[float, float, float]]] = {}
-    for nodes, _ in programs:
+    for nodes, *_ in programs:
         for kind, p, m, *split in nodes:
             if p > 0:
                 count, predicted, measured = totals.get(kind, (0, 0.0, 0.0))
@@ -222,12 +227,28 @@ def fit_in_step(programs: Sequence[tuple[Sequence[InStepNode], float]],
             return collectives[kind][0] * split[0][0] + collectives[kind][1] * split[0][1]
         return factors[kind] * p
 
-    priced = sum(1 for nodes, _ in programs for _, p, *_ in nodes if p > 0)
-    unexplained = sum(step - sum(corrected(k, p, split) for k, p, _, *split in nodes if p > 0)
-                      for nodes, step in programs)
-    dispatch = max(0.0, unexplained / priced) if priced else 0.0
+    rows, left = [], []
+    for nodes, step, *result_bytes in programs:
+        priced = sum(1 for _, p, *_ in nodes if p > 0)
+        rows.append((priced / step, (result_bytes[0] if result_bytes else 0.0) / step))
+        left.append((step - sum(corrected(k, p, split) for k, p, _, *split in nodes if p > 0))
+                    / step)
+    per_node, per_byte = _dispatch(np.array(rows, dtype=float), np.array(left))
     residuals = []
-    for nodes, step in programs:
-        estimate = sum(corrected(k, p, split) + dispatch for k, p, _, *split in nodes if p > 0)
-        residuals.append((estimate - step) / step)
-    return InStepFit(factors, collectives, dispatch, tuple(residuals), totals)
+    for (nodes, step, *_), (n, r) in zip(programs, rows):
+        estimate = sum(corrected(k, p, split) for k, p, _, *split in nodes if p > 0)
+        residuals.append((estimate + (per_node * n + per_byte * r) * step - step) / step)
+    return InStepFit(factors, collectives, per_node, tuple(residuals), totals, per_byte)
+
+
+def _dispatch(rows: np.ndarray, left: np.ndarray) -> tuple[float, float]:
+    """(seconds per node, seconds per result byte) >= 0 that best explain `left` (each
+    program's unexplained share of its step) from `rows` (its priced nodes and result bytes,
+    per second of step); all per node when the bytes cannot tell them apart."""
+    if len(rows) >= 2 and rows[:, 1].any():
+        scale = 1.0 / np.maximum(rows.max(axis=0), 1e-300)  # nodes and bytes on one footing
+        x = nnls(rows * scale, left) * scale
+        return float(x[0]), float(x[1])
+    nodes = rows[:, 0].sum()
+    return (max(0.0, float(left @ rows[:, 0] / (rows[:, 0] @ rows[:, 0]))) if nodes else 0.0,
+            0.0)

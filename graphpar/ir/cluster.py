@@ -97,6 +97,10 @@ class Cluster:
     # Measured alpha-beta per collective kind on intra-node axes: rows (kind, latency,
     # bandwidth), sorted; a mapping {kind: {"latency", "bandwidth"}} is accepted too.
     collectives: tuple[tuple[str, float, float], ...] = ()
+    # Seconds a node pays per byte of its results inside a step beyond its roofline time:
+    # fresh memory allocated, first touched (page faults) and freed around the call, which an
+    # op timed in a loop on a recycled buffer does not see (`graphpar calibrate` fits it).
+    seconds_per_result_byte: float = 0.0
     # Where the numbers come from: documentation, not part of what the cluster is.
     source: str = field(default="", compare=False)
 
@@ -120,6 +124,11 @@ class Cluster:
                     f"cluster {self.name!r}: field {f!r} must be a number >= 0 (seconds), "
                     f"got {value!r}")
             object.__setattr__(self, f, float(value))
+        value = self.seconds_per_result_byte
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ClusterSpecError(f"cluster {self.name!r}: field 'seconds_per_result_byte' "
+                                   f"must be a number >= 0, got {value!r}")
+        object.__setattr__(self, "seconds_per_result_byte", float(value))
         object.__setattr__(self, "compute", self._compute_rows(self.compute))
         object.__setattr__(self, "collectives", self._collective_rows(self.collectives))
 
@@ -255,6 +264,9 @@ class Cluster:
             lines.append(f"  achieved {dtype}: " + ", ".join(
                 f"{name} {format_flops(r['flops'])} {format_bandwidth(r['bandwidth'])} "
                 f"+{format_seconds(r['overhead'])}" for name, r in classes.items()))
+        if self.seconds_per_result_byte:
+            lines.append(f"  in a step: {self.seconds_per_result_byte * 2**20 * 1e6:.1f} us "
+                         "per MiB of a node's results")
         if self.collectives:
             lines.append("  collectives (intra-node): " + ", ".join(
                 f"{kind} {format_bandwidth(bw)} {format_seconds(lat)}"
@@ -279,5 +291,7 @@ class Cluster:
             **({"collectives": {kind: {"latency": lat, "bandwidth": bw}
                                 for kind, lat, bw in self.collectives}}
                if self.collectives else {}),
+            **({"seconds_per_result_byte": self.seconds_per_result_byte}
+               if self.seconds_per_result_byte else {}),
             "source": self.source,
         }

@@ -3,9 +3,11 @@ exactly; noisy ones leave residuals that say so."""
 
 import numpy as np
 import pytest
+import torch
 
 from graphpar.cost.communication import collective_time
 from graphpar.cost.fit import fit_alpha_beta, fit_roofline, nnls, roofline_seconds
+from graphpar.errors import ClusterSpecError
 
 # (M, K, N) matmuls: skinny ones below the ridge (memory-bound), square ones above it
 SHAPES = [(1, 1024, 1024), (4, 2048, 2048), (16, 256, 256), (32, 512, 512), (128, 1024, 1024),
@@ -163,3 +165,42 @@ def test_in_step_collectives_split_latency_from_bandwidth():
     assert fit.residuals == pytest.approx((0,), abs=1e-9)
     # the ratio of sums is still reported beside
     assert fit.factors["all_reduce"] == pytest.approx(step / sum(p for _, p, _, _ in nodes))
+
+
+def test_in_step_dispatch_splits_into_time_per_node_and_per_result_byte():
+    """Two programs of the same nodes, one on tensors 16x larger: the time between nodes
+    grows with the bytes of their results (fresh memory), and the fit tells that from a time
+    per node exactly on exact data; one program alone puts it all per node."""
+    from graphpar.cost.fit import fit_in_step
+
+    per_node, per_byte = 5e-6, 4e-11
+    programs = []
+    for scale in (1, 16):
+        nodes = [("gemm", 1e-4 * scale, 1e-4 * scale), ("elementwise", 1e-5 * scale,
+                                                        3e-5 * scale)] * 50
+        result_bytes = 100 * 2**16 * scale
+        step = sum(m for _, _, m in nodes) + per_node * len(nodes) + per_byte * result_bytes
+        programs.append((nodes, step, result_bytes))
+    fit = fit_in_step(programs)
+    assert (fit.dispatch, fit.dispatch_per_byte) == (pytest.approx(per_node),
+                                                     pytest.approx(per_byte))
+    assert fit.residuals == pytest.approx((0, 0), abs=1e-9)
+    one = fit_in_step(programs[1:])
+    assert one.dispatch_per_byte == 0
+    assert one.dispatch == pytest.approx(per_node + per_byte * 100 * 2**20 / 100)
+
+
+def test_the_roofline_charges_a_node_its_result_bytes_at_the_cluster_s_rate():
+    from graphpar.cost.cluster import cluster_from_dict, get_cluster
+    from graphpar.cost.compute import Roofline, op_seconds
+    from graphpar.ir.types import TensorType
+
+    base = get_cluster("cpu")
+    fresh = cluster_from_dict({"base": "cpu", "seconds_per_result_byte": 1e-10})
+    x = TensorType((256, 256), torch.float32)
+    plain = op_seconds("add", [x, x], [x], {}, Roofline.of(base))
+    assert op_seconds("add", [x, x], [x], {}, Roofline.of(fresh)) == pytest.approx(
+        plain + 1e-10 * x.nbytes)
+    assert cluster_from_dict(fresh.to_dict()).seconds_per_result_byte == 1e-10
+    with pytest.raises(ClusterSpecError, match="seconds_per_result_byte"):
+        cluster_from_dict({"base": "cpu", "seconds_per_result_byte": -1})

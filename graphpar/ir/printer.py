@@ -99,6 +99,10 @@ def _typed(value: Value) -> str:
 
 # Cluster fields printed in a declaration: everything but the documentation string.
 CLUSTER_FIELDS = tuple(f.name for f in dataclasses.fields(Cluster) if f.name != "source")
+# fields left out of a declaration when they hold these (their defaults): empty tables, no
+# per-byte price
+_UNSET = {f.name: f.default for f in dataclasses.fields(Cluster)
+          if f.default in ((), 0.0) and not isinstance(f.default, bool)}
 
 
 class _Declarations:
@@ -121,7 +125,8 @@ class _Declarations:
         out = []
         for c, name in self.cluster_names.items():
             # Empty tables are left out: the cluster then prices by its peak rates and links.
-            fields = {f: getattr(c, f) for f in CLUSTER_FIELDS if getattr(c, f) != ()}
+            fields = {f: getattr(c, f) for f in CLUSTER_FIELDS
+                      if f not in _UNSET or getattr(c, f) != _UNSET[f]}
             out.append(f"cluster @{name} ={format_attrs(fields)}")
         for m, name in self.mesh_names.items():
             out.append(f"mesh @{name} = {format_mesh_axes(m)}"

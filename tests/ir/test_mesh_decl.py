@@ -33,6 +33,11 @@ def test_declared_mesh_prints_and_parses_back():
     back = parse(text)
     assert back.mesh == mesh and back.mesh.cluster == get_cluster("dgx-a100")
     assert print_graph(back) == text
+    assert "seconds_per_result_byte" not in text  # printed only where a calibration set it
+    fresh = dataclasses.replace(mesh.cluster, seconds_per_result_byte=2e-11)
+    text = print_graph(relu_graph("g", dataclasses.replace(mesh, cluster=fresh)))
+    assert "seconds_per_result_byte=2e-11" in text.splitlines()[0]
+    assert parse(text).mesh.cluster == fresh
 
 
 def test_meshes_are_declared_once_per_program():

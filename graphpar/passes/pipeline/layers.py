@@ -261,7 +261,7 @@ def regular_clusterings(graph: Graph, forward: Sequence[Node], layers: int,
     middle = [a for a, b in found[0] if (a - best[0]) in set(main.tolist())
               and b - a + 1 == length]  # the layers that are exactly one block
     starts, inner = np.array([a for a, _ in found[0]], dtype=np.int64), []
-    for _ in range(cuts - 1):
+    for _ in range(cuts - 1 if middle else 0):
         finer = None
         for shift in range(1, length):
             if shift in inner:
@@ -271,7 +271,7 @@ def regular_clusterings(graph: Graph, forward: Sequence[Node], layers: int,
             clustering = _cluster(chain, tried.size, delta, tried)
             if finer is None or clustering.key < finer[1].key:
                 finer = (shift, clustering)
-        if finer is None or not middle:
+        if finer is None:
             break
         inner.append(finer[0])
         starts = np.array([a for a, _ in finer[1].bounds], dtype=np.int64)

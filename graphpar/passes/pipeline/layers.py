@@ -216,30 +216,67 @@ def _events_by_op(chain_producer, reader_start, readers, ops):
 def regular_bounds(graph: Graph, forward: Sequence[Node], layers: int,
                    delta: float = DEFAULT_DELTA) -> list[tuple[int, int]]:
     """Eq. 6 over the clusterings that cut every repeated block at the same place, so that the
-    layers in the middle of a stack are identical and share their ILP solves.
+    layers in the middle of a stack are identical and share their ILP solves: the first of
+    `regular_clusterings`."""
+    return regular_clusterings(graph, forward, layers, delta)[0]
+
+
+def regular_clusterings(graph: Graph, forward: Sequence[Node], layers: int,
+                        delta: float = DEFAULT_DELTA, cuts: int = 1
+                        ) -> list[list[tuple[int, int]]]:
+    """Eq. 6 over the clusterings that cut every repeated block at the same place; then, for
+    c = 2 .. `cuts`, the same clustering with each of its block-long middle layers cut at c - 1
+    places (the same in each), so finer but still identical middle layers. One clustering
+    per c (fewer when the blocks have too few ops); one, plain Eq. 6 over every op, without
+    repeated blocks.
 
     The blocks are autoshard's `repeated_layers` of the forward ops (module paths `blocks.7`,
     identical ops). For each offset into the blocks of the largest group, layers may begin at
     that offset in each of its blocks (at the first op of each block of any other group) and
     anywhere outside the blocks; the offset whose clustering is best by Eq. 6 (then the FLOP
-    tie-break) wins. Without repeated blocks this is `cluster_bounds` over every op."""
+    tie-break) wins. Each further cut keeps the layers found so far and adds, in every middle
+    layer, the cut that makes the finer clustering best by the same key (greedy: O(cuts x
+    block length) DPs). The layers at the ends are left as they are, so a finer clustering
+    adds only its middle pieces as new kinds of layers (a transformer's: two); the stage DP
+    can then end stages inside a block."""
     chain = forward_chain(forward)
     blocks = _block_runs(graph, forward)
     if not blocks:
-        return cluster_bounds(chain, layers, delta)
+        return [cluster_bounds(chain, layers, delta)]
     inside = np.zeros(len(forward), dtype=bool)
     for firsts, length in blocks:
         for first in firsts:
             inside[first:first + length] = True
-    outside = np.flatnonzero(~inside)
-    others = [first for firsts, _ in blocks[1:] for first in firsts]
+    fixed = np.concatenate([[0], np.flatnonzero(~inside),
+                            [first for firsts, _ in blocks[1:] for first in firsts]])
     (main, length), best = blocks[0], None
     for offset in range(length):
-        starts = np.unique(np.concatenate([[0], outside, others, main + offset]))
+        starts = np.unique(np.concatenate([fixed, main + offset]))
         found = _cluster(chain, layers, delta, starts.astype(np.int64))
-        if found is not None and (best is None or found.key < best.key):
-            best = found
-    return best.bounds if best is not None else cluster_bounds(chain, layers, delta)
+        if found is not None and (best is None or found.key < best[1].key):
+            best = (offset, found)
+    if best is None:
+        return [cluster_bounds(chain, layers, delta)]
+    found = [best[1].bounds]
+    middle = [a for a, b in found[0] if (a - best[0]) in set(main.tolist())
+              and b - a + 1 == length]  # the layers that are exactly one block
+    starts, inner = np.array([a for a, _ in found[0]], dtype=np.int64), []
+    for _ in range(cuts - 1 if middle else 0):
+        finer = None
+        for shift in range(1, length):
+            if shift in inner:
+                continue
+            tried = np.unique(np.concatenate([starts, np.array(middle, dtype=np.int64) + shift]))
+            # every start is used: the one clustering of these layers, and its key
+            clustering = _cluster(chain, tried.size, delta, tried)
+            if finer is None or clustering.key < finer[1].key:
+                finer = (shift, clustering)
+        if finer is None:
+            break
+        inner.append(finer[0])
+        starts = np.array([a for a, _ in finer[1].bounds], dtype=np.int64)
+        found.append(finer[1].bounds)
+    return found
 
 
 def _block_runs(graph: Graph, forward: Sequence[Node]) -> list[tuple[np.ndarray, int]]:

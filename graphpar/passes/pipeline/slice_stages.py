@@ -1,9 +1,10 @@
 """The `slice-stages` pass: Alpa's inter-operator pass over a training step.
 
 1. Cluster the forward ops into L layers (Eq. 6, `layers.py`); backward ops and optimizer
-   updates follow their forward ops (`partition.follow_forward`). Layers of equal op counts
-   are a second candidate where they add few kinds of layers: steps 2-4 run on each, and
-   the plan with the least estimated step is kept.
+   updates follow their forward ops (`partition.follow_forward`). Further candidates: Eq.
+   6's layers with each block-long one cut once more, the same cut only next to Eq. 6's
+   plan's stage ends, and layers of equal op counts where they add few kinds of layers.
+   Steps 2-4 run on each, and the plan with the least estimated step is kept.
 2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
    the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
    solve, so the number of ILP solves grows with the kinds of layers, not with depth.
@@ -51,7 +52,7 @@ from graphpar.passes.pipeline.layers import (
     equal_ranges,
     forward_chain,
     layer_signature,
-    regular_bounds,
+    regular_clusterings,
 )
 from graphpar.passes.pipeline.partition import (
     follow_forward,
@@ -114,7 +115,7 @@ class StageSearch:
     forward_layers: list[tuple[int, int]] = field(default_factory=list)
     # measured wall seconds of each step: clustering, layer costs (ILP), the DP
     seconds: dict[str, float] = field(default_factory=dict)
-    # which clustering the plan's layers are: "eq6", "equal operator" or "given"
+    # which clustering the plan's layers are: "eq6", FINER, LOCAL, "equal operator" or "given"
     clustering: str = "eq6"
 
 
@@ -145,6 +146,40 @@ class _Clustered:
         return {u.signature for u in self.units}
 
 
+FINER = "eq6, 2 cuts per block"  # Eq. 6's layers with each block-long one cut once more
+LOCAL = "eq6, cut at stage ends"  # Eq. 6's layers, cut as FINER's next to its plan's stage ends
+
+
+def _split_at_stage_ends(first: _Clustered, finer: _Clustered) -> list[tuple[int, int]]:
+    """The first candidate's layers, with those on either side of each of its plan's stage
+    boundaries replaced by their pieces in `finer` (a refinement of them): the DP may then
+    move each boundary by part of a block, while every other block stays one layer, costed
+    by one ILP over the whole block rather than as pieces plus the resharding between them.
+    Its layers are kinds the two candidates already have, so it costs no solves."""
+    split = {i for a, b, _ in first.solution.stages for i in (a - 1, a, b, b + 1)}
+    bounds = []
+    for i, (a, b) in enumerate(first.bounds):
+        pieces = [(x, y) for x, y in finer.bounds if a <= x <= b]
+        bounds += pieces if i in split and pieces and pieces[-1][1] == b else [(a, b)]
+    return bounds
+
+
+def _stage_sized(first: _Clustered, microbatches: int) -> LogicalMeshes:
+    """Per sub-mesh shape, the logical meshes the first candidate's table picks for some layer
+    range fast enough to be a stage of a faster plan: a plan's step is at least B times its
+    slowest stage, so beating the first candidate's step T needs every stage under T / B.
+    A finer clustering of the same layers is costed only on these (its stages are the first
+    one's, give or take part of a block at each end), which spares the solves of its new
+    kinds of layers on logical meshes that no stage of a winning plan would use."""
+    bound = first.solution.seconds / microbatches
+    picked: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for m, shape in enumerate(first.options.shapes):
+        fast = first.chosen[:, :, m][first.costs.seconds[:, :, m] < bound]
+        picked[shape] = list(dict.fromkeys(first.options.choices[m][g][0]
+                                           for g in sorted(set(fast.tolist()))))
+    return lambda shape: picked.get(shape, [])
+
+
 def _affordable(candidates: list[_Clustered]) -> list[_Clustered]:
     """The first candidate (Eq. 6), and each other one whose layers add at most as many new
     kinds (hence ILP solves) as the first has: the search at most doubles its solves. Equal-op
@@ -169,8 +204,10 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
                  power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    one. The DP runs on Eq. 6's layers and on as many layers of equal op counts (when
-    `_affordable`), and the faster plan is kept (`StageSearch.clustering` says whose).
+    one. The DP runs on Eq. 6's layers, on them with each block-long layer cut once more
+    (FINER) or only those next to the first plan's stage ends (LOCAL), and on as many layers
+    of equal op counts (when `_affordable`); the fastest plan is kept (`StageSearch.clustering`
+    says whose).
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
     in order) replaces the clustering; `families` are the ways a stage may be sharded, each
@@ -190,8 +227,11 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     forward = [n for n in graph.nodes if n in forward_set]
     if forward_layers is None:
         count = min(layers or default_layer_count(forward), len(forward))
-        candidates = [("eq6", regular_bounds(graph, forward, count, delta))]
+        regular = regular_clusterings(graph, forward, count, delta,
+                                      cuts=1 if fixed is not None else 2)
+        candidates = [("eq6", regular[0])]
         if fixed is None:  # fixed stages name the layers of Eq. 6's clustering
+            candidates += [(FINER, bounds) for bounds in regular[1:]]
             candidates.append(("equal operator", equal_ranges(len(forward), count)))
     else:
         candidates = [("given", list(forward_layers))]
@@ -213,9 +253,12 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     best = None
     for c in clusterings:
         begun = time.perf_counter()
+        meshes = logical
+        if c.name in (FINER, LOCAL) and clusterings[0].solution is not None:
+            meshes = _stage_sized(clusterings[0], microbatches)
         c.options = _StageOptions.build(c.units, solver, shapes, hosts, per_host, cluster,
-                                        _boundary_bytes(graph, c.layer_of, count), logical,
-                                        families)
+                                        _boundary_bytes(graph, c.layer_of, len(c.bounds)),
+                                        meshes, families)
         c.costs, c.chosen = c.options.table(limit, microbatches)
         costed = time.perf_counter()
         if fixed is not None:
@@ -230,6 +273,12 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         if c.solution is not None and (best is None
                                        or c.solution.seconds < best.solution.seconds):
             best = c
+        if c is clusterings[0] and c.solution is not None:
+            finer = next((f for f in clusterings if f.name == FINER), None)
+            if finer is not None:
+                bounds = _split_at_stage_ends(c, finer)
+                clusterings.insert(clusterings.index(finer) + 1, _Clustered.of(
+                    graph, LOCAL, bounds, forward, forward_set))
     if best is None:
         raise _no_plan(clusterings[0].options, hosts * per_host, microbatches, stages, epsilon,
                        limit)

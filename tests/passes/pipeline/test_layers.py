@@ -19,6 +19,7 @@ from graphpar.passes.pipeline.layers import (
     layer_signature,
     received_bytes,
     regular_bounds,
+    regular_clusterings,
 )
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 
@@ -183,3 +184,22 @@ def test_gpt_blocks_cluster_into_one_kind_of_middle_layer(gpt_step, n_layers):
     # plain Eq. 6 (any op may start a layer) makes more kinds: what the offsets fix
     plain = cluster_bounds(forward_chain(forward), count)
     assert len({layer_signature(forward[a:b + 1]) for a, b in plain}) > len(set(kinds))
+
+
+def test_the_finer_regular_clustering_cuts_every_middle_layer_once_more_alike(gpt_step):
+    graph = gpt_step(6)
+    forward_set, _, _ = forward_backward_optimizer(graph)
+    forward = [n for n in graph.nodes if n in forward_set]
+    eq6, finer = regular_clusterings(graph, forward, default_layer_count(forward), cuts=2)
+    assert eq6 == regular_bounds(graph, forward, default_layer_count(forward))
+    # a refinement: every layer of Eq. 6's clustering is one or two layers of the finer one
+    starts = {a for a, _ in finer}
+    assert {a for a, _ in eq6} <= starts and finer[-1][1] == eq6[-1][1]
+    pieces = [[(x, y) for x, y in finer if a <= x <= b] for a, b in eq6]
+    cut = [p for p in pieces if len(p) == 2]
+    assert all(len(p) <= 2 for p in pieces) and len(cut) >= 6 - 3
+    # at the same offset in each, so the pieces come in two kinds whatever the depth
+    assert len({p[1][0] - p[0][0] for p in cut}) == 1
+    kinds = {layer_signature(forward[a:b + 1]) for a, b in eq6}
+    new = {layer_signature(forward[a:b + 1]) for a, b in finer} - kinds
+    assert len(new) == 2, new

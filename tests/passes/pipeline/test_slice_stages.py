@@ -14,10 +14,20 @@ from graphpar.ir.graph import OutputRole, Role
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import solve
-from graphpar.passes.pipeline.layers import equal_ranges, regular_bounds
+from graphpar.passes.pipeline.layers import (
+    equal_ranges,
+    regular_bounds,
+    regular_clusterings,
+)
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.plan import StagePlan
-from graphpar.passes.pipeline.slice_stages import UNBOUNDED, max_after, slice_stages
+from graphpar.passes.pipeline.slice_stages import (
+    FINER,
+    LOCAL,
+    UNBOUNDED,
+    max_after,
+    slice_stages,
+)
 from graphpar.passes.pipeline.stage_dp import pipeline_seconds, submesh_shapes
 
 
@@ -96,11 +106,44 @@ def test_max_after_is_eq_5_with_the_1f1b_in_flight_count():
 
 def test_ilp_solves_do_not_grow_with_depth(gpt_step):
     # Identical layers share one solve per logical mesh: twice the blocks, the same solves.
-    # One device: one logical mesh, so the solves are the kinds of layers.
+    # One device: one logical mesh, so the solves are the kinds of layers (Eq. 6's, at most
+    # 5, and the two pieces its middle layers are cut into by the finer candidate).
     shallow = slice_stages(gpt_step(6), "1x1", microbatches=2)
     deep = slice_stages(gpt_step(12), "1x1", microbatches=2)
     assert len(deep.forward_layers) == 2 * len(shallow.forward_layers) - 1
-    assert deep.plan.ilp_solves == shallow.plan.ilp_solves <= 5
+    assert deep.plan.ilp_solves == shallow.plan.ilp_solves <= 5 + 2
+
+
+def test_finer_layers_win_where_block_long_layers_balance_stages_poorly(gpt_step):
+    # The tiny GPT with a heavy head on 1x2, B = 8: on Eq. 6's layers (one per block) the
+    # stage ends fall on block boundaries and the head's stage is the slowest; with middle
+    # layers cut once more (each, or those next to Eq. 6's stage ends) the DP ends a stage
+    # inside a block. All are searched under the one cost model and the fastest is kept; the
+    # solves stay the same whatever the depth.
+    common = dict(microbatches=8, epsilon=0.0)
+    solves = []
+    for n_layers, wins in [(6, FINER), (12, LOCAL)]:
+        graph = gpt_step(n_layers)
+        forward_set = forward_backward_optimizer(graph)[0]
+        forward = [n for n in graph.nodes if n in forward_set]
+        eq6, finer = regular_clusterings(graph, forward, n_layers + 1, cuts=2)
+        two = slice_stages(graph, "1x2", cache={}, **common)
+        assert two.clustering == wins
+        # the layers are Eq. 6's, some cut as in the finer clustering
+        assert {a for a, _ in eq6} <= {a for a, _ in two.forward_layers} <= {a for a, _ in finer}
+        if n_layers == 6:  # each clustering alone, priced the same way
+            alone = {name: slice_stages(graph, "1x2", forward_layers=bounds, cache={},
+                                        **common).plan.est_step_seconds
+                     for name, bounds in [("eq6", eq6), ("chosen", two.forward_layers),
+                                          ("equal operator",
+                                           equal_ranges(len(forward), len(eq6)))]}
+            assert two.plan.est_step_seconds == alone["chosen"]
+            assert two.plan.est_step_seconds < alone["eq6"]
+            assert two.plan.est_step_seconds < alone["equal operator"]
+        solves.append(two.plan.ilp_solves)
+    # twice the blocks, the same solves: Eq. 6's kinds of layers and the two pieces, each on
+    # at most the 3 logical meshes of 1x2's sub-meshes (1x1; 2x1 and 1x2)
+    assert solves[0] == solves[1] <= 3 * (5 + 2), solves
 
 
 
@@ -118,19 +161,20 @@ def test_the_two_level_plan_is_never_worse_than_equal_operator_or_equal_layer_sl
     # gpt:tiny, microbatch 8, B = 8 (1x4 is the bench's quick row). Eq. 6 cuts after each
     # attention's residual add (64 kB received per layer), whose layers take 243, 355 and
     # 253 us forward + backward on one device; equal op counts cut inside the blocks (192 kB
-    # received) at 287, 261 and 302 us, which balances the stages better. The search is
-    # offered both clusterings and keeps the faster plan under the one cost model.
+    # received) at 287, 261 and 302 us, which balances the stages better; so do Eq. 6's
+    # layers with the middle one cut once more. The search is offered these clusterings and
+    # keeps the fastest plan under the one cost model.
     graph = gpt_tiny_microbatch_8
     devices = int(mesh.split("x")[1])
     common = dict(microbatches=8, epsilon=0.0, cache={})
     two = slice_stages(graph, mesh, **common)
     forward, _, _ = forward_backward_optimizer(graph)
     eq6 = regular_bounds(graph, [n for n in graph.nodes if n in forward], 3)
-    assert len(two.forward_layers) == len(eq6) == 3
+    assert len(eq6) == 3
     ops = sum(1 for n in graph.nodes if n in forward)
     equal_op = slice_stages(graph, mesh, forward_layers=equal_ranges(ops, 3), **common)
     assert two.plan.est_step_seconds <= equal_op.plan.est_step_seconds
-    assert two.clustering == "equal operator"  # what wins here
+    assert two.clustering == FINER  # what wins here (equal operator did before FINER)
     # equal layers: S stages of Eq. 6's layers on S equal (1, devices / S) sub-meshes
     shapes = submesh_shapes(1, devices)
     equal_layer = [slice_stages(graph, mesh, fixed=[(a, b, shapes.index((1, devices // n)))

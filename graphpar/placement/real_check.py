@@ -182,7 +182,8 @@ def factory(jobdir: str, rank: int, world: int) -> ServingRank:
 
 def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: float = 5.0,
                seed: int = 0, warmup: float = 2.0, repeats: int = 30,
-               utilisation: float = 0.4, segments: int = 4, probe: float = 4.0) -> dict:
+               utilisation: float = 0.4, segments: int = 4, probe: float = 4.0,
+               keep: str | Path | None = None) -> dict:
     """Measured and simulated mean latency (s) and SLO attainment of both placements, with
     the calibration the simulator was given and the service times the run itself saw.
     Without `rate`, the trace's total rate keeps each process of the simple placement busy a
@@ -194,7 +195,8 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
     (`probe` seconds, the same rate, another seed). The simulator's service times for a part
     are those its placement saw in the two probes around it: measured the way the run uses
     the processes (paced arrivals, sleeps between requests, the other process at the same
-    load, the sends), and close enough in time to follow the machine's drift."""
+    load, the sends), and close enough in time to follow the machine's drift. `keep`: an
+    .npz file to write every replay's per-request timestamps to."""
     from graphpar.runtime.workers import WorkerGroup
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,6 +230,13 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
             served, probed = _interleaved(group, job, parts, probe_w)
         finally:
             group.stop()
+    if keep is not None:
+        np.savez(keep, probe_arrivals=probe_w.arrivals, probe_models=probe_w.model_ids,
+                 **{f"part{k}_{name}": getattr(part, attr) for k, part in enumerate(parts)
+                    for name, attr in (("arrivals", "arrivals"), ("models", "model_ids"))},
+                 **{f"{kind}_{mode}{k}_rank{r}": marks[r]
+                    for kind, runs in (("served", served), ("probed", probed))
+                    for mode in MODES for k, marks in enumerate(runs[mode]) for r in (0, 1)})
     out: dict = {"requests": len(w), "rate": rate, "duration_s": duration,
                  "segments": segments, "probe_s": probe}
     slo = {m: slo_scale * cal["whole"][m] for m in MODELS}

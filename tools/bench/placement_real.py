@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe", type=float, default=4.0,
                         help="seconds of each probe (service times for the simulator)")
     parser.add_argument("--quick", action="store_true", help="one run of 20 s in 2 parts")
+    parser.add_argument("--keep", default=None,
+                        help="write every replay's per-request timestamps to KEEP<seed>.npz")
     parser.add_argument("--out", default=None,
                         help="JSON (default: placement_real.json beside this script)")
     args = parser.parse_args(argv)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         load = os.getloadavg()[0]
         cpu, wall = time.process_time(), time.perf_counter()
         r = real_check(args.rate, duration, args.slo_scale, seed=seed,
-                       utilisation=args.utilisation, segments=segments, probe=args.probe)
+                       utilisation=args.utilisation, segments=segments, probe=args.probe,
+                       keep=f"{args.keep}{seed}.npz" if args.keep else None)
         r |= {"seed": seed, "load_average_1min_before": load,
               "load_average_1min_after": os.getloadavg()[0],
               "wall_s": time.perf_counter() - wall, "cpu_s_main": time.process_time() - cpu}

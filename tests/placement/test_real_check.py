@@ -99,10 +99,16 @@ def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
 
 
 @pytest.mark.slow
-def test_both_placements_serve_the_trace_on_two_processes():
+def test_both_placements_serve_the_trace_on_two_processes(tmp_path):
     from graphpar.placement.real_check import real_check
 
-    r = real_check(rate=8.0, duration=8.0, warmup=1.0, repeats=5, segments=2, probe=2.0)
+    r = real_check(rate=8.0, duration=8.0, warmup=1.0, repeats=5, segments=2, probe=2.0,
+                   keep=tmp_path / "marks.npz")
+    kept = np.load(tmp_path / "marks.npz")
+    # every replay's timestamps: 2 parts and 3 probes per placement, per rank
+    assert sum(k.startswith("served_pipeline") for k in kept.files) == 2 * 2
+    assert sum(k.startswith("probed_simple") for k in kept.files) == 3 * 2
+    assert len(kept["part0_arrivals"]) + len(kept["part1_arrivals"]) == r["requests"]
     fastest = min(r["service_s"]["whole"].values())
     for mode in ("simple", "pipeline"):
         for key in ("measured_mean_s", "simulated_mean_s", "simulated_alone_mean_s",

@@ -285,8 +285,12 @@ def test_a_real_calibration_on_two_ranks(monkeypatch, tmp_path, capsys):
     assert gemm[0].flops == 2 * m * k * gemm[0].case.operands[1].shape[1]
     assert cal.cluster.intra_node_bandwidth > 0 and cal.cluster.intra_node_latency >= 0
     # the calibration programs ran: every node was timed, their factors divide the rates
-    assert [p.name for p in cal.profiles] == ["train/megatron", "decode/megatron"]
+    assert [p.name for p in cal.profiles] == ["train/megatron", "train-small/data",
+                                              "decode/megatron"]
     assert all(r.measured > 0 for p in cal.profiles for r in p.rows)
+    # the small program's results are a fraction of the large one's bytes (36x narrower)
+    assert cal.profiles[1].result_bytes < cal.profiles[0].result_bytes / 4
+    assert cal.cluster.seconds_per_result_byte == cal.in_step.dispatch_per_byte >= 0
     assert cal.in_step.factors["gemm"] > 0 and cal.cluster.compute_rate(
         "fp32", "gemm").flops == pytest.approx(cal.loop_cluster.compute_rate("fp32", "gemm").flops
                                                / cal.in_step.factors["gemm"])

@@ -21,8 +21,7 @@ import torch
 from graphpar.api import Compiled, lower
 from graphpar.capture import Adam, Captured, capture_inference, capture_training
 from graphpar.cost.communication import node_comm_cost
-from graphpar.cost.compute import Roofline, node_seconds, op_class
-from graphpar.ir.types import TensorType
+from graphpar.cost.compute import Roofline, node_seconds, op_class, result_bytes
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.auto_shard import ShardingPlans
@@ -144,9 +143,9 @@ def node_rows(compiled: Compiled, times=None, roofline: Roofline | None = None
                                 int(comm.nbytes), comm.seconds, measured))
         else:
             operands = [getattr(v, "type", v) for v in node.inputs]
-            fresh = sum(o.type.nbytes for o in node.outputs if isinstance(o.type, TensorType))
             rows.append(NodeRow(node.op, op_class(node.op, operands), False, 1, 0,
-                                node_seconds(node, roof), measured, fresh))
+                                node_seconds(node, roof), measured,
+                                result_bytes([o.type for o in node.outputs])))
     return rows
 
 

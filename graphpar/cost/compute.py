@@ -120,6 +120,12 @@ def bytes_moved(op: str | OpDef, operands: Sequence[Any], results: Sequence[Tens
     return op.bytes_accessed(operands, list(results), attrs)
 
 
+def result_bytes(results: Sequence[Any]) -> int:
+    """Bytes of a call's tensor results: the fresh memory a step allocates for it (priced at
+    the cluster's `seconds_per_result_byte`)."""
+    return sum(r.nbytes for r in results if isinstance(r, TensorType))
+
+
 def op_seconds(op: str | OpDef, operands: Sequence[Any], results: Sequence[TensorType],
                attrs: dict, roofline: Roofline | float, flops: float | None = None) -> float:
     """Seconds one device spends on `op` over these operand and result types (the shard it
@@ -132,8 +138,8 @@ def op_seconds(op: str | OpDef, operands: Sequence[Any], results: Sequence[Tenso
         return 0.0
     if flops is None:
         flops = op.flops(operands, list(results), attrs)
-    fresh = sum(r.nbytes for r in results if isinstance(r, TensorType))
-    return roof.seconds(cls, flops, bytes_moved(op, operands, results, attrs), fresh)
+    return roof.seconds(cls, flops, bytes_moved(op, operands, results, attrs),
+                        result_bytes(results))
 
 
 def node_seconds(node, roofline: Roofline | float, dtype: torch.dtype | None = None) -> float:

@@ -189,9 +189,6 @@ class InStepFit:
     dispatch_per_byte: float = 0.0
 
 
-InStepNode = tuple  # (class or kind, predicted s, measured s[, (latency term s, bandwidth term s)])
-
-
 def fit_in_step(programs: Sequence[tuple], bounds: tuple[float, float] = (0.25, 20.0)
                 ) -> InStepFit:
     """Fit `InStepFit` to `programs`: each (nodes, measured step seconds[, bytes of its priced

@@ -258,7 +258,8 @@ def regular_clusterings(graph: Graph, forward: Sequence[Node], layers: int,
     if best is None:
         return [cluster_bounds(chain, layers, delta)]
     found = [best[1].bounds]
-    middle = [a for a, b in found[0] if (a - best[0]) in set(main.tolist())
+    block_starts = set((main + best[0]).tolist())
+    middle = [a for a, b in found[0] if a in block_starts
               and b - a + 1 == length]  # the layers that are exactly one block
     starts, inner = np.array([a for a, _ in found[0]], dtype=np.int64), []
     for _ in range(cuts - 1 if middle else 0):

@@ -273,6 +273,8 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         if c.solution is not None and (best is None
                                        or c.solution.seconds < best.solution.seconds):
             best = c
+        # LOCAL cuts next to Eq. 6's plan's stage ends, so it can only be made once that plan
+        # is known: it joins the list after FINER, ahead of this loop, which reaches it
         if c is clusterings[0] and c.solution is not None:
             finer = next((f for f in clusterings if f.name == FINER), None)
             if finer is not None:

@@ -197,8 +197,13 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
     the processes (paced arrivals, sleeps between requests, the other process at the same
     load, the sends), and close enough in time to follow the machine's drift. `keep`: an
     .npz file to write every replay's per-request timestamps to."""
+    from graphpar.errors import UsageError
     from graphpar.runtime.workers import WorkerGroup
 
+    if segments < 1 or not probe > 0 or not duration > 0:
+        raise UsageError(f"real check: segments={segments}, probe={probe} s, "
+                         f"duration={duration} s: give at least one part and a probe and a "
+                         "trace of more than 0 s")
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp)
         group = WorkerGroup(2, "graphpar.placement.real_check:factory", job, name="serving")

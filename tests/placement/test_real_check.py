@@ -120,3 +120,12 @@ def test_both_placements_serve_the_trace_on_two_processes(tmp_path):
              "second_compute")
     assert sum(b[k] for k in parts) == pytest.approx(r["pipeline"]["measured_mean_s"])
     assert r["service_s"]["receive"] > 0
+
+
+@pytest.mark.parametrize("bad", [dict(segments=0), dict(probe=0.0), dict(duration=0.0)])
+def test_a_check_without_parts_probes_or_trace_is_refused_before_any_process_starts(bad):
+    from graphpar.errors import UsageError
+    from graphpar.placement.real_check import real_check
+
+    with pytest.raises(UsageError, match="at least one part and a probe"):
+        real_check(rate=8.0, **bad)

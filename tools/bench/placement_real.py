@@ -21,9 +21,11 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
+from graphpar.errors import GraphparError
 from graphpar.placement.real_check import MODELS, real_check
 
 
@@ -62,9 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     for seed in range(runs):
         load = os.getloadavg()[0]
         cpu, wall = time.process_time(), time.perf_counter()
-        r = real_check(args.rate, duration, args.slo_scale, seed=seed,
-                       utilisation=args.utilisation, segments=segments, probe=args.probe,
-                       keep=f"{args.keep}{seed}.npz" if args.keep else None)
+        try:
+            r = real_check(args.rate, duration, args.slo_scale, seed=seed,
+                           utilisation=args.utilisation, segments=segments, probe=args.probe,
+                           keep=f"{args.keep}{seed}.npz" if args.keep else None)
+        except GraphparError as e:
+            print(f"placement_real: error: {e}", file=sys.stderr)
+            return 2
         r |= {"seed": seed, "load_average_1min_before": load,
               "load_average_1min_after": os.getloadavg()[0],
               "wall_s": time.perf_counter() - wall, "cpu_s_main": time.process_time() - cpu}

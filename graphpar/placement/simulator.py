@@ -20,6 +20,11 @@ Semantics (AlpaServe §4.3 and its public simulator):
   when that batch is of the same model and has not started; a batch of b runs each stage in
   `latency * batch_scale[b]` and every member must still meet its SLO.
 - Requests arriving before `warmup` seconds are served but left out of the statistics.
+- Optionally service times vary (`service_scale[i, s]`: request i's stage s takes that many
+  times its latency; a batch takes its first member's). The controller and the rejection
+  still go by the latencies, as a runtime that knows only its profile does; the clocks move
+  by what the stages took. On a device whose speed varies (a shared CPU) queues grow with
+  the spread of service times (Pollaczek-Khinchine), which a fixed latency leaves out.
 """
 
 from __future__ import annotations
@@ -141,7 +146,7 @@ def _finish_time(clock, lat, rcv, g, m, stages, start, scale):
 
 @njit(cache=True)
 def _run(arrivals, model_ids, slo, host_start, host_group, lat, rcv, stages, max_batch,
-         batch_scale, finish):
+         batch_scale, draws, finish):
     groups, depth = lat.shape[0], lat.shape[2]
     clock = np.zeros((groups, depth))
     before = np.zeros((groups, depth))  # clocks before the group's last batch
@@ -185,18 +190,33 @@ def _run(arrivals, model_ids, slo, host_start, host_group, lat, rcv, stages, max
             members[g, 0] = i
         u = start
         for s in range(stages[g]):
+            took = lat[g, m, s] * scale
+            if draws is not None:  # pruned at compile time, as rcv
+                took *= draws[members[g, 0], s]
             if rcv is None:
-                u = max(before[g, s], u) + lat[g, m, s] * scale
+                u = max(before[g, s], u) + took
             else:
-                u = max(before[g, s] + rcv[g, m, s], u) + lat[g, m, s] * scale
+                u = max(before[g, s] + rcv[g, m, s], u) + took
             clock[g, s] = u
         for k in range(last_size[g]):
             finish[members[g, k]] = u
 
 
 def run_tables(tab: Tables, workload: Workload, slo: np.ndarray, max_batch: int = 1,
-               batch_scale: Sequence[float] | None = None) -> np.ndarray:
+               batch_scale: Sequence[float] | None = None,
+               service_scale: np.ndarray | None = None) -> np.ndarray:
     """Finish time per request (NaN when rejected) for the placement `tab`."""
+    draws = None
+    if service_scale is not None:
+        draws = np.asarray(service_scale, dtype=np.float64)
+        depth = tab.latency.shape[2]
+        if draws.ndim != 2 or draws.shape[0] != len(workload) or draws.shape[1] < depth:
+            raise PlacementError(f"service_scale must be (requests, stages) = "
+                                 f"({len(workload)}, {depth}) or wider; got {draws.shape}")
+        if not (draws >= 0).all():
+            raise PlacementError("service_scale must be non-negative (a multiple of each "
+                                 "stage's latency)")
+        draws = np.ascontiguousarray(draws)
     scale = np.ones(max(max_batch, 1) + 1)
     if batch_scale is not None:
         given = np.asarray(batch_scale, dtype=np.float64)
@@ -208,8 +228,7 @@ def run_tables(tab: Tables, workload: Workload, slo: np.ndarray, max_batch: int 
         _run(workload.arrivals, workload.model_ids, np.asarray(slo, dtype=np.float64),
              tab.host_start, tab.host_group, tab.latency,
              tab.receive if tab.receive.any() else None, tab.stages,
-             int(max_batch), scale,
-             finish)
+             int(max_batch), scale, draws, finish)
     return finish
 
 
@@ -233,9 +252,11 @@ def slo_array(workload: Workload, slo: Mapping[str, float] | float) -> np.ndarra
 
 def simulate(groups: Sequence[SimGroup], workload: Workload,
              slo: Mapping[str, float] | float = np.inf, *, warmup: float = 0.0,
-             max_batch: int = 1, batch_scale: Sequence[float] | None = None) -> SimResult:
-    """Serve `workload` on `groups`; `slo` in seconds, per model or for all."""
+             max_batch: int = 1, batch_scale: Sequence[float] | None = None,
+             service_scale: np.ndarray | None = None) -> SimResult:
+    """Serve `workload` on `groups`; `slo` in seconds, per model or for all;
+    `service_scale[i, s]`: what request i's stage s takes, as a multiple of its latency."""
     slos = slo_array(workload, slo)
     finish = run_tables(tables(groups, workload.models), workload, slos, max_batch,
-                        batch_scale)
+                        batch_scale, service_scale)
     return result(workload, finish, slos, warmup)

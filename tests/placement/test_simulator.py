@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from graphpar.errors import PlacementSpecError
+from graphpar.errors import PlacementError, PlacementSpecError
 from graphpar.placement.simulator import SimGroup, simulate
 from graphpar.placement.workload import Workload, gamma_workload, load_trace, save_trace
 
@@ -32,6 +32,29 @@ def test_a_held_receive_costs_a_busy_stage_and_not_an_idle_one():
     # the 1st finds stage 1 idle; the 2nd's input (ready at 2.0) waits for stage 1 to free at
     # 3.0 and then takes 0.25 to arrive; the 3rd comes to an idle pipeline again
     np.testing.assert_allclose(simulate([held], w).finish, [3.0, 5.25, 13.0])
+
+
+def test_service_times_that_vary_move_the_clocks_but_not_the_controller_s_choice():
+    w = _w([0.0, 0.0, 0.0], [0, 0, 0], models=("a",))
+    group = SimGroup({"a": [1.0, 1.0]})
+    # the 1st request's first stage takes 3x its latency: the 2nd queues behind it, and the
+    # 3rd is rejected on the clocks as they are and the profile's latencies (5 + 1 > 5.5)
+    draws = np.array([[3.0, 1.0], [1.0, 0.5], [1.0, 1.0]])
+    res = simulate([group], w, slo=5.5, service_scale=draws)
+    np.testing.assert_allclose(res.finish[:2], [4.0, 4.5])
+    assert np.isnan(res.finish[2])
+    # admitted on the profile (finish at 3.0), the 2nd request takes 3x in its second stage:
+    # served late, so missed
+    late = simulate([group], w, slo=3.0, service_scale=np.array([[1.0, 1.0], [1.0, 3.0],
+                                                                    [1.0, 1.0]]))
+    np.testing.assert_allclose(late.finish[:2], [2.0, 5.0])
+    assert late.good.tolist() == [True, False, False]
+    # all ones is the plain simulator
+    np.testing.assert_array_equal(
+        simulate([group], w, service_scale=np.ones((3, 2))).finish,
+        simulate([group], w).finish)
+    with pytest.raises(PlacementError, match="service_scale must be"):
+        simulate([group], w, service_scale=np.ones((2, 2)))
 
 
 def test_the_controller_picks_the_group_that_finishes_soonest():

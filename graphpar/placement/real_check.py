@@ -5,20 +5,25 @@ process ("simple") or as a 2-stage pipeline over both processes holding half of 
 
 What the simulator is given, measured on the same processes:
 
-- each model's and each stage's service time, from probes: a short trace of its own (the same
-  rate, another seed) that each placement serves before the checked trace, between its parts
-  and after it, the run's processes used as the run uses them (paced arrivals and sleeps
-  between requests, the other process at the same load, the pipeline's sends). The
-  simulator's service times for a part are the means over the two probes around it, so they
-  follow the machine's drift during the check. (A calibration of each process alone, one at
-  a time, is reported beside it: on the idle machine the stages ran 9-18 % slower in the run
-  than alone, as ops do inside a training step: `docs/calibration.md`.)
+- each stage's service times as the run's processes delivered them: each rank records its
+  compute per request, and for request i the simulator's time is its model's mean over the
+  part times the rank's speed around i (its other requests within `SPEED_WINDOW` seconds;
+  i's own time left out) times a draw from the part's spread (`service_scale`, `DRAWS`
+  simulations averaged). A shared CPU's speed moves by a third within a second, which no
+  profile taken at another time can follow (the paper checks its simulator with latencies
+  profiled on GPUs, whose speed holds still).
 - the fixed costs a request pays that are not compute: the one-way send of a stage's
   activation (a gloo ping-pong, added to the first stage), the lateness of a process woken
   from sleep at a request's arrival (added to the first stage), and the receive of an
   activation sent while the second stage was busy (the simulator's held receive on the
-  second stage: gloo moves such a send only once its receive is posted); the probes' own
-  hand-overs replace the calibrated pair where they saw both.
+  second stage: gloo moves such a send only once its receive is posted); the part's own
+  hand-overs replace the calibrated pair where it saw both.
+
+Beside it, the simulator is also given profiles taken at other times, to show what the
+machine's drift does: probes (a short trace of its own, the same rate, another seed, served
+by each placement before the checked trace, between its parts and after it), and each
+process calibrated alone, one at a time; and each request's own compute times, which leave
+only the queueing model.
 
 The run itself mirrors the simulator's queueing: each process serves FCFS, and the first
 stage of the pipeline sends without waiting for the second to receive (`isend`). Each part of
@@ -47,6 +52,9 @@ from graphpar.runtime.timing import call_seconds
 MODELS = ("a", "b")
 MODES = ("simple", "pipeline")
 _PROBE_SEED = 7919  # the probes' trace is not the checked one
+DRAWS = 16  # simulations per part with service times drawn from the part's, averaged
+SPEED_WINDOW = 0.5  # s either side: the machine's speed changes within seconds
+SLO_SCALES = (1.5, 2.0, 3.0, 5.0)  # attainment is also reported at these (x alone service)
 _HIDDEN, _LAYERS, _ROWS = 1536, 8, 32  # tens of ms per request on one CPU thread
 
 
@@ -188,15 +196,16 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
     the calibration the simulator was given and the service times the run itself saw.
     Without `rate`, the trace's total rate keeps each process of the simple placement busy a
     `utilisation` share of the time at the calibrated service times (a load the machine can
-    serve).
+    serve). Attainment is for SLOs of `slo_scale` (and `SLO_SCALES`) times each model's
+    service alone.
 
-    The trace is served in `segments` parts, each placement in turn, and before the first
-    part, between parts and after the last, each placement serves a probe: another trace
-    (`probe` seconds, the same rate, another seed). The simulator's service times for a part
-    are those its placement saw in the two probes around it: measured the way the run uses
-    the processes (paced arrivals, sleeps between requests, the other process at the same
-    load, the sends), and close enough in time to follow the machine's drift. `keep`: an
-    .npz file to write every replay's per-request timestamps to."""
+    The trace is served in `segments` parts, each placement in turn, each part starting with
+    empty queues; the simulator is given each part's service times as its processes
+    delivered them (module docstring). Before the first part, between parts and after the
+    last, each placement also serves a probe: another trace (`probe` seconds, the same rate,
+    another seed), whose service times make the profile taken beside the run that is
+    reported next to the check. `keep`: an .npz file to write every replay's per-request
+    timestamps to."""
     from graphpar.errors import UsageError
     from graphpar.runtime.workers import WorkerGroup
 
@@ -244,11 +253,12 @@ def real_check(rate: float | None = None, duration: float = 30.0, slo_scale: flo
                     for mode in MODES for k, marks in enumerate(runs[mode]) for r in (0, 1)})
     out: dict = {"requests": len(w), "rate": rate, "duration_s": duration,
                  "segments": segments, "probe_s": probe}
-    slo = {m: slo_scale * cal["whole"][m] for m in MODELS}
+    slos = {scale: {m: scale * cal["whole"][m] for m in MODELS}
+            for scale in dict.fromkeys((slo_scale, *SLO_SCALES))}
     counted = w.arrivals >= warmup
     for mode in MODES:
-        out[mode] = _compare(mode, cal, parts, served[mode], probe_w, probed[mode], w, slo,
-                             counted)
+        out[mode] = _compare(mode, cal, parts, served[mode], probe_w, probed[mode], w, slos,
+                             counted, seed)
     out["service_s"] = cal
     return out
 
@@ -287,12 +297,19 @@ def _interleaved(group, job: Path, parts: list[Workload], probe: Workload):
 
 
 def _compare(mode: str, cal: dict, parts: list[Workload], served: list, probe: Workload,
-             probed: list, w: Workload, slo: dict, counted: np.ndarray) -> dict:
+             probed: list, w: Workload, slos: dict[float, dict], counted: np.ndarray,
+             seed: int) -> dict:
     """One placement's measured latencies against the simulator's, part by part (each part
-    starts with empty queues in the run and in the simulator): given the probes' service
-    times (the check), the one-process-at-a-time calibration's, the part's own means (the
-    queueing model alone) and each request's own computes (its spread too)."""
-    measured, sim = [], {k: [] for k in ("probed", "alone", "in_run", "per_request")}
+    starts with empty queues in the run and in the simulator). The check: each part simulated
+    with the service times profiled over that part, their means and their spread (`DRAWS`
+    simulations, each request's times drawn from the part's). Beside it the same means held
+    fixed, the probes' means (taken before and after the part), the one-process-at-a-time
+    calibration's, and each request's own computes. `slos`: SLO scale -> SLO per model (s);
+    the first is the headline."""
+    rng = np.random.default_rng(seed)
+    measured = []
+    sim: dict[str, list] = {k: [] for k in ("window", "fixed", "probed", "alone",
+                                            "per_request")}
     seen_parts, probe_parts = [], []
     twice = _joined([probe, probe])
     for k, (part, marks) in enumerate(zip(parts, served)):
@@ -301,29 +318,102 @@ def _compare(mode: str, cal: dict, parts: list[Workload], served: list, probe: W
         probe_service = _in_run(mode, _busy(mode, around), twice)
         seen = _in_run(mode, _busy(mode, marks), part)
         handover = _handover(mode, marks, part)
+        groups = _groups(mode, cal, seen, handover)
+        # each a row per simulation (the drawn ones DRAWS rows)
+        sim["window"].append(np.array([simulate(groups, part, service_scale=_spread(
+            mode, marks, part, groups, seen, rng)).latency for _ in range(DRAWS)]))
+        sim["fixed"].append(simulate(groups, part).latency[None])
         sim["probed"].append(simulate(_groups(mode, cal, probe_service,
-                                              _handover(mode, around, twice)), part).latency)
-        sim["alone"].append(simulate(_groups(mode, cal), part).latency)
-        sim["in_run"].append(simulate(_groups(mode, cal, seen, handover), part).latency)
-        sim["per_request"].append(_per_request(mode, marks, part, cal, handover, 0.0).latency)
+                                              _handover(mode, around, twice)), part
+                                      ).latency[None])
+        sim["alone"].append(simulate(_groups(mode, cal), part).latency[None])
+        sim["per_request"].append(
+            _per_request(mode, marks, part, cal, handover, 0.0).latency[None])
         seen_parts.append(seen)
         probe_parts.append(probe_service)
     lat = np.concatenate(measured)
-    out = {"measured_mean_s": float(lat[counted].mean()),
-           "measured_attainment": _attainment(lat, w, slo, counted)}
-    for key, name in (("probed", "simulated"), ("alone", "simulated_alone"),
-                      ("in_run", "simulated_in_run"), ("per_request", "simulated_per_request")):
-        x = np.concatenate(sim[key])
-        out[f"{name}_mean_s"] = float(x[counted].mean())
-        out[f"{name}_attainment"] = _attainment(x, w, slo, counted)
+    headline = next(iter(slos.values()))
+    out: dict = {"measured_mean_s": float(lat[counted].mean()),
+                 "measured_attainment": _attainment(lat, w, headline, counted)}
+    by_scale = {str(scale): {"measured": _attainment(lat, w, slo, counted)}
+                for scale, slo in slos.items()}
+    for key, name in (("window", "simulated"), ("fixed", "simulated_fixed"),
+                      ("probed", "simulated_probed"), ("alone", "simulated_alone"),
+                      ("per_request", "simulated_per_request")):
+        x = np.concatenate(sim[key], axis=1)
+        out[f"{name}_mean_s"] = float(x[:, counted].mean())
+        out[f"{name}_attainment"] = _attainment(x, w, headline, counted)
+        for scale, slo in slos.items():
+            by_scale[str(scale)][name] = _attainment(x, w, slo, counted)
+    out["attainment_by_slo_scale"] = by_scale
     out["service_in_run_s"] = _in_run(mode, _busy(mode, _stacked(served)), _joined(parts))
     out["service_probed_s"] = _in_run(mode, _busy(mode, _stacked(probed)),
                                       _joined([probe] * len(probed)))
     out["service_in_run_by_part_s"] = seen_parts
     out["service_probed_by_part_s"] = probe_parts
+    # the spread the check's simulator draws from, per rank (each part's own, pooled)
+    rel = [np.concatenate([_relative(mode, marks, part, r)
+                           for part, marks in zip(parts, served)]) for r in (0, 1)]
+    out["service_cv_in_run"] = [_cv(x[~np.isnan(x)]) for x in rel]
     if mode == "pipeline":
         out["breakdown_s"] = _breakdown(_stacked(served), _joined(parts), counted)
     return out
+
+
+def _relative(mode: str, marks: list[np.ndarray], w: Workload, rank: int) -> np.ndarray:
+    """Per request, rank `rank`'s compute over its model's mean compute there (NaN where the
+    rank did not serve it)."""
+    busy = _busy(mode, marks)[rank]
+    rel = np.full(len(w), np.nan)
+    for m in range(len(MODELS)):
+        mine = (w.model_ids == m) & ~np.isnan(busy)
+        if mine.any():
+            rel[mine] = busy[mine] / busy[mine].mean()
+    return rel
+
+
+def _speed(mode: str, marks: list[np.ndarray], rel: np.ndarray, rank: int,
+           width: float = SPEED_WINDOW) -> np.ndarray:
+    """Per request, how slow rank `rank` was around the time it computed it: the mean
+    relative compute (`rel`) of the rank's other requests that began within `width` seconds
+    (1 with none). A request's own time is left out: it is what the simulator predicts."""
+    begin = marks[rank][:, 0] if mode == "simple" or rank == 0 else marks[1][:, 1]
+    served = np.flatnonzero(~np.isnan(rel))
+    order = served[np.argsort(begin[served])]
+    t, x = begin[order], rel[order]
+    total = np.concatenate([[0.0], np.cumsum(x)])
+    lo = np.searchsorted(t, t - width, side="left")
+    hi = np.searchsorted(t, t + width, side="right")
+    others = hi - lo - 1
+    speed = np.full(len(rel), np.nan)
+    speed[order] = np.where(others > 0, (total[hi] - total[lo] - x) / np.maximum(others, 1),
+                            1.0)
+    return speed
+
+
+def _spread(mode: str, marks: list[np.ndarray], w: Workload, groups: list[SimGroup],
+            seen: dict, rng: np.random.Generator) -> np.ndarray:
+    """One draw of service-time multiples for the simulator (`service_scale`). Request i's
+    compute on a rank is its model's mean there (`seen`) times the rank's speed around it
+    (`_speed`) times a draw from the part's computes relative to their speeds: the machine's
+    slow stretches and the spread within them, not the request's own time. The fixed costs
+    in a stage's latency (`groups`) are left as they are."""
+    draws = np.ones((len(w), 2))
+    for r in (0, 1):  # rank r: the simple placement's model r, the pipeline's stage r
+        rel = _relative(mode, marks, w, r)
+        speed = _speed(mode, marks, rel, r)
+        within = (rel / speed)[~np.isnan(rel)]
+        drawn = speed * rng.choice(within, size=len(w)) if within.size else speed
+        for m, name in enumerate(MODELS):
+            if mode == "simple" and m != r:
+                continue
+            latency = (groups[r].stage_latency[name][0] if mode == "simple"
+                       else groups[0].stage_latency[name][r])
+            compute = seen[name] if mode == "simple" else seen[name][r]
+            mine = (w.model_ids == m) & ~np.isnan(drawn)
+            draws[mine, 0 if mode == "simple" else r] = (
+                1.0 + compute * (drawn[mine] - 1.0) / latency)
+    return draws
 
 
 def _replay(group, job: Path, w: Workload, name: str, mode: str, lead: float = 0.5
@@ -453,5 +543,7 @@ def _cv(x: np.ndarray) -> float:
 
 
 def _attainment(latency: np.ndarray, w: Workload, slo: dict, counted: np.ndarray) -> float:
+    """The share of counted requests within their SLO (over every row of a 2-D `latency`:
+    its mean over several simulations)."""
     limit = np.array([slo[m] for m in w.models])[w.model_ids]
-    return float((latency[counted] <= limit[counted]).mean())
+    return float((latency[..., counted] <= limit[counted]).mean())

@@ -12,6 +12,8 @@ from graphpar.placement.real_check import (
     _groups,
     _part,
     _per_request,
+    _speed,
+    _spread,
 )
 from graphpar.placement.workload import Workload
 
@@ -45,9 +47,11 @@ def _simple_marks(w: Workload, service: dict) -> list[np.ndarray]:
     return marks
 
 
-def test_each_part_is_simulated_with_the_service_times_of_the_probes_around_it():
-    """Service times follow the machine's drift: model a's probes took 1/8, 1/4 and 3/8 s,
-    so the first part is simulated at 3/16 s and the second at 5/16 s; b's held still."""
+def test_each_part_is_simulated_with_its_own_service_times_and_with_the_probes_around_it():
+    """The check simulates each part with the service times it saw (here constant: 1/4 s for
+    a, 1/16 s for b, so exactly as measured); beside it, with the probes' around it: model
+    a's probes took 1/8, 1/4 and 3/8 s, so the first part at 3/16 s and the second at 5/16 s;
+    b's held still."""
     trace = Workload(("a", "b"), np.array([0.0, 0.5, 1.0, 1.5]), np.array([0, 1, 0, 1]), 2.0)
     parts = [_part(trace, 0.0, 1.0), _part(trace, 1.0, 2.0)]
     assert parts[1].arrivals.tolist() == [0.0, 0.5]
@@ -55,16 +59,39 @@ def test_each_part_is_simulated_with_the_service_times_of_the_probes_around_it()
     probed = [_simple_marks(probe, {"a": a, "b": 2**-4}) for a in (2**-3, 2**-2, 3 * 2**-3)]
     served = [_simple_marks(p, {"a": a, "b": 2**-4}) for p, a in zip(parts, (0.25, 0.25))]
     cal = {"whole": {"a": 2**-2, "b": 2**-4}, "wake": [0.0, 0.0]}
-    slo = {"a": 0.25, "b": 1.0}
-    out = _compare("simple", cal, parts, served, probe, probed, trace, slo,
-                   np.ones(4, bool))
+    slos = {1.0: {"a": 0.25, "b": 1.0}, 0.5: {"a": 0.125, "b": 0.5}}
+    out = _compare("simple", cal, parts, served, probe, probed, trace, slos,
+                   np.ones(4, bool), seed=0)
     assert out["service_probed_by_part_s"] == [{"a": 3 * 2**-4, "b": 2**-4},
                                                {"a": 5 * 2**-4, "b": 2**-4}]
-    assert out["simulated_mean_s"] == (3 * 2**-4 + 5 * 2**-4 + 2 * 2**-4) / 4
+    assert out["simulated_probed_mean_s"] == (3 * 2**-4 + 5 * 2**-4 + 2 * 2**-4) / 4
     assert out["measured_mean_s"] == (2 * 2**-2 + 2 * 2**-4) / 4
-    assert out["simulated_in_run_mean_s"] == out["measured_mean_s"]
-    # the second part's a misses its SLO in the simulator only
-    assert (out["measured_attainment"], out["simulated_attainment"]) == (1.0, 0.75)
+    assert out["simulated_mean_s"] == out["measured_mean_s"]
+    assert out["simulated_fixed_mean_s"] == out["measured_mean_s"]
+    assert out["service_cv_in_run"] == [0.0, 0.0]
+    # the second part's a misses its SLO in the probes' simulation only; at half the SLO
+    # every a misses
+    assert (out["measured_attainment"], out["simulated_probed_attainment"]) == (1.0, 0.75)
+    assert out["attainment_by_slo_scale"]["0.5"] == {
+        "measured": 0.5, "simulated": 0.5, "simulated_fixed": 0.5, "simulated_probed": 0.5,
+        "simulated_alone": 0.5, "simulated_per_request": 0.5}
+
+
+def test_the_check_draws_each_request_s_compute_from_the_part_s_leaving_fixed_costs_alone():
+    # model a computed 1/2 s and 3/2 s (mean 1, relative 1/2 and 3/2), b 1/4 s twice
+    w = Workload(("a", "b"), np.array([0.0, 5.0, 10.0, 15.0]), np.array([0, 0, 1, 1]), 20.0)
+    marks = _simple_marks(w, {"a": 1.0, "b": 0.25})
+    marks[0][0, 1], marks[0][1, 1] = 0.5, 6.5
+    seen = {"a": 1.0, "b": 0.25}
+    cal = {"wake": [1.0, 0.0]}  # a's stage: 1 s of wake-up, then 1 s of compute
+    groups = _groups("simple", cal, seen)
+    draws = _spread("simple", marks, w, groups, seen, np.random.default_rng(0))
+    # a's multiple of its 2 s: (1 + 1/2) / 2 or (1 + 3/2) / 2; b's computes are all equal
+    assert set(draws[:2, 0]) <= {0.75, 1.25}
+    assert draws[2:, 0].tolist() == [1.0, 1.0]
+    many = np.vstack([_spread("simple", marks, w, groups, seen, np.random.default_rng(k))
+                      for k in range(20)])
+    assert set(many[:, 0]) == {0.75, 1.0, 1.25}
 
 
 def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
@@ -112,7 +139,8 @@ def test_both_placements_serve_the_trace_on_two_processes(tmp_path):
     fastest = min(r["service_s"]["whole"].values())
     for mode in ("simple", "pipeline"):
         for key in ("measured_mean_s", "simulated_mean_s", "simulated_alone_mean_s",
-                    "simulated_in_run_mean_s", "simulated_per_request_mean_s"):
+                    "simulated_fixed_mean_s", "simulated_probed_mean_s",
+                    "simulated_per_request_mean_s"):
             assert r[mode][key] >= 0.5 * fastest  # all finished (NaN fails this)
         assert 0.0 <= r[mode]["measured_attainment"] <= 1.0
     b = r["pipeline"]["breakdown_s"]
@@ -129,3 +157,18 @@ def test_a_check_without_parts_probes_or_trace_is_refused_before_any_process_sta
 
     with pytest.raises(UsageError, match="at least one part and a probe"):
         real_check(rate=8.0, **bad)
+
+
+def test_a_rank_s_speed_is_the_mean_of_its_other_computes_close_in_time():
+    # requests began at 0, 0.25, 0.5 and 3 s, computing 1, 2, 3 and 5 times their means: the
+    # first three are within 0.5 s of each other (the first and the third just), the last
+    # alone; the second-rank timestamps are unused in the simple placement
+    nan = np.nan
+    begin = np.array([0.0, 0.25, 0.5, 3.0])
+    marks = [np.column_stack([begin, begin + 1, np.full(4, nan)]), np.full((4, 3), nan)]
+    rel = np.array([1.0, 2.0, 3.0, 5.0])
+    assert _speed("simple", marks, rel, 0).tolist() == [2.5, 2.0, 1.5, 1.0]
+    # a request the rank did not serve has no speed, and counts for no one
+    rel[1] = nan
+    assert _speed("simple", marks, rel, 0, width=0.5)[[0, 2, 3]].tolist() == [3.0, 1.0, 1.0]
+    assert np.isnan(_speed("simple", marks, rel, 0)[1])

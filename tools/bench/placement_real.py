@@ -1,10 +1,12 @@
 """The placement simulator against a real run on CPU processes (docs/placement.md): two MLPs
 served one per process vs as a 2-stage pipeline over both, under one Poisson trace, through
 graphpar's worker group; measured (wall clock) against simulated mean latency and SLO
-attainment. The simulator gets fixed costs calibrated on the same processes first and
-service times from probes served around each part of the trace (graphpar.placement.real_check).
-Each run is repeated with another trace seed; the spread between runs and the drift of service
-times through the run are the noise.
+attainment (at the SLO scale given and at 1.5, 2 and 3x). The simulator gets fixed costs
+calibrated on the same processes first and the service times as the processes delivered
+them: per part of the trace, each model's mean, the speed of the process around each
+request, and the spread (graphpar.placement.real_check). Beside it: the part's means held
+fixed, the means of probes served around each part, each process calibrated alone, and each
+request's own computes. Each run is repeated with another trace seed.
 
     python tools/bench/placement_real.py                 # 2 runs of 60 s: the idle check
     python tools/bench/placement_real.py --quick         # 1 run of 20 s in 2 parts (a smoke check)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segments", type=int, default=4,
                         help="parts the trace is served in, a probe around each")
     parser.add_argument("--probe", type=float, default=4.0,
-                        help="seconds of each probe (service times for the simulator)")
+                        help="seconds of each probe (a profile taken beside each part)")
     parser.add_argument("--quick", action="store_true", help="one run of 20 s in 2 parts")
     parser.add_argument("--keep", default=None,
                         help="write every replay's per-request timestamps to KEEP<seed>.npz")
@@ -93,9 +95,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['receive'] * 1e3:.2f} ms ({s['receive_first_busy'] * 1e3:.2f} with stage 1 "
               f"busy, {s['receive_first_idle'] * 1e3:.2f} idle); wake-up lateness "
               + "/".join(f"{t * 1e3:.2f}" for t in s["wake"]) + " ms")
-        drift = [[p[m][0] for m in MODELS] for p in r["pipeline"]["service_probed_by_part_s"]]
-        print("  drift: pipeline stage 1 in the probes around each part (ms): "
-              + ", ".join("/".join(f"{t * 1e3:.1f}" for t in d) for d in drift))
+        drift = [[p[m][0] for m in MODELS] for p in r["pipeline"]["service_in_run_by_part_s"]]
+        print("  drift: pipeline stage 1 in each part (ms, models a/b): "
+              + ", ".join("/".join(f"{t * 1e3:.1f}" for t in d) for d in drift)
+              + "; compute CV per rank: " + ", ".join(
+                  f"{mode} " + "/".join(f"{c:.2f}" for c in r[mode]["service_cv_in_run"])
+                  for mode in ("simple", "pipeline")))
         print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} {'error':>7s} "
               f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
         for mode in ("simple", "pipeline"):
@@ -109,17 +114,21 @@ def main(argv: list[str] | None = None) -> int:
               f"waited, {b['handover_second_busy'] * 1e3:.2f} when it was busy: "
               f"{b['second_busy_share'] * 100:.0f} %), stage 2 {b['second_compute'] * 1e3:.2f}; "
               f"compute CV {b['first_compute_cv']:.2f} / {b['second_compute_cv']:.2f}")
-        for key, what in (("simulated_alone", "service times of each process calibrated alone"),
-                          ("simulated_in_run", "the run's own mean service times (its queueing "
-                                               "alone)")):
+        for key, what in (("simulated_fixed", "the part's mean service times, held fixed"),
+                          ("simulated_probed", "the probes' mean service times (before and "
+                                               "after each part)"),
+                          ("simulated_alone", "service times of each process calibrated alone"),
+                          ("simulated_per_request", "each request's own compute times")):
             print(f"  the simulator given {what}:")
             for mode in ("simple", "pipeline"):
                 print(_row(mode, r[mode], key))
-        own = {mode: (r[mode]["simulated_per_request_mean_s"], r[mode]["measured_mean_s"])
-               for mode in ("simple", "pipeline")}
-        print("  ... and each request's own compute times from the run (their spread too): "
-              + ", ".join(f"{mode} {x * 1e3:.1f} ms ({(x / m - 1) * 100:+.1f}%)"
-                          for mode, (x, m) in own.items()))
+        print("  SLO attainment (%) by SLO scale (x each model's service alone), measured / "
+              "simulated / simulated from the probes:")
+        for mode in ("simple", "pipeline"):
+            by = r[mode]["attainment_by_slo_scale"]
+            print(f"  {mode:10s} " + "   ".join(
+                f"x{scale}: {a['measured'] * 100:.1f} / {a['simulated'] * 100:.1f} / "
+                f"{a['simulated_probed'] * 100:.1f}" for scale, a in by.items()))
         out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
     """--pipeline, --microbatches, --schedule and --token-slices, as compile and viz take them."""
     parser.add_argument("--pipeline", metavar="auto|S", help=what)
-    parser.add_argument("--microbatches", type=int, default=4,
-                        help="microbatches per step with --pipeline (default 4)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per step with --pipeline (default: 4, or the "
+                             "largest number below 4 that divides the batch)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
                         help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
     parser.add_argument("--token-slices", metavar="auto|N",

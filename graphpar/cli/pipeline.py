@@ -30,7 +30,7 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
                          "(e.g. --mesh 2x4)")
     if args.pipeline != "auto" and not (args.pipeline.isdigit() and int(args.pipeline) >= 1):
         raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
-    if args.microbatches < 1:
+    if args.microbatches is not None and args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
     if args.token_slices is not None:
         from graphpar.passes.pipeline.slice_tokens import slice_count
@@ -44,6 +44,12 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         if args.schedule not in TOKEN_SCHEDULES:
             raise UsageError(f"--schedule {args.schedule} with --token-slices: token-sliced "
                              f"steps run {' or '.join(TOKEN_SCHEDULES)}")
+
+
+def default_microbatches(batch: int, most: int = 4) -> int:
+    """The microbatches a step is cut into when the user gives none: `most`, or the largest
+    smaller count that divides the batch (every microbatch must be the same size)."""
+    return max(d for d in range(1, min(most, batch) + 1) if batch % d == 0)
 
 
 def check_token_slices_need_pipeline(args: argparse.Namespace) -> None:
@@ -87,6 +93,8 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
                          f"({devices} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
+    if args.microbatches is None:
+        args.microbatches = default_microbatches(len(spec.inputs[0]))
     optimizer = optimizer_from_name(args.optimizer)
     with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
               "slicing stages"):

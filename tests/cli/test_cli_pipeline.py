@@ -79,3 +79,18 @@ def test_impossible_pipelines_are_refused_with_what_to_change(tmp_path, capsys, 
     assert code != 0
     assert says in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_without_microbatches_a_step_is_cut_into_4_or_the_most_that_divide_the_batch(
+        tmp_path, capsys):
+    from graphpar.cli.pipeline import default_microbatches
+
+    assert [default_microbatches(b) for b in (1, 2, 3, 4, 6, 8, 9, 16)] == [
+        1, 2, 3, 4, 3, 4, 3, 4]
+    # the mlp example's batch is 2: 2 microbatches, not an error about 4
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
+                             "--schedule", "gpipe", "--out", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["pipeline"]["microbatches"] == 2

@@ -5,15 +5,15 @@ trace on two worker processes."""
 import numpy as np
 import pytest
 
-from graphpar.placement.real_check import (
-    _breakdown,
-    _compare,
-    _finish,
-    _groups,
-    _part,
-    _per_request,
-    _speed,
-    _spread,
+from graphpar.placement.real_compare import (
+    breakdown,
+    compare,
+    finish_times,
+    part_of,
+    per_request,
+    sim_groups,
+    speed_around,
+    spread_draws,
 )
 from graphpar.placement.workload import Workload
 
@@ -23,16 +23,16 @@ CAL = {"whole": {"a": 0.5, "b": 0.25}, "stages": {"a": (0.25, 0.25), "b": (0.125
 
 
 def test_the_simulator_gets_service_times_plus_the_fixed_costs_of_a_request():
-    simple = _groups("simple", CAL)
+    simple = sim_groups("simple", CAL)
     assert [g.stage_latency for g in simple] == [{"a": [0.5 + 2**-8]}, {"b": [0.25 + 2**-9]}]
-    (pipeline,) = _groups("pipeline", CAL)
+    (pipeline,) = sim_groups("pipeline", CAL)
     # wake-up lateness and the one-way send ride on the first stage; the receive of a send
     # held while the second stage was busy on the second stage's clock
     first = 2**-8 + 2**-6
     assert pipeline.stage_latency == {"a": [0.25 + first, 0.25], "b": [0.125 + first, 0.125]}
     assert pipeline.receive == {"a": [0.0, 2**-7], "b": [0.0, 2**-7]}
     seen = {"a": (0.5, 0.5), "b": (0.25, 0.75)}
-    (again,) = _groups("pipeline", CAL, seen, handover=(2**-5, 2**-4))
+    (again,) = sim_groups("pipeline", CAL, seen, handover=(2**-5, 2**-4))
     assert again.stage_latency == {"a": [0.5 + 2**-8 + 2**-5, 0.5],
                                    "b": [0.25 + 2**-8 + 2**-5, 0.75]}
     assert again.receive == {"a": [0.0, 2**-4], "b": [0.0, 2**-4]}
@@ -53,14 +53,14 @@ def test_each_part_is_simulated_with_its_own_service_times_and_with_the_probes_a
     a's probes took 1/8, 1/4 and 3/8 s, so the first part at 3/16 s and the second at 5/16 s;
     b's held still."""
     trace = Workload(("a", "b"), np.array([0.0, 0.5, 1.0, 1.5]), np.array([0, 1, 0, 1]), 2.0)
-    parts = [_part(trace, 0.0, 1.0), _part(trace, 1.0, 2.0)]
+    parts = [part_of(trace, 0.0, 1.0), part_of(trace, 1.0, 2.0)]
     assert parts[1].arrivals.tolist() == [0.0, 0.5]
     probe = Workload(("a", "b"), np.array([0.0, 0.5]), np.array([0, 1]), 1.0)
     probed = [_simple_marks(probe, {"a": a, "b": 2**-4}) for a in (2**-3, 2**-2, 3 * 2**-3)]
     served = [_simple_marks(p, {"a": a, "b": 2**-4}) for p, a in zip(parts, (0.25, 0.25))]
     cal = {"whole": {"a": 2**-2, "b": 2**-4}, "wake": [0.0, 0.0]}
     slos = {1.0: {"a": 0.25, "b": 1.0}, 0.5: {"a": 0.125, "b": 0.5}}
-    out = _compare("simple", cal, parts, served, probe, probed, trace, slos,
+    out = compare("simple", cal, parts, served, probe, probed, trace, slos,
                    np.ones(4, bool), seed=0)
     assert out["service_probed_by_part_s"] == [{"a": 3 * 2**-4, "b": 2**-4},
                                                {"a": 5 * 2**-4, "b": 2**-4}]
@@ -84,12 +84,12 @@ def test_the_check_draws_each_request_s_compute_from_the_part_s_leaving_fixed_co
     marks[0][0, 1], marks[0][1, 1] = 0.5, 6.5
     seen = {"a": 1.0, "b": 0.25}
     cal = {"wake": [1.0, 0.0]}  # a's stage: 1 s of wake-up, then 1 s of compute
-    groups = _groups("simple", cal, seen)
-    draws = _spread("simple", marks, w, groups, seen, np.random.default_rng(0))
+    groups = sim_groups("simple", cal, seen)
+    draws = spread_draws("simple", marks, w, groups, seen, np.random.default_rng(0))
     # a's multiple of its 2 s: (1 + 1/2) / 2 or (1 + 3/2) / 2; b's computes are all equal
     assert set(draws[:2, 0]) <= {0.75, 1.25}
     assert draws[2:, 0].tolist() == [1.0, 1.0]
-    many = np.vstack([_spread("simple", marks, w, groups, seen, np.random.default_rng(k))
+    many = np.vstack([spread_draws("simple", marks, w, groups, seen, np.random.default_rng(k))
                       for k in range(20)])
     assert set(many[:, 0]) == {0.75, 1.0, 1.25}
 
@@ -103,7 +103,7 @@ def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
                        [0.0325, 0.1125, 0.1325],
                        [0.1325, 0.1345, 0.1545]])
     counted = np.ones(3, bool)
-    b = _breakdown([first, second], w, counted)
+    b = breakdown([first, second], w, counted)
     assert b["to_first_stage"] == pytest.approx((0.001 + 0.001 + 0.01) / 3)
     assert b["first_compute"] == pytest.approx(0.01)
     assert b["wait_for_receive"] == pytest.approx(0.0025 / 3)
@@ -113,13 +113,13 @@ def test_a_pipelined_request_s_time_splits_into_parts_that_sum_to_its_latency():
     assert b["second_compute"] == pytest.approx(0.02)
     parts = ("to_first_stage", "first_compute", "wait_for_receive", "handover",
              "second_compute")
-    latency = _finish("pipeline", [first, second]) - w.arrivals
+    latency = finish_times("pipeline", [first, second]) - w.arrivals
     assert sum(b[k] for k in parts) == pytest.approx(latency.mean())
     # the simulator with each request's own computes: the idle first request pays wake-up,
     # its compute, the send and the second compute; the third's input (ready at 0.125) is held
     # until stage 2 frees at 0.1325, received in 0.002, and computed in 0.02: as measured
     cal = {"wake": [0.001, 0.0], "send": 0.0015, "receive": 0.002}
-    own = _per_request("pipeline", [first, second], w, cal, None, 0.0)
+    own = per_request("pipeline", [first, second], w, cal, None, 0.0)
     assert own.latency[0] == pytest.approx(0.001 + 0.01 + 0.0015 + 0.02)
     assert own.finish[2] == pytest.approx(0.1325 + 0.002 + 0.02)
     assert own.latency[2] == pytest.approx(latency[2])
@@ -167,8 +167,8 @@ def test_a_rank_s_speed_is_the_mean_of_its_other_computes_close_in_time():
     begin = np.array([0.0, 0.25, 0.5, 3.0])
     marks = [np.column_stack([begin, begin + 1, np.full(4, nan)]), np.full((4, 3), nan)]
     rel = np.array([1.0, 2.0, 3.0, 5.0])
-    assert _speed("simple", marks, rel, 0).tolist() == [2.5, 2.0, 1.5, 1.0]
+    assert speed_around("simple", marks, rel, 0).tolist() == [2.5, 2.0, 1.5, 1.0]
     # a request the rank did not serve has no speed, and counts for no one
     rel[1] = nan
-    assert _speed("simple", marks, rel, 0, width=0.5)[[0, 2, 3]].tolist() == [3.0, 1.0, 1.0]
-    assert np.isnan(_speed("simple", marks, rel, 0)[1])
+    assert speed_around("simple", marks, rel, 0, width=0.5)[[0, 2, 3]].tolist() == [3.0, 1.0, 1.0]
+    assert np.isnan(speed_around("simple", marks, rel, 0)[1])

@@ -693,49 +693,87 @@ class PipelineWorker:
 
     def _step(self, runner: StageRunner) -> list[tuple]:
         """This device's action list for one step; returns its spans (kind, microbatch, start,
-        end; wall-clock seconds)."""
+        end; wall-clock seconds).
+
+        A stage boundary goes to each receiving device as one message (`send_boundary`,
+        every tile bound for that device packed together), tagged with its microbatch (the
+        update's gradients: the number of microbatches), so a message meets exactly its
+        receive whatever the order. Each receive is posted ahead: the first of each kind at
+        the start, the next as soon as one has arrived; the update's gradients at the
+        start."""
         spans = []
+        receives = {kind: iter([a for a in self.actions if a.kind is kind])
+                    for kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+        posted: dict[tuple[ActionKind, int], Any] = {}
+
+        def post_next(kind: ActionKind) -> None:
+            action = next(receives[kind], None)
+            if action is not None:
+                posted[kind, action.microbatch] = self._post(
+                    self._boundary_names(action), action.peer, action.microbatch)
+
+        for kind in receives:
+            post_next(kind)
+        grads_in = {src: self._post([n for _, s, n in self.spec["grads_in"] if s == src], src,
+                                    self.microbatches)
+                    for src in dict.fromkeys(s for _, s, _ in self.spec["grads_in"])}
         for action in self.actions:
             start = time.time()
             kind, m = action.kind, action.microbatch
             if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 names = (self.spec["send_forward"] if kind is ActionKind.SEND_F
                          else self.spec["send_backward"])
-                for tag, (name, t) in enumerate(zip(names, runner.outgoing(action))):
-                    self._send(name, t, action.peer, tag)
+                self._send(names, runner.outgoing(action), action.peer, m)
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
-                names = self.peers[action.peer][key]
-                runner.incoming(action, names, [self._recv(name, action.peer, tag)
-                                                for tag, name in enumerate(names)])
+                names, tensors = posted.pop((kind, m))()
+                post_next(kind)
+                runner.incoming(action, names, tensors)
             elif kind is ActionKind.UPDATE:
-                for tag, dst, name in self.spec["grads_out"]:
-                    self._send(name, runner.grad_sums[name], dst, tag)
-                runner.update({name: self._recv(name, src, tag)
-                               for tag, src, name in self.spec["grads_in"]})
+                for dst in dict.fromkeys(d for _, d, _ in self.spec["grads_out"]):
+                    names = [n for _, d, n in self.spec["grads_out"] if d == dst]
+                    self._send(names, [runner.grad_sums[n] for n in names], dst,
+                               self.microbatches)
+                runner.update({n: t for names, tensors in (take() for take in grads_in.values())
+                               for n, t in zip(names, tensors)})
             else:
                 runner.compute(action)
             spans.append((kind.value, m, start, time.time()))
         self.comm.finish()
         return spans
 
-    def _send(self, name: str, t: torch.Tensor, stage: int, tag: int) -> None:
-        """This device's tiles of `t` (whole on every device of its stage) to `stage`."""
-        plan = tile_transfer(self.types[name], self.meshes[self.stage].device_ids,
-                             self.meshes[stage].device_ids)
+    def _boundary_names(self, action: Action) -> list[str]:
+        """The tensors a RECV action takes: what its peer stage sends across."""
+        key = "send_forward" if action.kind is ActionKind.RECV_F else "send_backward"
+        return self.peers[action.peer][key]
+
+    def _plans(self, names: Sequence[str], src: int, dst: int) -> list[Any]:
+        """How each named tensor crosses from stage `src` to stage `dst` (its tiles)."""
+        return [tile_transfer(self.types[n], self.meshes[src].device_ids,
+                              self.meshes[dst].device_ids) for n in names]
+
+    def _send(self, names: Sequence[str], tensors: Sequence[torch.Tensor], stage: int,
+              tag: int) -> None:
+        """This device's tiles of `tensors` (whole on every device of its stage) to `stage`:
+        one message per receiving device."""
+        plans = self._plans(names, self.stage, stage)
         before = self.comm.bytes_sent
-        self.comm.send_tiles(t, plan.senders, plan.dst, plan.dim, tag)
+        self.comm.send_boundary(list(zip(tensors, plans)), tag)
         self.bytes_across += int(self.comm.bytes_sent - before)
 
-    def _recv(self, name: str, stage: int, tag: int) -> torch.Tensor:
-        """`name` from `stage`: this device's tile, then the tiles joined by an all-gather
-        over this stage's sub-mesh."""
-        plan = tile_transfer(self.types[name], self.meshes[stage].device_ids,
-                             self.meshes[self.stage].device_ids)
-        tile = plan.tile_type
-        t = self.comm.recv_tile(tile.shape, tile.dtype, plan.senders, plan.dst, tag)
-        if plan.gathered:
-            before = self.comm.bytes_sent
-            t = self.comm.all_gather(t, tuple(range(self.comm.mesh.ndim)), plan.dim)
-            self.gathered_bytes += int(self.comm.bytes_sent - before)
-        return t
+    def _post(self, names: Sequence[str], stage: int, tag: int
+              ) -> Callable[[], tuple[Sequence[str], list[torch.Tensor]]]:
+        """Post the receives of `names` from `stage`; returns what waits for them: this
+        device's tiles, each then joined by an all-gather over this stage's sub-mesh."""
+        plans = self._plans(names, stage, self.stage)
+        message = self.comm.post_boundary(plans, tag)
+
+        def take() -> tuple[Sequence[str], list[torch.Tensor]]:
+            tensors = []
+            for plan, t in zip(plans, message.wait()):
+                if plan.gathered:
+                    before = self.comm.bytes_sent
+                    t = self.comm.all_gather(t, tuple(range(self.comm.mesh.ndim)), plan.dim)
+                    self.gathered_bytes += int(self.comm.bytes_sent - before)
+                tensors.append(t)
+            return names, tensors
+        return take

@@ -71,7 +71,6 @@ def test_on_gloo_ranks(gpt_two_stages):
     stages = pipe.programs.stages
     assert len(stages[0].send_forward) > 1 and len(stages[1].send_backward) > 1
     run = assert_matches_eager(pipe, processes=True)
-    assert sum(run.bytes_sent) == pipe.predicted_bytes
     assert {s.rank for s in run.spans} == {0, 1}
     assert len(run.spans) == sum(len(actions) for actions in pipe.schedule.values())
     # a rank's actions are timed in order, one after the other

@@ -11,8 +11,8 @@ and `incoming` takes, so the same runner serves
   transfers through mailboxes (the reference execution of a schedule), and
 - `run_multiprocess`: one process per device over gloo, through `runtime.workers.WorkerGroup`:
   a stage's devices run its sharded phases over process groups of its sub-mesh, tensors
-  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), each rank times its own
-  actions.
+  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), a boundary's tiles as one
+  message per pair of ranks whose receive is posted ahead, each rank times its own actions.
 
 After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
 loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
@@ -31,7 +31,7 @@ import torch
 
 from graphpar.backends.interpreter import Interpreter
 from graphpar.errors import BackendError, GraphparError, ScheduleError
-from graphpar.ir.cross_mesh import stage_devices, tile_transfer
+from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
@@ -48,6 +48,8 @@ __all__ = ["PipelineRun", "PipelineWorker", "StageRunner", "assemble_outputs", "
            "run_in_process", "run_multiprocess", "split_microbatches", "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
+# a boundary whose receives are posted: called, it waits for them and gives (names, tensors)
+_Arrival = Callable[[], tuple[Sequence[str], list[torch.Tensor]]]
 
 
 class StageProgramLike(Protocol):
@@ -492,11 +494,10 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                 "keep_after_forward": sorted(program.keep_after_forward),
                 "grads": list(program.grads),
                 "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
-                # a gradient's tag is its place in grad_transfers, as in lower_mpmd
-                "grads_out": [[tag, dst, n] for tag, (src, dst, n)
-                              in enumerate(programs.grad_transfers) if src == s],
-                "grads_in": [[tag, src, n] for tag, (src, dst, n)
-                             in enumerate(programs.grad_transfers) if dst == s],
+                # the gradient sums this stage sends at UPDATE (by receiving stage) and those
+                # it receives (by sending stage), each stage's in grad_transfers order
+                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
+                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
             })
         (jobdir / "job.json").write_text(json.dumps(job))
         group.start()
@@ -704,7 +705,7 @@ class PipelineWorker:
         spans = []
         receives = {kind: iter([a for a in self.actions if a.kind is kind])
                     for kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
-        posted: dict[tuple[ActionKind, int], Any] = {}
+        posted: dict[tuple[ActionKind, int], _Arrival] = {}
 
         def post_next(kind: ActionKind) -> None:
             action = next(receives[kind], None)
@@ -714,9 +715,9 @@ class PipelineWorker:
 
         for kind in receives:
             post_next(kind)
-        grads_in = {src: self._post([n for _, s, n in self.spec["grads_in"] if s == src], src,
+        grads_in = {src: self._post([n for s, n in self.spec["grads_in"] if s == src], src,
                                     self.microbatches)
-                    for src in dict.fromkeys(s for _, s, _ in self.spec["grads_in"])}
+                    for src in dict.fromkeys(s for s, _ in self.spec["grads_in"])}
         for action in self.actions:
             start = time.time()
             kind, m = action.kind, action.microbatch
@@ -729,8 +730,8 @@ class PipelineWorker:
                 post_next(kind)
                 runner.incoming(action, names, tensors)
             elif kind is ActionKind.UPDATE:
-                for dst in dict.fromkeys(d for _, d, _ in self.spec["grads_out"]):
-                    names = [n for _, d, n in self.spec["grads_out"] if d == dst]
+                for dst in dict.fromkeys(d for d, _ in self.spec["grads_out"]):
+                    names = [n for d, n in self.spec["grads_out"] if d == dst]
                     self._send(names, [runner.grad_sums[n] for n in names], dst,
                                self.microbatches)
                 runner.update({n: t for names, tensors in (take() for take in grads_in.values())
@@ -746,7 +747,7 @@ class PipelineWorker:
         key = "send_forward" if action.kind is ActionKind.RECV_F else "send_backward"
         return self.peers[action.peer][key]
 
-    def _plans(self, names: Sequence[str], src: int, dst: int) -> list[Any]:
+    def _plans(self, names: Sequence[str], src: int, dst: int) -> list[TileTransfer]:
         """How each named tensor crosses from stage `src` to stage `dst` (its tiles)."""
         return [tile_transfer(self.types[n], self.meshes[src].device_ids,
                               self.meshes[dst].device_ids) for n in names]
@@ -760,8 +761,7 @@ class PipelineWorker:
         self.comm.send_boundary(list(zip(tensors, plans)), tag)
         self.bytes_across += int(self.comm.bytes_sent - before)
 
-    def _post(self, names: Sequence[str], stage: int, tag: int
-              ) -> Callable[[], tuple[Sequence[str], list[torch.Tensor]]]:
+    def _post(self, names: Sequence[str], stage: int, tag: int) -> _Arrival:
         """Post the receives of `names` from `stage`; returns what waits for them: this
         device's tiles, each then joined by an all-gather over this stage's sub-mesh."""
         plans = self._plans(names, stage, self.stage)

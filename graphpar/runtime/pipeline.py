@@ -44,8 +44,9 @@ from graphpar.runtime.schedules import (
     validate,
 )
 
-__all__ = ["PipelineRun", "PipelineWorker", "StageRunner", "assemble_outputs", "gather_whole",
-           "run_in_process", "run_multiprocess", "split_microbatches", "stage_meshes"]
+__all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
+           "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
+           "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
 # a boundary whose receives are posted: called, it waits for them and gives (names, tensors)
@@ -600,6 +601,32 @@ def _parse_with_targets(path, targets: Sequence[str | None]) -> Graph:
     return graph
 
 
+class ReceivesAhead:
+    """The receives of an action list, each posted ahead by `post(action)`: the first RECV_F
+    and the first RECV_B at once, the next of a kind as soon as the last one is taken. A send
+    whose receive is already posted leaves from its `isend`; one posted later waits for the
+    sending process to notice the receive (docs/pipeline.md, *The hand-over*)."""
+
+    def __init__(self, actions: Sequence[Action], post: Callable[[Action], Any]) -> None:
+        self._post = post
+        self._next = {kind: iter([a for a in actions if a.kind is kind])
+                      for kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+        self._posted: dict[tuple[ActionKind, int], Any] = {}
+        for kind in self._next:
+            self._post_next(kind)
+
+    def _post_next(self, kind: ActionKind) -> None:
+        action = next(self._next[kind], None)
+        if action is not None:
+            self._posted[kind, action.microbatch] = self._post(action)
+
+    def take(self, action: Action) -> Any:
+        """What `post` returned for RECV `action`; posts the next receive of its kind."""
+        posted = self._posted.pop((action.kind, action.microbatch))
+        self._post_next(action.kind)
+        return posted
+
+
 class PipelineWorker:
     """Global rank `rank` of a pipeline job: one device of one stage's sub-mesh; its stage's
     runner, its action list, its tiles sent and received over gloo."""
@@ -699,22 +726,11 @@ class PipelineWorker:
         A stage boundary goes to each receiving device as one message (`send_boundary`,
         every tile bound for that device packed together), tagged with its microbatch (the
         update's gradients: the number of microbatches), so a message meets exactly its
-        receive whatever the order. Each receive is posted ahead: the first of each kind at
-        the start, the next as soon as one has arrived; the update's gradients at the
-        start."""
+        receive whatever the order. Each receive is posted ahead (`ReceivesAhead`; the
+        update's gradients at the start)."""
         spans = []
-        receives = {kind: iter([a for a in self.actions if a.kind is kind])
-                    for kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
-        posted: dict[tuple[ActionKind, int], _Arrival] = {}
-
-        def post_next(kind: ActionKind) -> None:
-            action = next(receives[kind], None)
-            if action is not None:
-                posted[kind, action.microbatch] = self._post(
-                    self._boundary_names(action), action.peer, action.microbatch)
-
-        for kind in receives:
-            post_next(kind)
+        ahead = ReceivesAhead(self.actions, lambda a: self._post(
+            self._boundary_names(a), a.peer, a.microbatch))
         grads_in = {src: self._post([n for s, n in self.spec["grads_in"] if s == src], src,
                                     self.microbatches)
                     for src in dict.fromkeys(s for s, _ in self.spec["grads_in"])}
@@ -726,8 +742,7 @@ class PipelineWorker:
                          else self.spec["send_backward"])
                 self._send(names, runner.outgoing(action), action.peer, m)
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                names, tensors = posted.pop((kind, m))()
-                post_next(kind)
+                names, tensors = ahead.take(action)()
                 runner.incoming(action, names, tensors)
             elif kind is ActionKind.UPDATE:
                 for dst in dict.fromkeys(d for d, _ in self.spec["grads_out"]):

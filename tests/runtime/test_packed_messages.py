@@ -1,6 +1,7 @@
 """One message per stage boundary and peer: `pack`/`unpack` round-trip tensors of any dtype,
 shape and strides exactly, and `send_boundary`/`post_boundary` move several tensors' tiles
-between sub-meshes as one message per (sender, receiver) pair, recording the payload bytes."""
+between sub-meshes as one message per (sender, receiver) pair, recording the payload bytes;
+the pipeline ranks post each receive one ahead per kind."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from graphpar.ir.cross_mesh import tile_transfer
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
 from graphpar.runtime.comm import Communicator, pack, packed_offsets, unpack
+from graphpar.runtime.pipeline import ReceivesAhead
+from graphpar.runtime.schedules import Action, ActionKind
 
 
 def tensors() -> list[torch.Tensor]:
@@ -99,3 +102,17 @@ def test_a_boundary_crosses_as_one_message_per_pair_of_ranks():
     sent = sum(c.bytes_sent for c in comms)
     assert sent == sum(p.bytes_across for p in plans)
     assert [r.peer for r in comms[2].records] == [0] * 4  # one recv record per tile
+
+
+def test_receives_are_posted_one_ahead_per_kind():
+    # stage 1 of 3 under 1F1B-like order: forwards come from stage 0, gradients from stage 2
+    F, B, RF, RB = ActionKind.F, ActionKind.B, ActionKind.RECV_F, ActionKind.RECV_B
+    actions = [Action(k, 1, m) for k, m in [(RF, 0), (F, 0), (RF, 1), (F, 1), (RB, 0), (B, 0),
+                                           (RF, 2), (F, 2), (RB, 1), (B, 1), (RB, 2), (B, 2)]]
+    posted = []
+    ahead = ReceivesAhead(actions, lambda a: posted.append(str(a)) or str(a))
+    assert posted == ["RECV_F0", "RECV_B0"]  # the first of each kind, at once
+    taken = [ahead.take(a) for a in actions if a.kind in (RF, RB)]
+    assert taken == [str(a) for a in actions if a.kind in (RF, RB)]
+    # each next one posted as the last of its kind is taken, before it is needed
+    assert posted == ["RECV_F0", "RECV_B0", "RECV_F1", "RECV_F2", "RECV_B1", "RECV_B2"]

@@ -186,9 +186,10 @@ def packed_offsets(types: Sequence[TensorType]) -> tuple[list[int], int]:
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """`tensors` (any strides) copied end to end into one flat uint8 buffer (`packed_offsets`)."""
-    offsets, size = packed_offsets([TensorType.of(t) for t in tensors])
+    types = [TensorType.of(t) for t in tensors]
+    offsets, size = packed_offsets(types)
     buffer = torch.empty(size, dtype=torch.uint8)
-    for t, part in zip(tensors, _parts(buffer, offsets, [TensorType.of(t) for t in tensors])):
+    for t, part in zip(tensors, _parts(buffer, offsets, types)):
         part.copy_(t)
     return buffer
 

@@ -8,8 +8,9 @@ tag = the tensor's place in the boundary), rank 1 receives (`recv`). A boundary 
 - `3 tensors`: GPT tiny's backward boundary (4 layers, width 128, microbatch 2): [2,32,128],
   [64,384] and [384,64] f32, 224 KiB in all, each its own message;
 - `3 packed`: the same bytes as one message (one flat uint8 buffer);
-- `packed early`: that message, its receive posted ahead (`irecv`): before the receiver's
-  compute, and in `queued` the next microbatch's as soon as the last one has arrived.
+- `3 early`, `packed early`: the three messages, or the one, their receives posted ahead
+  (`irecv`): before the receiver's compute, and in `queued` the next microbatch's as soon as
+  the last one has arrived.
 
 Patterns (`--repeats` trials each, all ranks starting a trial after a barrier):
 
@@ -48,7 +49,7 @@ import torch.distributed as dist
 
 BOUNDARIES = {"1 tensor": [(2, 32, 128)],
               "3 tensors": [(2, 32, 128), (64, 384), (384, 64)]}
-LAYOUTS = ("1 tensor", "3 tensors", "3 packed", "packed early")
+LAYOUTS = ("1 tensor", "3 tensors", "3 packed", "3 early", "packed early")
 PATTERNS = ("waiting", "late/idle", "late/busy", "queued/idle", "queued/busy", "both ways")
 MICROBATCHES = 8
 
@@ -56,7 +57,7 @@ MICROBATCHES = 8
 def _tensors(layout: str) -> list[torch.Tensor]:
     shapes = BOUNDARIES["1 tensor" if layout == "1 tensor" else "3 tensors"]
     tensors = [torch.randn(shape) for shape in shapes]
-    if layout != "1 tensor" and layout != "3 tensors":
+    if layout in ("3 packed", "packed early"):
         return [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])]
     return tensors
 
@@ -95,7 +96,7 @@ class HandoverRank:
 
     def run(self, pattern: str, layout: str, repeats: int) -> None:
         tensors = _tensors(layout)
-        early = layout == "packed early"
+        early = layout.endswith("early")
         out: list[float] = []  # receive waits, or (waiting) send and done times
         for _ in range(repeats + 1):  # the first trial is untimed
             trial: list[float] = []

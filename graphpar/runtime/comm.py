@@ -17,11 +17,18 @@ defines it (all_reduce: the buffer; all_gather: the gathered output; reduce_scat
 input; all_to_all: the local buffer; send: the message) and `bytes_sent =
 collective_bytes(kind, nbytes, n)`, the logical collective's bytes per rank, whatever
 primitives the communicator used to implement it.
+
+Tensors bound for one rank at one time (a pipeline stage boundary: several tensors, each cut
+into tiles) travel as one message: `pack` lays them end to end in one flat uint8 buffer and
+`unpack` cuts the received buffer back into views, the receiver knowing every tensor's type.
+Each message is a rendezvous on gloo (the data leaves once its receive is posted), so one
+message per boundary and peer pays it once instead of once per tensor; a receive posted
+ahead (`post_boundary`) lets the data leave from the sender's `isend` itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,20 +36,26 @@ import torch
 
 from graphpar.cost.communication import StepKind, collective_bytes
 from graphpar.errors import BackendError
+from graphpar.ir.cross_mesh import TileTransfer
 from graphpar.ir.graph import Node
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import get_op
 from graphpar.ir.spmd_ops import COMM_OPS, GROUP_OPS, LOCAL_OPS, node_axes
+from graphpar.ir.types import TensorType
 
 __all__ = [
     "CommRecord",
     "Communicator",
+    "Posted",
     "group_all_gather",
     "group_all_reduce",
     "group_all_to_all",
     "group_outputs",
     "group_reduce_scatter",
+    "pack",
+    "packed_offsets",
     "reduce_tensors",
+    "unpack",
 ]
 
 
@@ -155,6 +168,66 @@ def comm_nbytes(op: str, x: torch.Tensor, n: int) -> tuple[StepKind, float]:
         raise BackendError(f"{op} does not communicate")
     kind = StepKind(get_op(op).comm_kind)
     return kind, float(_nbytes(x) * (n if kind is StepKind.ALL_GATHER else 1))
+
+
+# ------------------------------------------------------------------------- one message
+
+def packed_offsets(types: Sequence[TensorType]) -> tuple[list[int], int]:
+    """Where each tensor of `types` starts in a packed buffer, and the buffer's bytes: end to
+    end in order, each start rounded up to its element size so that the receiver's views of
+    the buffer are aligned (a few bytes of padding at most)."""
+    offsets, end = [], 0
+    for ty in types:
+        end += -end % ty.itemsize
+        offsets.append(end)
+        end += ty.nbytes
+    return offsets, end
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tensors` (any strides) copied end to end into one flat uint8 buffer (`packed_offsets`)."""
+    types = [TensorType.of(t) for t in tensors]
+    offsets, size = packed_offsets(types)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    for t, part in zip(tensors, _parts(buffer, offsets, types)):
+        part.copy_(t)
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, types: Sequence[TensorType]) -> list[torch.Tensor]:
+    """The tensors of a `pack`ed `buffer`, given their types: views of the buffer (they do
+    not overlap, so each is as good as its own tensor; together they keep the buffer)."""
+    offsets, size = packed_offsets(types)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != size:
+        raise BackendError(f"a packed message of {', '.join(_str(t) for t in types)} is a flat "
+                           f"uint8 buffer of {size} bytes, got {buffer.dtype} "
+                           f"{tuple(buffer.shape)}: sender and receiver disagree on its "
+                           "tensors")
+    return _parts(buffer, offsets, types)
+
+
+def _parts(buffer: torch.Tensor, offsets: Sequence[int], types: Sequence[TensorType]
+           ) -> list[torch.Tensor]:
+    return [buffer[o:o + ty.nbytes].view(ty.dtype).view(ty.shape)
+            for o, ty in zip(offsets, types)]
+
+
+def _str(ty: TensorType) -> str:
+    return f"{str(ty.dtype).removeprefix('torch.')}{list(ty.shape)}"
+
+
+class Posted:
+    """Tensors on their way to this rank, their receives posted: `wait()` returns them (once
+    they have arrived; the same list on every call)."""
+
+    def __init__(self, wait: Callable[[], list[torch.Tensor]]) -> None:
+        self._wait: Callable[[], list[torch.Tensor]] | None = wait
+        self._tensors: list[torch.Tensor] = []
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._wait is not None:
+            self._tensors, self._wait = self._wait(), None
+        return self._tensors
 
 
 # ------------------------------------------------------------------------- the interface
@@ -302,9 +375,14 @@ class Communicator:
     def my_tiles(self, x: torch.Tensor, src: Sequence[int], dst: Sequence[int],
                  dim: int | None) -> list[tuple[int, torch.Tensor]]:
         """(receiving rank, tile) of every tile of `x` this rank sends."""
+        return [(d, tile.contiguous()) for d, tile in self._tiles(x, src, dst, dim)]
+
+    def _tiles(self, x: torch.Tensor, src: Sequence[int], dst: Sequence[int],
+               dim: int | None) -> list[tuple[int, torch.Tensor]]:
+        """`my_tiles`, the tiles as views of `x` (what `pack` copies anyway)."""
         tiles = (list(torch.chunk(x, len(dst), dim)) if dim is not None
                  else [x] * len(dst))
-        return [(d, tiles[j].contiguous()) for j, (s, d) in enumerate(zip(src, dst))
+        return [(d, tiles[j]) for j, (s, d) in enumerate(zip(src, dst))
                 if s == self.global_rank]
 
     def tile_source(self, src: Sequence[int], dst: Sequence[int]) -> int:
@@ -318,6 +396,53 @@ class Communicator:
                   dst: Sequence[int], tag: int = 0) -> torch.Tensor:
         """Receive this rank's tile (`shape`, `dtype`) of a `send_tiles`."""
         return self.recv(shape, dtype, self.tile_source(src, dst), tag)
+
+    def send_packed(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> None:
+        """Send `tensors` to global rank `dst` as one message (`pack`). The byte records are
+        the tensors' own, one send each, as if each had been sent alone."""
+        self.check_peer(dst)
+        self._send(pack(tensors), dst, tag)
+        for t in tensors:
+            self.record("send", t, (), 2, peer=dst)
+
+    def post_packed(self, types: Sequence[TensorType], src: int, tag: int = 0) -> Posted:
+        """Post the receive of a `send_packed` of tensors of `types` from global rank `src`;
+        the returned `Posted` gives them (views of the one message)."""
+        self.check_peer(src)
+        types = list(types)
+        message = self._post_recv((packed_offsets(types)[1],), torch.uint8, src, tag)
+
+        def arrived() -> list[torch.Tensor]:
+            tensors = unpack(message(), types)
+            for t in tensors:
+                self.record("recv", t, (), 2, peer=src)
+            return tensors
+        return Posted(arrived)
+
+    def send_boundary(self, parts: Sequence[tuple[torch.Tensor, TileTransfer]],
+                      tag: int = 0) -> None:
+        """Send this rank's tiles of several tensors, each `(x, plan)` cut as `send_tiles`
+        cuts it: the tiles bound for one rank go as one message (`send_packed`), in the order
+        of `parts`."""
+        by_peer: dict[int, list[torch.Tensor]] = {}
+        for x, plan in parts:
+            for peer, tile in self._tiles(x, plan.senders, plan.dst, plan.dim):
+                by_peer.setdefault(peer, []).append(tile)
+        for peer, tiles in by_peer.items():
+            self.send_packed(tiles, peer, tag)
+
+    def post_boundary(self, plans: Sequence[TileTransfer], tag: int = 0) -> Posted:
+        """Post the receives of this rank's tiles of a `send_boundary` (one message per
+        sending rank); the returned `Posted` gives the tiles in the order of `plans`."""
+        sources = [self.tile_source(p.senders, p.dst) for p in plans]
+        messages = {src: self.post_packed([p.tile_type for p, s in zip(plans, sources)
+                                           if s == src], src, tag)
+                    for src in dict.fromkeys(sources)}
+
+        def arrived() -> list[torch.Tensor]:
+            tiles = {src: iter(m.wait()) for src, m in messages.items()}
+            return [next(tiles[src]) for src in sources]
+        return Posted(arrived)
 
     def finish(self) -> None:
         """Wait until everything this rank sent has been delivered."""
@@ -441,6 +566,11 @@ class Communicator:
 
     def _recv(self, shape, dtype, src, tag):
         raise self._unsupported("recv")
+
+    def _post_recv(self, shape, dtype, src, tag) -> Callable[[], torch.Tensor]:
+        """Post a receive now, return what waits for it. By default nothing is posted ahead:
+        the receive runs when waited for."""
+        return lambda: self._recv(shape, dtype, src, tag)
 
     def _unsupported(self, op: str) -> BackendError:
         return BackendError(f"{type(self).__name__} cannot run {op} on its own: a collective "

@@ -179,6 +179,20 @@ class GlooCommunicator(Communicator):
             dist.recv(out, src=src, tag=tag)
         return out
 
+    def _post_recv(self, shape, dtype, src, tag):
+        # posted before the sender's isend, gloo writes the data from that isend at once and
+        # this process's I/O thread reads it in the background; posted after, the data waits
+        # for the sending process's I/O thread to see the receive's notice (docs/pipeline.md)
+        out = torch.empty(shape, dtype=dtype)
+        with _communicating(f"recv from rank {src}"):
+            work = dist.irecv(out, src=src, tag=tag)
+
+        def wait() -> torch.Tensor:
+            with _communicating(f"recv from rank {src}"):
+                work.wait()
+            return out
+        return wait
+
     def barrier(self) -> None:
         """Wait until every rank of the world gets here."""
         with _communicating("barrier"):

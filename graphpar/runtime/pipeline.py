@@ -11,8 +11,8 @@ and `incoming` takes, so the same runner serves
   transfers through mailboxes (the reference execution of a schedule), and
 - `run_multiprocess`: one process per device over gloo, through `runtime.workers.WorkerGroup`:
   a stage's devices run its sharded phases over process groups of its sub-mesh, tensors
-  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), each rank times its own
-  actions.
+  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), a boundary's tiles as one
+  message per pair of ranks whose receive is posted ahead, each rank times its own actions.
 
 After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
 loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
@@ -31,7 +31,7 @@ import torch
 
 from graphpar.backends.interpreter import Interpreter
 from graphpar.errors import BackendError, GraphparError, ScheduleError
-from graphpar.ir.cross_mesh import stage_devices, tile_transfer
+from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.types import TensorType
@@ -44,10 +44,13 @@ from graphpar.runtime.schedules import (
     validate,
 )
 
-__all__ = ["PipelineRun", "PipelineWorker", "StageRunner", "assemble_outputs", "gather_whole",
-           "run_in_process", "run_multiprocess", "split_microbatches", "stage_meshes"]
+__all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
+           "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
+           "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
+# a boundary whose receives are posted: called, it waits for them and gives (names, tensors)
+_Arrival = Callable[[], tuple[Sequence[str], list[torch.Tensor]]]
 
 
 class StageProgramLike(Protocol):
@@ -492,11 +495,10 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                 "keep_after_forward": sorted(program.keep_after_forward),
                 "grads": list(program.grads),
                 "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
-                # a gradient's tag is its place in grad_transfers, as in lower_mpmd
-                "grads_out": [[tag, dst, n] for tag, (src, dst, n)
-                              in enumerate(programs.grad_transfers) if src == s],
-                "grads_in": [[tag, src, n] for tag, (src, dst, n)
-                             in enumerate(programs.grad_transfers) if dst == s],
+                # the gradient sums this stage sends at UPDATE (by receiving stage) and those
+                # it receives (by sending stage), each stage's in grad_transfers order
+                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
+                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
             })
         (jobdir / "job.json").write_text(json.dumps(job))
         group.start()
@@ -599,6 +601,32 @@ def _parse_with_targets(path, targets: Sequence[str | None]) -> Graph:
     return graph
 
 
+class ReceivesAhead:
+    """The receives of an action list, each posted ahead by `post(action)`: the first RECV_F
+    and the first RECV_B at once, the next of a kind as soon as the last one is taken. A send
+    whose receive is already posted leaves from its `isend`; one posted later waits for the
+    sending process to notice the receive (docs/pipeline.md, *The hand-over*)."""
+
+    def __init__(self, actions: Sequence[Action], post: Callable[[Action], Any]) -> None:
+        self._post = post
+        self._next = {kind: iter([a for a in actions if a.kind is kind])
+                      for kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+        self._posted: dict[tuple[ActionKind, int], Any] = {}
+        for kind in self._next:
+            self._post_next(kind)
+
+    def _post_next(self, kind: ActionKind) -> None:
+        action = next(self._next[kind], None)
+        if action is not None:
+            self._posted[kind, action.microbatch] = self._post(action)
+
+    def take(self, action: Action) -> Any:
+        """What `post` returned for RECV `action`; posts the next receive of its kind."""
+        posted = self._posted.pop((action.kind, action.microbatch))
+        self._post_next(action.kind)
+        return posted
+
+
 class PipelineWorker:
     """Global rank `rank` of a pipeline job: one device of one stage's sub-mesh; its stage's
     runner, its action list, its tiles sent and received over gloo."""
@@ -693,49 +721,74 @@ class PipelineWorker:
 
     def _step(self, runner: StageRunner) -> list[tuple]:
         """This device's action list for one step; returns its spans (kind, microbatch, start,
-        end; wall-clock seconds)."""
+        end; wall-clock seconds).
+
+        A stage boundary goes to each receiving device as one message (`send_boundary`,
+        every tile bound for that device packed together), tagged with its microbatch (the
+        update's gradients: the number of microbatches), so a message meets exactly its
+        receive whatever the order. Each receive is posted ahead (`ReceivesAhead`; the
+        update's gradients at the start)."""
         spans = []
+        ahead = ReceivesAhead(self.actions, lambda a: self._post(
+            self._boundary_names(a), a.peer, a.microbatch))
+        grads_in = {src: self._post([n for s, n in self.spec["grads_in"] if s == src], src,
+                                    self.microbatches)
+                    for src in dict.fromkeys(s for s, _ in self.spec["grads_in"])}
         for action in self.actions:
             start = time.time()
             kind, m = action.kind, action.microbatch
             if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
                 names = (self.spec["send_forward"] if kind is ActionKind.SEND_F
                          else self.spec["send_backward"])
-                for tag, (name, t) in enumerate(zip(names, runner.outgoing(action))):
-                    self._send(name, t, action.peer, tag)
+                self._send(names, runner.outgoing(action), action.peer, m)
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
-                names = self.peers[action.peer][key]
-                runner.incoming(action, names, [self._recv(name, action.peer, tag)
-                                                for tag, name in enumerate(names)])
+                names, tensors = ahead.take(action)()
+                runner.incoming(action, names, tensors)
             elif kind is ActionKind.UPDATE:
-                for tag, dst, name in self.spec["grads_out"]:
-                    self._send(name, runner.grad_sums[name], dst, tag)
-                runner.update({name: self._recv(name, src, tag)
-                               for tag, src, name in self.spec["grads_in"]})
+                for dst in dict.fromkeys(d for d, _ in self.spec["grads_out"]):
+                    names = [n for d, n in self.spec["grads_out"] if d == dst]
+                    self._send(names, [runner.grad_sums[n] for n in names], dst,
+                               self.microbatches)
+                runner.update({n: t for names, tensors in (take() for take in grads_in.values())
+                               for n, t in zip(names, tensors)})
             else:
                 runner.compute(action)
             spans.append((kind.value, m, start, time.time()))
         self.comm.finish()
         return spans
 
-    def _send(self, name: str, t: torch.Tensor, stage: int, tag: int) -> None:
-        """This device's tiles of `t` (whole on every device of its stage) to `stage`."""
-        plan = tile_transfer(self.types[name], self.meshes[self.stage].device_ids,
-                             self.meshes[stage].device_ids)
+    def _boundary_names(self, action: Action) -> list[str]:
+        """The tensors a RECV action takes: what its peer stage sends across."""
+        key = "send_forward" if action.kind is ActionKind.RECV_F else "send_backward"
+        return self.peers[action.peer][key]
+
+    def _plans(self, names: Sequence[str], src: int, dst: int) -> list[TileTransfer]:
+        """How each named tensor crosses from stage `src` to stage `dst` (its tiles)."""
+        return [tile_transfer(self.types[n], self.meshes[src].device_ids,
+                              self.meshes[dst].device_ids) for n in names]
+
+    def _send(self, names: Sequence[str], tensors: Sequence[torch.Tensor], stage: int,
+              tag: int) -> None:
+        """This device's tiles of `tensors` (whole on every device of its stage) to `stage`:
+        one message per receiving device."""
+        plans = self._plans(names, self.stage, stage)
         before = self.comm.bytes_sent
-        self.comm.send_tiles(t, plan.senders, plan.dst, plan.dim, tag)
+        self.comm.send_boundary(list(zip(tensors, plans)), tag)
         self.bytes_across += int(self.comm.bytes_sent - before)
 
-    def _recv(self, name: str, stage: int, tag: int) -> torch.Tensor:
-        """`name` from `stage`: this device's tile, then the tiles joined by an all-gather
-        over this stage's sub-mesh."""
-        plan = tile_transfer(self.types[name], self.meshes[stage].device_ids,
-                             self.meshes[self.stage].device_ids)
-        tile = plan.tile_type
-        t = self.comm.recv_tile(tile.shape, tile.dtype, plan.senders, plan.dst, tag)
-        if plan.gathered:
-            before = self.comm.bytes_sent
-            t = self.comm.all_gather(t, tuple(range(self.comm.mesh.ndim)), plan.dim)
-            self.gathered_bytes += int(self.comm.bytes_sent - before)
-        return t
+    def _post(self, names: Sequence[str], stage: int, tag: int) -> _Arrival:
+        """Post the receives of `names` from `stage`; returns what waits for them: this
+        device's tiles, each then joined by an all-gather over this stage's sub-mesh."""
+        plans = self._plans(names, stage, self.stage)
+        message = self.comm.post_boundary(plans, tag)
+
+        def take() -> tuple[Sequence[str], list[torch.Tensor]]:
+            tensors = []
+            for plan, t in zip(plans, message.wait()):
+                if plan.gathered:
+                    before = self.comm.bytes_sent
+                    t = self.comm.all_gather(t, tuple(range(self.comm.mesh.ndim)), plan.dim)
+                    self.gathered_bytes += int(self.comm.bytes_sent - before)
+                tensors.append(t)
+            return names, tensors
+        return take

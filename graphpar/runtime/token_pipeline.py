@@ -32,6 +32,7 @@ from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.runtime.pipeline import (
     PipelineRun,
+    ReceivesAhead,
     StageProgramLike,
     StageRunner,
     _DeviceProgram,
@@ -388,7 +389,7 @@ class TokenPipelineWorker:
 
         from graphpar.ir.types import TensorType
 
-        self.jobdir, self.rank = Path(jobdir), rank
+        self.jobdir, self.rank, self.world = Path(jobdir), rank, world
         job = json.loads((self.jobdir / "job.json").read_text())
 
         def read(stem: str, targets: list | None) -> Graph | None:
@@ -422,52 +423,63 @@ class TokenPipelineWorker:
                                 per_slice, sharded)
 
     def run(self) -> None:
-        import torch.distributed as dist
-
+        from graphpar.ir.mesh import Mesh
+        from graphpar.ir.types import TensorType
+        from graphpar.runtime.gloo import GlooCommunicator
         from graphpar.runtime.launch import write_result
 
-        stage, pending, spans = self.stage, [], []
+        # the world as a mesh with no groups (none needed): its sends and receives, an item's
+        # boundary as one message tagged by the item, the gradients tagged after every item
+        comm = GlooCommunicator(Mesh((self.world,), tuple(range(self.world))), axes=())
+        stage, spans = self.stage, []
         slices = len(self.slices)
+        grads_tag = stage.microbatches * slices
+
+        def names(action: Action) -> list[str]:
+            key = "send_forward" if action.kind is ActionKind.RECV_F else "send_backward"
+            return self.slices[token_unit(action.microbatch, slices)[1]]["stages"][
+                action.peer][key]
+
+        def post(action: Action) -> tuple[list[str], Any]:
+            types = self.types[token_unit(action.microbatch, slices)[1]]
+            return names(action), comm.post_packed([types[n] for n in names(action)],
+                                                   action.peer, action.microbatch)
+
+        ahead = ReceivesAhead(self.actions, post)
+        held = stage.update_runner.state if stage.update_runner else {}
+        grads_in = {}
+        for src in dict.fromkeys(src for src, _ in self.spec["grads_in"]):
+            params = [p for s, p in self.spec["grads_in"] if s == src]
+            for param in params:
+                if param not in held:
+                    raise GraphparError(f"token pipeline stage {self.rank}: receives the "
+                                        f"gradient of {param} but does not hold it")
+            grads_in[src] = params, comm.post_packed([TensorType.of(held[p]) for p in params],
+                                                     src, grads_tag)
         for action in self.actions:
             start = time.time()
             kind, item = action.kind, action.microbatch
             if kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                for tag, t in enumerate(stage.outgoing(action)):
-                    buf = t.contiguous()
-                    pending.append((dist.isend(buf, dst=action.peer, tag=tag), buf))
+                comm.send_packed(stage.outgoing(action), action.peer, item)
             elif kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                j = token_unit(item, slices)[1]
-                key = "send_forward" if kind is ActionKind.RECV_F else "send_backward"
-                names = self.slices[j]["stages"][action.peer][key]
-                tensors = []
-                for tag, name in enumerate(names):
-                    ty = self.types[j][name]
-                    out = torch.empty(ty.shape, dtype=ty.dtype)
-                    dist.recv(out, src=action.peer, tag=tag)
-                    tensors.append(out)
-                stage.incoming(action, names, tensors)
+                received_names, message = ahead.take(action)
+                stage.incoming(action, received_names, message.wait())
             elif kind is ActionKind.UPDATE:
                 sums = stage.grad_outputs
-                for dst, param in self.spec["grads_out"]:
-                    buf = sums[param].contiguous()
-                    pending.append((dist.isend(buf, dst=dst, tag=0), buf))
-                    stage.sent_bytes += buf.numel() * buf.element_size()
+                for dst in dict.fromkeys(dst for dst, _ in self.spec["grads_out"]):
+                    tensors = [sums[p] for d, p in self.spec["grads_out"] if d == dst]
+                    comm.send_packed(tensors, dst, grads_tag)
+                    stage.sent_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                arrived = {src: iter(message.wait()) for src, (_, message) in grads_in.items()}
                 received: dict[str, torch.Tensor] = {}
-                for src, param in self.spec["grads_in"]:
-                    held = stage.update_runner.state if stage.update_runner else {}
-                    like = held.get(param)
-                    if like is None:
-                        raise GraphparError(f"token pipeline stage {self.rank}: receives the "
-                                            f"gradient of {param} but does not hold it")
-                    out = torch.empty_like(like)
-                    dist.recv(out, src=src, tag=0)
-                    received[param] = received[param] + out if param in received else out
+                for src, param in self.spec["grads_in"]:  # summed in the job's order
+                    t = next(arrived[src])
+                    received[param] = received[param] + t if param in received else t
                 stage.update(received)
             else:
                 stage.compute(action)
             spans.append((kind.value, item, start, time.time()))
-        for work, _ in pending:
-            work.wait()
+        comm.finish()
         write_result(self.jobdir / f"result{self.rank}.pt",
                      {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
                       "updates": stage.updates, "bytes_sent": stage.bytes_sent,

@@ -67,6 +67,9 @@ def test_a_lost_microbatch_gradient_is_caught(gpt_two_stages, monkeypatch):
 
 def test_on_gloo_ranks(gpt_two_stages):
     pipe = gpt_two_stages.with_schedule("1f1b")
+    # each boundary is several tensors, which cross as one message per microbatch
+    stages = pipe.programs.stages
+    assert len(stages[0].send_forward) > 1 and len(stages[1].send_backward) > 1
     run = assert_matches_eager(pipe, processes=True)
     assert {s.rank for s in run.spans} == {0, 1}
     assert len(run.spans) == sum(len(actions) for actions in pipe.schedule.values())

@@ -6,8 +6,9 @@ the measured step time and bubble fraction (medians of the timed steps), the ste
 the cost model estimates on this machine's calibration (`graphpar calibrate --ranks n` for as
 many ranks as the pipeline has processes, `gloo_cluster.<n>ranks.json`, else the 2-rank
 `gloo_cluster.json`), the schedule simulator's step from the checked step's per-action times
-(median F, B, I, W, send per stage: does the schedule model predict the runtime?), and
-(p-1)/(m+p-1), GPipe's and 1F1B's bubble with uniform stages and free transfers.
+(median F, B, I, W, send per stage: does the schedule model predict the runtime?),
+(p-1)/(m+p-1), GPipe's and 1F1B's bubble with uniform stages and free transfers, and how long
+the checked step's receives waited (the hand-over between stages, docs/pipeline.md).
 
 With `--submeshes` some stages run on sub-meshes of several devices (their phases sharded by
 the auto-shard ILP, one process per device): the second table gives the bytes that crossed
@@ -89,6 +90,13 @@ def measure(pipe, schedule: str, timed_steps: int = TIMED_STEPS) -> dict:
         forward = [median(ActionKind.F, s) for s in range(stages)]
         backward = [median(ActionKind.B, s) for s in range(stages)]
         weight = None
+    # how long each receive of the checked step waited (RECV_F and RECV_B actions)
+    waits = [s.end_s - s.start_s for s in spans
+             if s.action.kind in (ActionKind.RECV_F, ActionKind.RECV_B)]
+    waits_per_stage = [sum(s.end_s - s.start_s for s in spans if s.stage == stage
+                           and s.action.kind in (ActionKind.RECV_F, ActionKind.RECV_B))
+                       for stage in range(stages)]
+    handover = hand_over_seconds(spans)
     comm = [median(ActionKind.SEND_F, s) for s in range(stages - 1)]
     update = [median(ActionKind.UPDATE, s) for s in range(stages)]
     estimate = simulate(pipe.schedule, forward, backward, comm, weight, update)
@@ -108,6 +116,11 @@ def measure(pipe, schedule: str, timed_steps: int = TIMED_STEPS) -> dict:
         "bubble_fraction_measured": measured_bubble,
         "bubble_fraction_simulated": estimate.bubble_fraction,
         "bubble_fraction_uniform_formula": (stages - 1) / (m + stages - 1),
+        "receive_wait_seconds_median_measured": statistics.median(waits) if waits else 0.0,
+        "receive_wait_seconds_max_measured": max(waits, default=0.0),
+        "receive_wait_seconds_per_stage_measured": waits_per_stage,
+        "hand_over_seconds_median_measured": statistics.median(handover),
+        "hand_over_seconds_max_measured": max(handover),
         "bytes_between_stages_measured": sum(pipe.last_run.bytes_sent),
         "bytes_between_stages_predicted": pipe.predicted_bytes,
         "bytes_gathered_inside_measured": sum(pipe.last_run.gathered_bytes),
@@ -117,6 +130,25 @@ def measure(pipe, schedule: str, timed_steps: int = TIMED_STEPS) -> dict:
         "wall_seconds_including_process_start": wall,
         "cpu_seconds_including_process_start": cpu,
     }
+
+
+def hand_over_seconds(spans) -> list[float]:
+    """Per receive of a measured step, how long it took once the data had been sent and the
+    receive had started: its end minus the later of its start and the end of the matching
+    send (the sending stage's last device to finish it; wall clock, one machine)."""
+    sent: dict = {}
+    for s in spans:
+        if s.action.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+            key = (s.action.kind, s.stage, s.action.microbatch)
+            sent[key] = max(sent.get(key, s.end_s), s.end_s)
+    out = []
+    for s in spans:
+        if s.action.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+            forward = s.action.kind is ActionKind.RECV_F
+            key = (ActionKind.SEND_F if forward else ActionKind.SEND_B,
+                   s.stage - 1 if forward else s.stage + 1, s.action.microbatch)
+            out.append(max(0.0, s.end_s - max(s.start_s, sent[key])))
+    return out
 
 
 def _cpu_seconds() -> float:
@@ -173,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['schedule']:8} " + "  ".join(
             f"{1e3 * m:.1f} / {1e3 * e:.1f}" for m, e in
             zip(r["stage_compute_seconds_measured"], r["stage_compute_seconds_estimated"])))
+    print("\nreceives in the checked step (ms, measured): wait median, max, each stage's sum; "
+          "hand-over (done after both sent and posted) median, max")
+    for r in rows:
+        print(f"{r['schedule']:8} {1e3 * r['receive_wait_seconds_median_measured']:6.2f} "
+              f"{1e3 * r['receive_wait_seconds_max_measured']:6.2f}   " + "  ".join(
+                  f"{1e3 * w:.1f}" for w in r["receive_wait_seconds_per_stage_measured"])
+              + f"   {1e3 * r['hand_over_seconds_median_measured']:6.2f} "
+              f"{1e3 * r['hand_over_seconds_max_measured']:6.2f}")
     print("\nbytes per step between and inside sub-meshes (B); seconds for the whole check")
     print(f"{'schedule':8} {'across meas.':>12} {'predicted':>10} {'naive':>10} "
           f"{'gathered meas.':>14} {'cost model':>10} {'wall s':>7} {'CPU s':>6}")

@@ -62,7 +62,7 @@ def _check_options(args: argparse.Namespace) -> None:
 def cmd_explain(args: argparse.Namespace) -> int:
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler import compile_model
-    from graphpar.passes.autoshard.explain import Explainer, Explanation
+    from graphpar.passes.autoshard.explain import Explainer, Explanation, plan_dict
 
     _check_options(args)
     auto_shard = auto_shard_pass(args)
@@ -88,7 +88,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         with step(f"re-solving with {explainer.names[node]} forced"):
             forced = explainer.force(node, strategy)
         row = explainer.row(node)
-        report = {**header, **Explanation(plan, [], 0).as_dict(), "node": row.as_dict(),
+        report = {**header, **plan_dict(plan), "node": row.as_dict(),
                   "forced": forced.as_dict()}
         lines = [*_plan_lines(header, plan), *_row_lines(row, "node", with_tried=False),
                  *_forced_lines(forced)]

@@ -290,19 +290,22 @@ class Explanation:
     tries: int
 
     def as_dict(self) -> dict:
-        p = self.plan
-        return {
-            "mesh": str(p.mesh),
-            "compute_model": p.compute_model,
-            "step_seconds_estimated": p.step_seconds,
-            "compute_seconds_estimated": p.compute_seconds,
-            "communication_seconds_estimated": p.comm_seconds,
-            "objective_seconds_estimated": p.stats.get("objective_seconds"),
-            "memory_bytes_per_device_estimated": p.memory_bytes,
-            "solver": p.stats,
-            "alternatives_tried_per_node": self.tries,
-            "nodes": [r.as_dict() for r in self.rows],
-        }
+        return {**plan_dict(self.plan), "alternatives_tried_per_node": self.tries,
+                "nodes": [r.as_dict() for r in self.rows]}
+
+
+def plan_dict(p: Plan) -> dict:
+    """A plan's step as the ILP counts it, as report data."""
+    return {
+        "mesh": str(p.mesh),
+        "compute_model": p.compute_model,
+        "step_seconds_estimated": p.step_seconds,
+        "compute_seconds_estimated": p.compute_seconds,
+        "communication_seconds_estimated": p.comm_seconds,
+        "objective_seconds_estimated": p.stats.get("objective_seconds"),
+        "memory_bytes_per_device_estimated": p.memory_bytes,
+        "solver": p.stats,
+    }
 
 
 def explain(reduced: Reduced, plan: Plan, memory_limit: float | None, time_limit: float,

@@ -101,8 +101,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         lines = _plan_lines(header, plan)
         if node is None:
             lines.append(_rows_title(rows, len(graph.nodes), args))
+        first_of_class: dict[int, int] = {}
         for k, row in enumerate(rows, 1):
-            lines += _row_lines(row, "node" if node is not None else f"{k}.", with_tried=True)
+            lines += _row_lines(row, "node" if node is not None else f"{k}.", with_tried=True,
+                                same_as=first_of_class.setdefault(row.ilp_class, k))
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     report["explain_seconds_measured"] = {"wall": wall, "cpu": cpu}
     lines.append(f"  took       {wall:.1f} s wall, {cpu:.1f} s CPU (measured, capture "
@@ -149,13 +151,15 @@ def _rows_title(rows, nodes: int, args) -> str:
             "copies (one ILP variable): costs summed, forced together.")
 
 
-def _row_lines(row, label: str, with_tried: bool) -> list[str]:
+def _row_lines(row, label: str, with_tried: bool, same_as: int | None = None) -> list[str]:
     node = row.node
     where = ", ".join(x for x in (node.module, node.loc) if x)
     copies = f", x{len(row.copies)} (one ILP variable)" if len(row.copies) > 1 else ""
     follows = ", follows its operand" if row.follows else ""
+    shared = (f", the same ILP variable as row {same_as}" if same_as is not None
+              and label != f"{same_as}." else "")
     lines = [f"  {label:<10} {row.name} (%{row.number} {node.op}"
-             f"{', ' + where if where else ''}{copies}{follows})",
+             f"{', ' + where if where else ''}{copies}{follows}{shared})",
              f"    plan     {row.strategy}: compute {_seconds(row.compute_seconds)} + "
              f"resharding {_seconds(row.resharding_seconds)} = {_seconds(row.cost_seconds)}"]
     if not with_tried:

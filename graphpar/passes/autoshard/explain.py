@@ -100,6 +100,7 @@ class Row:
     number: int
     copies: list[Node]  # the node first: every node this ILP variable decides alike
     follows: bool  # its strategy is a function of its operand's group's choice
+    ilp_class: int  # the ILP variable that decides it (`Reduced.class_of`)
     strategy: str
     compute_seconds: float
     resharding_seconds: float
@@ -121,6 +122,7 @@ class Row:
             "node": self.name, "value": f"%{self.number}", "op": self.node.op,
             "module": self.node.module, "source": self.node.loc,
             "copies": len(self.copies), "follows_operand": self.follows,
+            "ilp_class": self.ilp_class,
             "strategy": self.strategy,
             "compute_seconds_estimated": self.compute_seconds,
             "resharding_seconds_estimated": self.resharding_seconds,
@@ -149,6 +151,7 @@ class Explainer:
         self.compute = {n: float(compute[problem.index[n]]) for n in self.graph.nodes}
         self.resharding = {n: float(resharding[problem.index[n]]) for n in self.graph.nodes}
         self.copies = self._copies()
+        self._solved: dict[tuple, Plan | str] = {}  # re-solves by (class, its choices kept)
 
     # --- nodes and strategies by name -----------------------------------------------------------
 
@@ -210,7 +213,7 @@ class Explainer:
         chosen = self.picks[i]
         reachable = set(int(j) for j in self.reduced.gmap[i]) - {chosen}
         return Row(node=node, name=self.names[node], number=self.numbers[node], copies=copies,
-                   follows=self.reduced.root[i] != i,
+                   follows=self.reduced.root[i] != i, ilp_class=self.reduced.class_of(i),
                    strategy=strategy_text(node, self.strategies(node)[chosen]),
                    compute_seconds=sum(self.compute[n] for n in copies),
                    resharding_seconds=sum(self.resharding[n] for n in copies),
@@ -244,24 +247,24 @@ class Explainer:
         """The plan re-solved with `node` and its copies forced to `strategy`."""
         text = strategy_text(node, strategy)
         copies = set(self.copies[node])
-        want = (strategy.inputs, strategy.outputs)
-        i = self.problem.index[node]
-        choices = self.strategies(node)
-        if not any((choices[int(j)].inputs, choices[int(j)].outputs) == want
-                   for j in self.reduced.gmap[i]):
+        want = _key(strategy)
+        reduced, problem = self.reduced, self.problem
+        # The class choices that give every copy `want`: nodes that follow one operand, or
+        # share a variable, can be forced to the same set, and then share one re-solve.
+        c = reduced.class_of(problem.index[node])
+        kept = np.ones(reduced.size[c], dtype=bool)
+        for n in copies:
+            k = problem.index[n]
+            kept &= [_key(problem.choices[k][int(j)]) == want for j in reduced.gmap[k]]
+        if not kept.any():
             return Forced(text, why_not="the ILP cannot give it: the node follows its "
                                         "operand, whose choices never lead to it")
-
-        def allow(item, choice) -> bool | None:
-            return None if item not in copies else (choice.inputs, choice.outputs) == want
-
-        try:
-            plan = self.reduced.solve(self.memory_limit, self.time_limit, self.solver,
-                                      allow=allow, name="forced")
-        except MemoryLimitError:
-            return Forced(text, why_not="no plan with it fits the memory limit")
-        except ShardingError as e:
-            return Forced(text, why_not=str(e))
+        key = (c, np.flatnonzero(kept).tobytes())
+        if key not in self._solved:
+            self._solved[key] = self._solve(copies, want)
+        plan = self._solved[key]
+        if isinstance(plan, str):
+            return Forced(text, why_not=plan)
         base = self.plan.step_seconds
         delta = plan.step_seconds - base
         changed = [(self.names[n], strategy_text(n, self.plan.node_strategy[n]),
@@ -269,6 +272,19 @@ class Explainer:
                    for n in self.graph.nodes if n not in copies
                    and _key(plan.node_strategy[n]) != _key(self.plan.node_strategy[n])]
         return Forced(text, plan, delta, 100.0 * delta / base if base else None, changed)
+
+    def _solve(self, copies: set[Node], want: tuple) -> Plan | str:
+        """The plan with `copies` forced to the strategy `want`, or why there is none."""
+        def allow(item, choice) -> bool | None:
+            return None if item not in copies else _key(choice) == want
+
+        try:
+            return self.reduced.solve(self.memory_limit, self.time_limit, self.solver,
+                                      allow=allow, name="forced")
+        except MemoryLimitError:
+            return "no plan with it fits the memory limit"
+        except ShardingError as e:
+            return str(e)
 
     def explain_row(self, row: Row, tries: int = DEFAULT_TRIES) -> Row:
         """`row` with its counterfactuals: the `tries` alternatives cheapest with the rest of

@@ -106,7 +106,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             lines += _row_lines(row, "node" if node is not None else f"{k}.", with_tried=True,
                                 same_as=first_of_class.setdefault(row.ilp_class, k))
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    report["explain_seconds_measured"] = {"wall": wall, "cpu": cpu}
+    report["explain_seconds_measured"], report["explain_cpu_seconds_measured"] = wall, cpu
     lines.append(f"  took       {wall:.1f} s wall, {cpu:.1f} s CPU (measured, capture "
                  "included)")
     if args.json is not None:
@@ -117,14 +117,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(s: float) -> str:
-    return format_seconds(s)
-
-
 def _delta(f) -> str:
     sign = "+" if f.delta_seconds >= 0 else "-"
     percent = "" if f.delta_percent is None else f", {f.delta_percent:+.2f} %"
-    return f"{sign}{_seconds(abs(f.delta_seconds))}{percent}"
+    return f"{sign}{format_seconds(abs(f.delta_seconds))}{percent}"
 
 
 def _changed(f) -> str:
@@ -137,9 +133,9 @@ def _plan_lines(header: dict, plan) -> list[str]:
     return [
         f"graphpar explain: {header['model']} ({header['mode']}) on mesh {plan.mesh}, "
         f"{header['cluster']} (compute as a roofline, {plan.compute_model})",
-        f"  step       {_seconds(plan.step_seconds)} estimated = compute "
-        f"{_seconds(plan.compute_seconds)} + resharding {_seconds(plan.comm_seconds)} "
-        f"(the ILP's objective: {_seconds(stats['objective_seconds'])}; {stats['status']}, "
+        f"  step       {format_seconds(plan.step_seconds)} estimated = compute "
+        f"{format_seconds(plan.compute_seconds)} + resharding {format_seconds(plan.comm_seconds)} "
+        f"(the ILP's objective: {format_seconds(stats['objective_seconds'])}; {stats['status']}, "
         f"{stats['variables']} variables, {stats['classes']} classes)",
     ]
 
@@ -160,8 +156,9 @@ def _row_lines(row, label: str, with_tried: bool, same_as: int | None = None) ->
               and label != f"{same_as}." else "")
     lines = [f"  {label:<10} {row.name} (%{row.number} {node.op}"
              f"{', ' + where if where else ''}{copies}{follows}{shared})",
-             f"    plan     {row.strategy}: compute {_seconds(row.compute_seconds)} + "
-             f"resharding {_seconds(row.resharding_seconds)} = {_seconds(row.cost_seconds)}"]
+             f"    plan     {row.strategy}: compute {format_seconds(row.compute_seconds)} + "
+             f"resharding {format_seconds(row.resharding_seconds)} = "
+             f"{format_seconds(row.cost_seconds)}"]
     if not with_tried:
         return lines
     tried = sorted(row.tried, key=lambda f: (f.plan is None,
@@ -171,7 +168,7 @@ def _row_lines(row, label: str, with_tried: bool, same_as: int | None = None) ->
         if f.plan is None:
             lines.append(f"    {then:<8} {f.strategy}: {f.why_not}")
         else:
-            lines.append(f"    {then:<8} {f.strategy}: step {_seconds(f.plan.step_seconds)} "
+            lines.append(f"    {then:<8} {f.strategy}: step {format_seconds(f.plan.step_seconds)} "
                          f"({_delta(f)}), {_changed(f)}")
     if not row.open_alternatives:
         lines.append("    instead  nothing: the ILP can give this node no other strategy")
@@ -186,7 +183,7 @@ def _forced_lines(f) -> list[str]:
 
     if f.plan is None:
         return [f"  forced     {f.strategy}: {f.why_not}"]
-    lines = [f"  forced     {f.strategy}: step {_seconds(f.plan.step_seconds)} estimated "
+    lines = [f"  forced     {f.strategy}: step {format_seconds(f.plan.step_seconds)} estimated "
              f"({_delta(f)}; {f.plan.stats['status']}), {_changed(f)}"
              + (":" if f.changed else "")]
     lines += [f"    {name}: {was} => {now}" for name, was, now in f.changed[:CHANGED_SHOWN]]

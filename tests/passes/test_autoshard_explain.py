@@ -88,3 +88,23 @@ def test_nodes_and_strategies_are_found_by_name(mlp_train):
                                             r"strategies of node layers.0:matmul; they are: "
                                             r"\(\{R\}, \{R\}\) -> \{R\}; "):
         ex.strategy(node, "{S(7)}")
+
+
+def test_nodes_of_one_ilp_variable_share_their_re_solves(mlp_train):
+    """Optimizer ops that follow the same state are decided by one ILP variable: forcing any
+    of them to the same layouts is the same restriction, solved once."""
+    reduced, plan = mlp_train
+    ex = Explainer(reduced, plan, None, 30.0)
+    rows = ex.costliest(len(reduced.problem.graph.nodes))
+    by_class = {}
+    for row in rows:
+        by_class.setdefault(row.ilp_class, []).append(row)
+    a, b = next(group[:2] for group in by_class.values()
+                if len(group) > 1 and all(r.follows for r in group[:2]))
+    (strategy, _), *_ = ex.alternatives(a.node)
+    forced_a = ex.force(a.node, strategy)
+    twin = next(s for s, _ in ex.alternatives(b.node)
+                if s.outputs == strategy.outputs)
+    forced_b = ex.force(b.node, twin)
+    assert forced_a.plan is not None and forced_a.plan is forced_b.plan
+    assert forced_a.plan.node_strategy[b.node].outputs == strategy.outputs

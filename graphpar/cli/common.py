@@ -189,3 +189,75 @@ def step_time_line(r: dict) -> str:
     return (f"step time  {r['step_seconds_measured'] * 1e3:.3f} ms measured (median of "
             f"{r['steps']}, min {r['step_seconds_min'] * 1e3:.3f} ms), "
             f"{r['step_seconds_estimated'] * 1e3:.3f} ms estimated, ratio {ratio}")
+
+
+def check_plan_options(args: argparse.Namespace) -> None:
+    """Usage errors in the sharding plan's options (--time-limit, --memory-limit, a --cluster
+    file), found before the model is loaded."""
+    import math
+
+    if args.time_limit is not None and not (math.isfinite(args.time_limit)
+                                            and args.time_limit > 0):
+        raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    if args.memory_limit is not None and args.memory_limit not in ("device", "none"):
+        from graphpar.units import parse_bytes
+
+        try:
+            if parse_bytes(args.memory_limit) <= 0:
+                raise ValueError("a memory limit must be positive")
+        except ValueError as exc:
+            raise UsageError(f"--memory-limit {args.memory_limit}: {exc}") from None
+    from graphpar.cost.cluster import PRESETS
+
+    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
+        from graphpar.errors import GraphparError
+        from graphpar.ir.parser import read_text_file
+
+        try:
+            read_text_file(Path(args.cluster), "cluster JSON file")
+        except GraphparError as exc:
+            raise UsageError(f"--cluster {exc}") from None
+
+
+def auto_shard_mesh_size(args: argparse.Namespace) -> int:
+    """The number of devices of --mesh on --cluster; a bad mesh is a usage error naming it."""
+    from graphpar.cost.cluster import mesh_for
+    from graphpar.errors import ShardingError
+
+    try:
+        return mesh_for(args.mesh, args.cluster).size
+    except ShardingError as exc:
+        raise UsageError(f"--mesh {args.mesh}: {exc}") from None
+
+
+def auto_shard_pass(args: argparse.Namespace):
+    """The `auto-shard` pass that --mesh, --cluster, --memory-limit and --time-limit ask for
+    (check the mesh first with `auto_shard_mesh_size`: its errors name the option)."""
+    from graphpar.passes.autoshard import AutoShard
+
+    return AutoShard(mesh=args.mesh, cluster=args.cluster,
+                     memory_limit=args.memory_limit or "device",
+                     time_limit=args.time_limit if args.time_limit is not None else 30.0)
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model to capture, as compile and explain take it: a file or --example, a mode."""
+    parser.add_argument("model", nargs="?", help="model file defining build() (see README)")
+    parser.add_argument("--example", help=f"a bundled model instead, e.g. gpt:125M (default "
+                                          f"when no file is given: {DEFAULT_EXAMPLE})")
+    parser.add_argument("--mode", choices=["infer", "train"], default="infer")
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+
+
+def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:
+    """--mesh, --cluster, --memory-limit and --time-limit: the auto-shard plan's options."""
+    parser.add_argument("--mesh", help=mesh_help)
+    parser.add_argument("--cluster", default="dgx-a100",
+                        help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON "
+                             "file")
+    parser.add_argument("--memory-limit",
+                        help="per-device memory the plan must fit: a size like 40GB, 'device' "
+                             "(the cluster's device memory, the default) or 'none'")
+    parser.add_argument("--time-limit", type=float,
+                        help="auto-shard time limit, seconds: building and solving the ILP "
+                             "(default 30)")

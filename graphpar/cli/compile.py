@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -14,13 +13,16 @@ from graphpar.cli.common import (
     _existing_parent,
     _names,
     _publish,
+    auto_shard_mesh_size,
+    auto_shard_pass,
+    check_plan_options,
     load_target,
     staging_dir,
     step,
     step_time_line,
     step_time_report,
 )
-from graphpar.errors import GraphparError, OutputError, UsageError
+from graphpar.errors import OutputError, UsageError
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -41,22 +43,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         check_pipeline_options(args)
         return cmd_compile_pipeline(args, passes)
     if args.mesh:  # bad meshes and clusters too, named by their option
-        from graphpar.cost.cluster import mesh_for
-        from graphpar.errors import ShardingError
-
-        try:
-            mesh_size = mesh_for(args.mesh, args.cluster).size
-        except ShardingError as exc:
-            raise UsageError(f"--mesh {args.mesh}: {exc}") from None
+        mesh_size = auto_shard_mesh_size(args)
         if args.run_cpu is not None and args.run_cpu != mesh_size:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
                              f"({mesh_size} devices): run one CPU rank per device")
-        from graphpar.passes.autoshard import AutoShard
-
-        passes.append(AutoShard(mesh=args.mesh, cluster=args.cluster,
-                                memory_limit=args.memory_limit or "device",
-                                time_limit=args.time_limit if args.time_limit is not None
-                                else 30.0))
+        passes.append(auto_shard_pass(args))
     for option in ("dump_after", "dump_before"):
         unknown = set(_names(getattr(args, option))) - {p.name for p in passes} - {"all"}
         if unknown:
@@ -158,19 +149,9 @@ def _check_compile_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--out {out} exists and is not a directory; give a directory")
     if not _existing_parent(out).is_dir() or (out.parent.exists() and not out.parent.is_dir()):
         raise OutputError(f"{out}: cannot write --out there: a path component is a file")
-    if args.time_limit is not None and not (math.isfinite(args.time_limit)
-                                            and args.time_limit > 0):
-        raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
+    check_plan_options(args)
     if args.run_cpu is not None and args.run_cpu < 1:
         raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
-    if args.memory_limit is not None and args.memory_limit not in ("device", "none"):
-        from graphpar.units import parse_bytes
-
-        try:
-            if parse_bytes(args.memory_limit) <= 0:
-                raise ValueError("a memory limit must be positive")
-        except ValueError as exc:
-            raise UsageError(f"--memory-limit {args.memory_limit}: {exc}") from None
     if not args.mesh:
         given = [name for name, value in (("--run-cpu", args.run_cpu),
                                           ("--memory-limit", args.memory_limit),
@@ -178,15 +159,6 @@ def _check_compile_options(args: argparse.Namespace) -> None:
         if given:
             what = "runs a sharded plan" if given[0] == "--run-cpu" else "bounds the sharding plan"
             raise UsageError(f"{given[0]} {what}: give --mesh too")
-    from graphpar.cost.cluster import PRESETS
-
-    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
-        from graphpar.ir.parser import read_text_file
-
-        try:
-            read_text_file(Path(args.cluster), "cluster JSON file")
-        except GraphparError as exc:
-            raise UsageError(f"--cluster {exc}") from None
 
 
 def run_on_cpu_ranks(result, compiled=None) -> dict:

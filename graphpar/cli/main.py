@@ -13,8 +13,9 @@ from contextlib import suppress
 
 import graphpar.cli.show as show
 from graphpar.cli.calibrate import add_calibrate_parser
-from graphpar.cli.common import DEFAULT_EXAMPLE, _Parser
+from graphpar.cli.common import _Parser, add_model_options, add_plan_options
 from graphpar.cli.compile import cmd_compile
+from graphpar.cli.explain import add_explain_parser
 from graphpar.cli.generate import add_generate_parser
 from graphpar.cli.place import add_place_parser
 from graphpar.errors import GraphparError, UsageError
@@ -25,24 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     c = sub.add_parser("compile", help="capture a model, run passes, write IR and a report")
-    c.add_argument("model", nargs="?", help="model file defining build() (see README)")
-    c.add_argument("--example", help=f"a bundled model instead, e.g. gpt:125M (default when no "
-                                     f"file is given: {DEFAULT_EXAMPLE})")
-    c.add_argument("--mode", choices=["infer", "train"], default="infer")
-    c.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    add_model_options(c)
     c.add_argument("--passes", default="cleanup", help="pipeline, e.g. 'cleanup' or 'cse,dce'")
     c.add_argument("--dump-after", help="pass names (comma-separated) or 'all'")
     c.add_argument("--dump-before", help="pass names (comma-separated) or 'all'")
     c.add_argument("--out", default="graphpar-out", help="output directory")
-    c.add_argument("--mesh", help="auto-shard on a device mesh, e.g. 2x4 (2-D) or 8 (1-D)")
-    c.add_argument("--cluster", default="dgx-a100",
-                   help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON file")
-    c.add_argument("--memory-limit",
-                   help="per-device memory the plan must fit: a size like 40GB, 'device' (the "
-                        "cluster's device memory, the default) or 'none'")
-    c.add_argument("--time-limit", type=float,
-                   help="auto-shard time limit, seconds: building and solving the ILP "
-                        "(default 30)")
+    add_plan_options(c, "auto-shard on a device mesh, e.g. 2x4 (2-D) or 8 (1-D)")
     c.add_argument("--run-cpu", type=int, metavar="N",
                    help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
     c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],
@@ -79,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "by stage")
     v.set_defaults(fn=show.cmd_viz)
 
+    add_explain_parser(sub)
     add_generate_parser(sub)
     add_place_parser(sub)
     add_calibrate_parser(sub)

@@ -13,7 +13,7 @@ from graphpar.ir.graph import Graph
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard.apply import shard_graph
-from graphpar.passes.autoshard.ilp import Deadline, Plan, solve
+from graphpar.passes.autoshard.ilp import Deadline, Plan, Reduced, build_reduced
 from graphpar.passes.autoshard.strategies import node_strategies
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.units import parse_bytes
@@ -71,15 +71,20 @@ class AutoShard(GraphPass):
             return mesh.cluster.device_memory
         return parse_bytes(self.memory_limit)
 
-    def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+    def solve(self, graph: Graph) -> tuple[Reduced, Plan]:
+        """The reduced ILP of `graph` under these options and its cheapest plan, both within
+        the time limit (`graphpar explain` re-solves the same ILP)."""
         deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver
         if graph.mesh is not None:
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         mesh = mesh_for(self.mesh, get_cluster(self.cluster))
         _check_mesh_divides(graph, mesh, self.mesh)
-        limit = self.memory_bytes(mesh)
-        plan = solve(graph, mesh, Roofline.of(mesh.cluster, self.dtype), limit,
-                     self.time_limit, deadline=deadline)
+        reduced = build_reduced(graph, mesh, Roofline.of(mesh.cluster, self.dtype), deadline)
+        return reduced, reduced.solve(self.memory_bytes(mesh), max(deadline.left(), 1e-3))
+
+    def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
+        reduced, plan = self.solve(graph)
+        mesh = reduced.problem.mesh
         reshards = shard_graph(graph, mesh, plan)
         graph.attrs.update({
             "estimated_compute_s": round(plan.compute_seconds, 9),

@@ -241,18 +241,33 @@ class Problem:
         outs, ins = self.table(dst)
         return outs[0] if k < 0 else ins[k]
 
+    def edge_seconds(self, picks: list[int]):
+        """(edge index, the item it is charged to, resharding seconds) of every edge that
+        reshards under one choice per item. An edge is charged to the node that reads the value;
+        a result the user reads, or new state written back, to the node producing it."""
+        for e, (v, src, dst, k) in enumerate(self.edges):
+            a = self.produced_ids(v)[picks[src]]
+            b = self.needed_ids(dst, k)[0 if dst < 0 else picks[dst]]
+            if a != b and b >= 0:
+                charged = dst if dst >= 0 and isinstance(self.items[dst], Node) else src
+                yield e, charged, float(self.cost_matrix(v, np.array([a]), np.array([b]))[0, 0])
+
     def evaluate(self, picks: list[int]) -> tuple[float, float, float]:
         """(compute seconds, communication seconds, memory bytes) of one choice per item, on
         the full graph."""
         compute = sum(float(c[p]) for c, p in zip(self.compute, picks))
-        comm = 0.0
-        for v, src, dst, k in self.edges:
-            a = self.produced_ids(v)[picks[src]]
-            b = self.needed_ids(dst, k)[0 if dst < 0 else picks[dst]]
-            if a != b and b >= 0:
-                comm += float(self.cost_matrix(v, np.array([a]), np.array([b]))[0, 0])
+        comm = sum((seconds for _, _, seconds in self.edge_seconds(picks)), 0.0)
         memory = sum(float(m[picks[i]]) for i, m in self.memory.items())
         return compute, comm, memory
+
+    def item_seconds(self, picks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per item, (its compute seconds, the resharding seconds charged to it) under one
+        choice per item (see `edge_seconds`): the terms `evaluate` sums."""
+        compute = np.array([float(c[p]) for c, p in zip(self.compute, picks)])
+        resharding = np.zeros(len(self.items))
+        for _, charged, seconds in self.edge_seconds(picks):
+            resharding[charged] += seconds
+        return compute, resharding
 
     def plan(self, picks: list[int], name: str = "ilp") -> Plan:
         plan = Plan(self.mesh, {}, {}, name=name, compute_model=self.roofline.name)
@@ -268,6 +283,10 @@ class Problem:
     def recost(self, plan: Plan) -> Plan:
         """`plan` (made for this graph, perhaps under another cost model: a bare peak FLOP/s,
         another cluster's rates) with its times and memory as this problem prices them."""
+        return self.plan(self.picks(plan), plan.name)
+
+    def picks(self, plan: Plan) -> list[int]:
+        """Per item, the index of `plan`'s choice among its choices."""
         picks = []
         for item, choices in zip(self.items, self.choices):
             if isinstance(item, Node):
@@ -276,7 +295,7 @@ class Problem:
                                   if (c.inputs, c.outputs) == (chosen.inputs, chosen.outputs)))
             else:
                 picks.append(choices.index(plan.input_layout[item]))
-        return self.plan(picks, plan.name)
+        return picks
 
 
 # --- the reduced problem ------------------------------------------------------------------------
@@ -475,6 +494,27 @@ class Reduced:
             return f"input %{item.name}"
         return f"{item.op} in {item.module or 'the graph'}"
 
+    def item_picks(self, class_picks: Sequence[int]) -> list[int]:
+        """One choice per item (an index into its choices) from one choice per class."""
+        return [int(self.gmap[i][class_picks[self.class_of(i)]])
+                for i in range(len(self.problem.items))]
+
+    def class_picks(self, picks: Sequence[int]) -> list[int]:
+        """One choice per class from one choice per item (each class's first root's: a root
+        follows nobody, so its choice is its class's)."""
+        return [int(picks[roots[0]]) for roots in self.roots]
+
+    def swap_seconds(self, class_picks: Sequence[int], c: int) -> np.ndarray:
+        """The objective's change, in seconds, if class `c` took each of its choices and every
+        other class kept its choice in `class_picks` (0 at `c`'s own choice)."""
+        local = self.unary[c].copy()
+        for (a, b), m in self.edges.items():
+            if a == c:
+                local += m[:, class_picks[b]]
+            elif b == c:
+                local += m[class_picks[a], :]
+        return local - local[class_picks[c]]
+
     def solve(self, memory_limit: float | None = None, time_limit: float = 30.0,
               solver: str = DEFAULT_SOLVER, allow: Allow | None = None,
               name: str = "ilp") -> Plan:
@@ -500,9 +540,7 @@ class Reduced:
                                 f"the {time_limit:.3g} s it had; raise the time limit "
                                 "(--time-limit, auto-shard{time_limit=...})")
         picks_by_class = [int(k[j]) for k, j in zip(inst.keep, result.picks)]
-        picks = [int(self.gmap[i][picks_by_class[self.class_of(i)]])
-                 for i in range(len(self.problem.items))]
-        plan = self.problem.plan(picks, name)
+        plan = self.problem.plan(self.item_picks(picks_by_class), name)
         objective = inst.cost(result.picks)
         plan.stats = {
             "solver": solver,
@@ -758,10 +796,17 @@ def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
     the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
     building the problem leaves of it is the solver's."""
     deadline = deadline or Deadline(time_limit)
-    problem = Problem(graph, mesh, roofline, deadline)
-    reduced = Reduced(problem, simplify=simplify, tie_layers=tie_layers)
-    deadline.check("reducing the problem")
+    reduced = build_reduced(graph, mesh, roofline, deadline, tie_layers, simplify)
     return reduced.solve(memory_limit, max(deadline.left(), 1e-3), solver)
+
+
+def build_reduced(graph: Graph, mesh: Mesh, roofline: Roofline | float, deadline: Deadline,
+           tie_layers: bool = True, simplify: bool = True) -> Reduced:
+    """The reduced problem `solve` solves, built within `deadline`."""
+    reduced = Reduced(Problem(graph, mesh, roofline, deadline), simplify=simplify,
+                      tie_layers=tie_layers)
+    deadline.check("reducing the problem")
+    return reduced
 
 
 def _memory_error(reduced: Reduced, inst: _Instance, limit: float) -> MemoryLimitError:

@@ -801,7 +801,7 @@ def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
 
 
 def build_reduced(graph: Graph, mesh: Mesh, roofline: Roofline | float, deadline: Deadline,
-           tie_layers: bool = True, simplify: bool = True) -> Reduced:
+                  tie_layers: bool = True, simplify: bool = True) -> Reduced:
     """The reduced problem `solve` solves, built within `deadline`."""
     reduced = Reduced(Problem(graph, mesh, roofline, deadline), simplify=simplify,
                       tie_layers=tie_layers)

@@ -7,8 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from graphpar.cli import main
+from cli_run import run_cli
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_mlp.py"
 
@@ -17,13 +16,6 @@ def write_model(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "model.py"
     path.write_text("import torch\nfrom torch import nn\n" + textwrap.dedent(body))
     return path
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def test_compile_writes_ir_and_report(tmp_path, capsys):

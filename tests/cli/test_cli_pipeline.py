@@ -4,16 +4,9 @@ pipelined step run on CPU ranks equal to eager, and clear errors for impossible 
 import json
 
 import pytest
+from cli_run import run_cli
 
-from graphpar.cli import main
 from graphpar.ir.parser import parse_program
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):

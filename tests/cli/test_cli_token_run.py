@@ -4,16 +4,7 @@ slice by token slice on CPU ranks, equal to eager, and clear errors for what it 
 import json
 
 import pytest
-
-from graphpar.cli import main
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
-
+from cli_run import run_cli
 
 PIPELINE = ["--mode", "train", "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
             "--microbatches", "2"]

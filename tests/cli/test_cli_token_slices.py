@@ -5,18 +5,11 @@ import json
 
 import pytest
 import torch
+from cli_run import run_cli
 
 import graphpar
-from graphpar.cli import main
 from graphpar.errors import UsageError
 from graphpar.ir.parser import parse_program
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 @pytest.mark.slow

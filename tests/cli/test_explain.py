@@ -4,18 +4,11 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_run import run_cli
 
-from graphpar.cli import main
 from graphpar.units import format_seconds
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny_mlp.py"
-
-
-def run_cli(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    assert "Traceback" not in out + err
-    return code, out, err
 
 
 def test_the_explained_step_is_the_objective_compile_reports(tmp_path, capsys):

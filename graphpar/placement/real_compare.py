@@ -65,8 +65,9 @@ def compare(mode: str, cal: dict, parts: list[Workload], served: list, probe: Wo
         handover = seen_handover(mode, marks, part)
         groups = sim_groups(mode, cal, seen, handover)
         # each a row per simulation (the drawn ones DRAWS rows)
-        sim["window"].append(np.array([simulate(groups, part, service_scale=spread_draws(
-            mode, marks, part, groups, seen, rng)).latency for _ in range(DRAWS)]))
+        sim["window"].append(np.array([
+            simulate(groups, part, service_scale=scale).latency
+            for scale in spread_draws(mode, marks, part, groups, seen, rng, DRAWS)]))
         sim["fixed"].append(simulate(groups, part).latency[None])
         probe_groups = sim_groups(mode, cal, probe_service, seen_handover(mode, around, twice))
         sim["probed"].append(simulate(probe_groups, part).latency[None])
@@ -136,27 +137,36 @@ def speed_around(mode: str, marks: list[np.ndarray], rel: np.ndarray, rank: int,
 
 
 def spread_draws(mode: str, marks: list[np.ndarray], w: Workload, groups: list[SimGroup],
-                 seen: dict, rng: np.random.Generator) -> np.ndarray:
-    """One draw of service-time multiples for the simulator (`service_scale`). Request i's
-    compute on a rank is its model's mean there (`seen`) times the rank's speed around it
-    (`speed_around`) times a draw from the part's computes relative to their speeds: the
-    machine's slow stretches and the spread within them, not the request's own time. The
-    fixed costs in a stage's latency (`groups`) are left as they are."""
-    draws = np.ones((len(w), 2))
-    for r in (0, 1):  # rank r: the simple placement's model r, the pipeline's stage r
+                 seen: dict, rng: np.random.Generator, count: int = 1) -> np.ndarray:
+    """`count` draws of service-time multiples for the simulator (`service_scale`), as
+    [count, requests, 2]. Request i's compute on a rank is its model's mean there (`seen`)
+    times the rank's speed around it (`speed_around`) times a draw from the part's computes
+    relative to their speeds: the machine's slow stretches and the spread within them, not the
+    request's own time. The fixed costs in a stage's latency (`groups`) are left as they are.
+    The speeds and the fixed costs are the part's, found once; only the draws differ."""
+    # per rank (the simple placement's model r, the pipeline's stage r): its speed around
+    # each request, what it draws from, and per model its requests, column, mean compute and
+    # stage latency
+    ranks = []
+    for r in (0, 1):
         rel = relative(mode, marks, w, r)
         speed = speed_around(mode, marks, rel, r)
-        within = (rel / speed)[~np.isnan(rel)]
-        drawn = speed * rng.choice(within, size=len(w)) if within.size else speed
+        shares = []
         for m, name in enumerate(MODELS):
             if mode == "simple" and m != r:
                 continue
             latency = (groups[r].stage_latency[name][0] if mode == "simple"
                        else groups[0].stage_latency[name][r])
             compute = seen[name] if mode == "simple" else seen[name][r]
-            mine = (w.model_ids == m) & ~np.isnan(drawn)
-            draws[mine, 0 if mode == "simple" else r] = (
-                1.0 + compute * (drawn[mine] - 1.0) / latency)
+            shares.append(((w.model_ids == m) & ~np.isnan(speed),
+                           0 if mode == "simple" else r, compute, latency))
+        ranks.append((speed, (rel / speed)[~np.isnan(rel)], shares))
+    draws = np.ones((count, len(w), 2))
+    for out in draws:
+        for speed, within, shares in ranks:
+            drawn = speed * rng.choice(within, size=len(w)) if within.size else speed
+            for mine, column, compute, latency in shares:
+                out[mine, column] = 1.0 + compute * (drawn[mine] - 1.0) / latency
     return draws
 
 

@@ -85,12 +85,12 @@ def test_the_check_draws_each_request_s_compute_from_the_part_s_leaving_fixed_co
     seen = {"a": 1.0, "b": 0.25}
     cal = {"wake": [1.0, 0.0]}  # a's stage: 1 s of wake-up, then 1 s of compute
     groups = sim_groups("simple", cal, seen)
-    draws = spread_draws("simple", marks, w, groups, seen, np.random.default_rng(0))
+    (draws,) = spread_draws("simple", marks, w, groups, seen, np.random.default_rng(0))
     # a's multiple of its 2 s: (1 + 1/2) / 2 or (1 + 3/2) / 2; b's computes are all equal
     assert set(draws[:2, 0]) <= {0.75, 1.25}
     assert draws[2:, 0].tolist() == [1.0, 1.0]
-    many = np.vstack([spread_draws("simple", marks, w, groups, seen, np.random.default_rng(k))
-                      for k in range(20)])
+    many = spread_draws("simple", marks, w, groups, seen, np.random.default_rng(1),
+                        count=20).reshape(-1, 2)
     assert set(many[:, 0]) == {0.75, 1.0, 1.25}
 
 

@@ -75,14 +75,22 @@ def format_count(n: float, unit: str) -> str:
     return f"{int(n)} {unit}"
 
 
+def node_numbers(graph: Graph) -> dict[Node, int]:
+    """The number the printer gives each node's first result (`%12`): node results are
+    numbered in graph order, graph inputs keep their names."""
+    numbers, counter = {}, 0
+    for node in graph.nodes:
+        numbers[node] = counter
+        counter += len(node.outputs)
+    return numbers
+
+
 class _Names:
     def __init__(self, graph: Graph):
         self.names: dict[Value, str] = {v: v.name for v in graph.inputs}
-        counter = 0
-        for node in graph.nodes:
-            for out in node.outputs:
-                self.names[out] = str(counter)
-                counter += 1
+        for node, first in node_numbers(graph).items():
+            for k, out in enumerate(node.outputs):
+                self.names[out] = str(first + k)
 
     def __call__(self, operand: Any) -> str:
         if isinstance(operand, Value):

@@ -18,6 +18,7 @@ import numpy as np
 
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.printer import node_numbers
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
 from graphpar.passes.autoshard.layers import layer_key
 from graphpar.passes.autoshard.strategies import Strategy, node_signature
@@ -49,15 +50,6 @@ def node_names(graph: Graph) -> dict[Node, str]:
         seen[b] += 1
         names[node] = b if count[b] == 1 else f"{b}#{seen[b]}"
     return names
-
-
-def value_numbers(graph: Graph) -> dict[Node, int]:
-    """The number the IR printer gives a node's first result (`%12`) in this graph."""
-    numbers, counter = {}, 0
-    for node in graph.nodes:
-        numbers[node] = counter
-        counter += len(node.outputs)
-    return numbers
 
 
 @dataclass
@@ -144,7 +136,7 @@ class Explainer:
         self.graph = problem.graph
         self.names = node_names(self.graph)
         self.by_name = {name: node for node, name in self.names.items()}
-        self.numbers = value_numbers(self.graph)
+        self.numbers = node_numbers(self.graph)  # as the IR printer numbers them
         self.picks = problem.picks(plan)
         self.class_picks = reduced.class_picks(self.picks)
         compute, resharding = problem.item_seconds(self.picks)

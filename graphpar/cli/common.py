@@ -230,14 +230,20 @@ def auto_shard_mesh_size(args: argparse.Namespace) -> int:
         raise UsageError(f"--mesh {args.mesh}: {exc}") from None
 
 
+def plan_limits(args: argparse.Namespace) -> tuple[str, float]:
+    """(--memory-limit, --time-limit) with their defaults: the device's memory, 30 s."""
+    return (args.memory_limit or "device",
+            args.time_limit if args.time_limit is not None else 30.0)
+
+
 def auto_shard_pass(args: argparse.Namespace):
     """The `auto-shard` pass that --mesh, --cluster, --memory-limit and --time-limit ask for
     (check the mesh first with `auto_shard_mesh_size`: its errors name the option)."""
     from graphpar.passes.autoshard import AutoShard
 
-    return AutoShard(mesh=args.mesh, cluster=args.cluster,
-                     memory_limit=args.memory_limit or "device",
-                     time_limit=args.time_limit if args.time_limit is not None else 30.0)
+    memory_limit, time_limit = plan_limits(args)
+    return AutoShard(mesh=args.mesh, cluster=args.cluster, memory_limit=memory_limit,
+                     time_limit=time_limit)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

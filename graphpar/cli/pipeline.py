@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from graphpar.cli.common import _publish, load_target, staging_dir, step
+from graphpar.cli.common import _publish, load_target, plan_limits, staging_dir, step
 from graphpar.errors import UsageError
 
 if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
@@ -96,14 +96,14 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
     if args.microbatches is None:
         args.microbatches = default_microbatches(len(spec.inputs[0]))
     optimizer = optimizer_from_name(args.optimizer)
+    memory_limit, time_limit = plan_limits(args)
     with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
               "slicing stages"):
         try:
             sliced = slice_and_build(
                 spec, args.mesh, stages=args.pipeline, microbatches=args.microbatches,
                 schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
-                memory_limit=args.memory_limit or "device",
-                time_limit=args.time_limit if args.time_limit is not None else 30.0,
+                memory_limit=memory_limit, time_limit=time_limit,
                 passes=passes, keep_grads=bool(run_cpu),
                 token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "))
         except MicrobatchError as exc:

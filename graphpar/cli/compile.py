@@ -15,6 +15,7 @@ from graphpar.cli.common import (
     _publish,
     auto_shard_mesh_size,
     auto_shard_pass,
+    certified,
     check_plan_options,
     load_target,
     staging_dir,
@@ -79,7 +80,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                              optimizer=result.optimizer)
         if args.run_cpu:
             with step(f"running the plan on {args.run_cpu} CPU ranks (gloo)"):
-                summary["run_cpu"] = run_on_cpu_ranks(result, compiled)
+                summary["run_cpu"] = run_on_cpu_ranks(result, compiled, args.run_cpu_steps)
         if cuda:
             from graphpar.cli.cuda import cuda_report, device_listings, write_listings
 
@@ -89,9 +90,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             summary["cuda"] = cuda_report(listings)
             if args.run_cpu:
                 with step(f"running the CUDA listings on {args.run_cpu} CPU ranks (gloo)"):
-                    check = compiled.check(processes=True, backend="cuda", poison=True)
-                summary["cuda"]["max_abs_error"] = check.max_abs_error
-                summary["cuda"]["errors"] = check.as_dict()
+                    check = compiled.check(processes=True, backend="cuda", poison=True,
+                                           steps=args.run_cpu_steps)
+                summary["cuda"].update(check.report())
+                summary["cuda"]["error_lines"] = check.lines()
                 summary["cuda"]["arena_bytes_measured"] = list(compiled.peak_arena_bytes)
         summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
                                   if p.is_file()) + ["report.json"]
@@ -127,7 +129,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
               f"{r['bytes_predicted']:.0f} predicted")
         for line in r["error_lines"]:
             print(f"             {line}")
-        print(f"             {step_time_line(r)}")
+        if "step_seconds_measured" in r:
+            print(f"             {step_time_line(r)}")
+        print(f"  {r['verdict']}")
     if "cuda" in s:
         from graphpar.cli.cuda import print_cuda_report
 
@@ -137,7 +141,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"  wrote      {out / ir_name}, {out / 'report.json'}"
           + (f", {out / 'cuda'}/" if "cuda" in s else "")
           + (f", {out / 'dumps'}/" if (out / "dumps").exists() and dump_dir else ""))
-    return 0
+    return certified(s.get("run_cpu"), s.get("cuda"))
 
 
 def _check_compile_options(args: argparse.Namespace) -> None:
@@ -152,6 +156,9 @@ def _check_compile_options(args: argparse.Namespace) -> None:
     check_plan_options(args)
     if args.run_cpu is not None and args.run_cpu < 1:
         raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
+    if args.run_cpu_steps < 1:
+        raise UsageError(f"--run-cpu-steps {args.run_cpu_steps}: give the number of steps to "
+                         "compare (>= 1)")
     if not args.mesh:
         given = [name for name, value in (("--run-cpu", args.run_cpu),
                                           ("--memory-limit", args.memory_limit),
@@ -161,21 +168,22 @@ def _check_compile_options(args: argparse.Namespace) -> None:
             raise UsageError(f"{given[0]} {what}: give --mesh too")
 
 
-def run_on_cpu_ranks(result, compiled=None) -> dict:
-    """Run the compiled plan on CPU ranks over gloo and compare each output with eager PyTorch
-    (and torch.optim): the worst error of each kind, by name."""
+def run_on_cpu_ranks(result, compiled=None, steps: int = 3) -> dict:
+    """Run the compiled plan on CPU ranks over gloo, `steps` steps in train mode, and compare
+    each output with eager PyTorch in float64 (and torch.optim): the worst error of each kind,
+    by name, and the verdict (`graphpar.check.eager`)."""
     from graphpar.api import lower
 
     if compiled is None:
         compiled = lower(result.captured, result.context, spec=result.spec,
                          optimizer=result.optimizer)
-    check = compiled.check(processes=True)
-    report = {"ranks": compiled.mesh.size,
-              "max_abs_error": check.max_abs_error,
-              "errors": check.as_dict(),
+    check = compiled.check(processes=True, steps=steps)
+    report = {"ranks": compiled.mesh.size, **check.report(),
               "error_lines": check.lines(),
               "bytes_measured": max(compiled.bytes_sent, default=0.0),
               "bytes_predicted": compiled.predicted_bytes}
+    if not check.within_tolerance:  # a wrong plan's speed is beside the point
+        return report
     from graphpar.plan_runs import program_seconds
 
     (times,) = compiled.time_steps(TIMED_STEPS, WARMUP_STEPS)

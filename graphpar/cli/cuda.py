@@ -63,3 +63,6 @@ def print_cuda_report(report: dict[str, Any]) -> None:
     if "max_abs_error" in report:
         print(f"             listing run on CPU ranks: max |error| vs eager "
               f"{report['max_abs_error']:.2e}")
+        for line in report.get("error_lines", ()):
+            print(f"             {line}")
+        print(f"  {report['verdict']} (CUDA listings)")

@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="graphpar-out", help="output directory")
     add_plan_options(c, "auto-shard on a device mesh, e.g. 2x4 (2-D) or 8 (1-D)")
     c.add_argument("--run-cpu", type=int, metavar="N",
-                   help="execute the plan on N CPU ranks (gloo) and report the error vs eager")
+                   help="certify the plan: run it on N CPU ranks (gloo) against eager PyTorch "
+                        "(float64), each element against its float32 rounding; exit 1 when it "
+                        "differs")
+    c.add_argument("--run-cpu-steps", type=int, metavar="K", default=3,
+                   help="with --run-cpu in train mode: compare K steps, state carried "
+                        "(default 3)")
     c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],
                    help="also lower each device program to a CUDA listing (cuBLAS, NCCL and "
                         "generated-kernel calls): OUT/cuda/rank<R>.calls and kernels/")

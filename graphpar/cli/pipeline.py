@@ -32,6 +32,9 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
     if args.microbatches is not None and args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
+    if getattr(args, "run_cpu_steps", 1) < 1:
+        raise UsageError(f"--run-cpu-steps {args.run_cpu_steps}: give the number of steps to "
+                         "compare (>= 1)")
     if args.token_slices is not None:
         from graphpar.passes.pipeline.slice_tokens import slice_count
 
@@ -154,7 +157,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                 spec.real_module()  # weights are made only now, to run
                 summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
                     pipe, list(result.graph.attrs["token_slices"]), args.schedule,
-                    trace=args.trace, cluster=args.cluster)
+                    trace=args.trace, cluster=args.cluster, steps=args.run_cpu_steps)
         elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per device)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args,
@@ -166,7 +169,9 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     print_pipeline_report(summary, out / ir_name, out / "report.json")
-    return 0
+    from graphpar.cli.common import certified
+
+    return certified(summary.get("run_cpu"), summary.get("run_cpu_tokens"))
 
 
 def annotate_stage_estimates(program, plan) -> None:
@@ -263,7 +268,8 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
 
     spec.real_module()  # weights are made only now, to run
     pipe = pipe.sharded_as_planned(args.cluster)
-    check = pipe.check(processes=True, timed_steps=TIMED_STEPS, warmup=WARMUP_STEPS)
+    check = pipe.check(processes=True, steps=args.run_cpu_steps, timed_steps=TIMED_STEPS,
+                       warmup=WARMUP_STEPS)
     run = pipe.last_run
     timed = step_time_report(run.step_times.as_dict(),
                              estimated["schedule_step_seconds_estimated"])
@@ -275,8 +281,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
                        "seconds_per_microbatch_estimated": est,
                        "ratio": per_microbatch / est if est > 0 else None})
     report = {"ranks": args.run_cpu, "processes": sum(len(d) for d in pipe.devices),
-              "max_abs_error": check.max_abs_error, "errors": check.as_dict(),
-              "error_lines": check.lines(),
+              **check.report(), "error_lines": check.lines(),
               "bytes_between_stages_measured": sum(run.bytes_sent),
               "bytes_between_stages_predicted": pipe.predicted_bytes,
               "first_step_seconds_measured": timeline_of(run.spans).step_seconds,
@@ -340,6 +345,7 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
                   f"(median of {r['steps']} steps), "
                   f"{st['seconds_per_microbatch_estimated'] * 1e3:.3f} ms estimated, "
                   f"ratio {ratio}")
+        print(f"  {r['verdict']}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")
     if "run_cpu_tokens" in s:
@@ -354,6 +360,7 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               f"{r['step_seconds_measured'] * 1e3:.1f} ms (measured)")
         for line in r["lines"]:
             print(f"             {line}")
+        print(f"  {r['verdict']}")
         if "trace" in r:
             print(f"  trace      {r['trace']}")
     for name, c in s.get("cuda", {}).items():

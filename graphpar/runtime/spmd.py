@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -265,14 +265,16 @@ def shard_tensor(global_tensor: torch.Tensor, layout: Layout, mesh: Mesh, device
 
 
 def unshard(local_tensors: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
-            layout: Layout, mesh: Mesh, check: bool = True) -> torch.Tensor:
+            layout: Layout, mesh: Mesh, check: bool = True,
+            reduce: Callable[[Sequence[torch.Tensor], str], torch.Tensor] = reduce_tensors
+            ) -> torch.Tensor:
     """The global tensor from every device's local tensor (a mapping device id -> tensor, or
     a sequence in rank order, i.e. `mesh.device_ids` order) laid out as `layout`.
 
     Partial axes are reduced in group order (all together when they share one reduce op,
-    else axis by axis from the lowest). With `check`, replicas (devices holding the same
-    slice) must agree exactly, else ShardingError names the two devices: a plan whose
-    replicas diverge is wrong even if one copy is right."""
+    else axis by axis from the lowest) by `reduce(tensors, op)`. With `check`, replicas
+    (devices holding the same slice) must agree exactly, else ShardingError names the two
+    devices: a plan whose replicas diverge is wrong even if one copy is right."""
     if isinstance(local_tensors, Mapping):
         by_device = dict(local_tensors)
     else:
@@ -292,7 +294,7 @@ def unshard(local_tensors: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
         if tuple(t.shape) != local_shape:
             raise ShardingError(f"unshard: device {d} holds {tuple(t.shape)}, device "
                                 f"{mesh.device_ids[0]} holds {local_shape}")
-    reduced = _reduce_partials(by_device, layout, mesh)
+    reduced = _reduce_partials(by_device, layout, mesh, reduce)
     out = sample.new_empty(global_shape)
     filled: dict[tuple, int] = {}
     for device in mesh.device_ids:
@@ -310,8 +312,8 @@ def unshard(local_tensors: Mapping[int, torch.Tensor] | Sequence[torch.Tensor],
     return out
 
 
-def _reduce_partials(by_device: dict[int, torch.Tensor], layout: Layout, mesh: Mesh
-                     ) -> dict[int, torch.Tensor]:
+def _reduce_partials(by_device: dict[int, torch.Tensor], layout: Layout, mesh: Mesh,
+                     reduce: Callable = reduce_tensors) -> dict[int, torch.Tensor]:
     """Every device's local tensor with the Partial axes reduced (what the group holds)."""
     partial = layout.partial_axes
     if not partial:
@@ -323,7 +325,7 @@ def _reduce_partials(by_device: dict[int, torch.Tensor], layout: Layout, mesh: M
         op = layout[axes[0]].reduce_op
         nxt: dict[int, torch.Tensor] = {}
         for group in mesh.groups(axes):
-            value = reduce_tensors([current[d] for d in group], op)
+            value = reduce([current[d] for d in group], op)
             for d in group:
                 nxt[d] = value
         current = nxt

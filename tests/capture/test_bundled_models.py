@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from graphpar.capture import SGD, Adam, capture_inference, capture_training
+from graphpar.check.eager import compare, eager_reference
 from graphpar.compiler import ModelSpec
-from graphpar.eager_check import check_against_eager
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -79,19 +79,18 @@ def test_training_step_updates_match_torch_optim(name, optimizer):
     verify(captured.graph)
     outputs = captured.run(*ex.inputs, *ex.targets)
     spec = ModelSpec(name, ex.module, ex.inputs, ex.loss_fn, ex.targets)
-    check = check_against_eager(captured.graph.outputs, outputs, spec, optimizer)
+    check = compare(captured.graph.outputs, [outputs], eager_reference(spec, True, optimizer))
     assert {"loss", "parameters"} <= set(check.errors)
     assert check.errors["parameters"].tensors == len(dict(ex.module.named_parameters()))
     assert ("optimizer state" in check.errors) == (optimizer.state_names("p") != [])
     # Not one atol for every element: a first Adam step moves each element by
     # lr·g/(|g| + eps), i.e. by about lr·sign(g), so a gradient that is itself at rounding
     # level (|g| ~ 1e-8 here, beside gradients of 1e-2) can come out anywhere in ±lr on
-    # another CPU, while a gradient well above its rounding fixes its update to within
-    # lr·eps·δ/g². The check compares the loss and gradients with a tolerance relative to
-    # their scale (δ: reductions summed in another order), m and v with (1-β1)·δ and
-    # (1-β2)·2|g|·δ, and each updated element with what δ does through Adam's formula
-    # (graphpar.eager_check.allowed_errors). A wrong formula (a lost bias correction, a wrong
-    # β or lr) is off by a fraction of lr on every element and fails.
+    # another CPU, while a gradient well above its rounding fixes its update tightly. The
+    # check's bound per element comes from running eager PyTorch and torch.optim with
+    # float32-sized rounding errors (graphpar.check.rounding), so it follows Adam's formula.
+    # A wrong formula (a lost bias correction, a wrong β or lr) is off by a fraction of lr on
+    # every element and fails.
     assert check.within_tolerance, "\n".join(check.lines())
     captured.apply_updates(outputs)  # the next step starts from what was checked
     updates = {o.target: t for o, t in zip(captured.graph.outputs, outputs)

@@ -147,9 +147,11 @@ class Compiled:
                                  backend=backend, poison=poison)
         check = compare(self.spmd.outputs, outputs, reference)
         if localize and not check.within_tolerance:
-            from graphpar.check.localize import first_difference
+            from graphpar.check.localize import first_difference, state_before
 
-            check.where = first_difference(self)
+            before = outputs[:check.worst.step - 1]  # the failing step's, from the plan's state
+            check.where = first_difference(
+                self, state_before(self.spmd, self.captured.state, before))
         return check
 
     def spec_or_raise(self) -> ModelSpec:

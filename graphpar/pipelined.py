@@ -190,13 +190,16 @@ class PipelineCompiled:
         return results
 
     def check(self, processes: bool = False, per_microbatch: bool | None = None,
-              steps: int = 1, timed_steps: int = 0, warmup: int = 0) -> EagerCheck:
+              steps: int = 1, timed_steps: int = 0, warmup: int = 0, localize: bool = True
+              ) -> EagerCheck:
         """Run `steps` steps on the example it was compiled from (state carried) and compare
         every output of each with eager PyTorch in float64 and `steps` torch.optim steps,
         element by element against float32 rounding (`graphpar.check.eager`): on the full
         batch, or (`per_microbatch`; the default for models with buffers the forward updates,
         i.e. batch norm, whose statistics differ per microbatch) microbatch by microbatch with
-        gradient accumulation. `timed_steps`, `warmup`: as `run`'s, after the last step."""
+        gradient accumulation. `timed_steps`, `warmup`: as `run`'s, after the last step. When
+        the check fails and `localize`, it also finds the first stage and phase (and node of a
+        sharded stage) that differs (`EagerCheck.where`)."""
         from graphpar.check.eager import compare, eager_reference
 
         if self.spec is None:
@@ -208,7 +211,14 @@ class PipelineCompiled:
                                     self.microbatches if per_microbatch else 1)
         outputs = self.run_steps((*self.spec.inputs, *self.spec.targets), steps, processes,
                                  timed_steps, warmup)
-        return compare(self.captured.graph.outputs, outputs, reference)
+        check = compare(self.captured.graph.outputs, outputs, reference)
+        if localize and not check.within_tolerance:
+            from graphpar.check.localize import pipeline_difference, state_before
+
+            before = outputs[:check.worst.step - 1]
+            check.where = pipeline_difference(
+                self, state_before(self.captured.graph, self.captured.state, before))
+        return check
 
 
 def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,

@@ -17,6 +17,7 @@ in the plan; or, for `--lower cuda`, in the CUDA listing that ran instead of the
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,8 @@ from graphpar.ir.types import TensorType
 if TYPE_CHECKING:
     from graphpar.api import Compiled
 
-__all__ = ["Difference", "first_difference", "node_values"]
+__all__ = ["Difference", "first_difference", "first_node_beyond", "node_values",
+           "pipeline_difference", "state_before"]
 
 
 class Difference:
@@ -143,14 +145,30 @@ def _reduce(tensors, op: str) -> torch.Tensor:
     return total / len(tensors) if op == "avg" else total
 
 
-def first_difference(compiled: Compiled, samples: int = SAMPLES) -> str:
+def first_difference(compiled: Compiled, state: dict[str, torch.Tensor] | None = None,
+                     samples: int = SAMPLES) -> str:
     """Where `compiled`'s device program first differs from its single-device graph on the
-    example it was compiled from (module docstring), in one line."""
+    example it was compiled from (module docstring), in one line; from `state` (parameters,
+    optimizer state: those a later step starts from) instead of the compiled state."""
+    named = {**compiled.captured.bind(*compiled.example_args()), **(state or {})}
+    found = first_node_beyond(compiled.captured.graph, named, samples)
+    return found or NO_NODE
+
+
+NO_NODE = ("no node: every value of the device program equals the single-device graph within "
+           "rounding, so the difference is between that graph and eager PyTorch (the capture "
+           "or an op's reference), or in a CUDA listing that ran instead of the program")
+
+
+def first_node_beyond(graph: Graph, named: dict[str, torch.Tensor], samples: int = SAMPLES
+                      ) -> str | None:
+    """The first value of sharded `graph` (global shapes, layouts, on its mesh) whose device
+    program's result, made whole, leaves its bound on the inputs `named` (global tensors by
+    input name); None when every value is within."""
     from graphpar.passes.lower_spmd import lower_graph
     from graphpar.runtime.spmd import run_spmd_in_process, shard_tensor, unshard
 
-    graph, mesh = compiled.captured.graph, compiled.mesh
-    named = compiled.captured.bind(*compiled.example_args())
+    mesh = graph.mesh
     reference = node_values(graph, named, samples)
     probe, count = _returning_every_value(graph)
     program = lower_graph(probe)
@@ -164,20 +182,114 @@ def first_difference(compiled: Compiled, samples: int = SAMPLES) -> str:
             continue
         got = unshard([rank[count + i] for rank in ran], out.value.layout, mesh, check=False,
                       reduce=_reduce)
-        key = ("value", str(i))
-        want = reference.values[0][key]
-        error = (got.double() - want.double()).abs()
-        error = torch.where((got.double() == want.double()) | (got.isnan() & want.isnan()),
-                            0.0, error)
-        bound = reference.bound(0, key)
-        beyond = torch.nan_to_num(error / bound.clamp(min=torch.finfo(torch.float64).tiny),
-                                  nan=float("inf"))
-        beyond = torch.where(error == 0, 0.0, beyond)
-        if beyond.numel() and float(beyond.max()) > 1.0:
-            j = int(beyond.flatten().argmax())
-            index = tuple(int(x) for x in torch.unravel_index(torch.tensor(j), beyond.shape))
-            return str(Difference(graph, node, k, index, float(error.flatten()[j]),
-                                  float(bound.flatten()[j])))
-    return ("no node: every value of the device program equals the single-device graph within "
-            "rounding, so the difference is between that graph and eager PyTorch (the capture "
-            "or an op's reference), or in a CUDA listing that ran instead of the program")
+        beyond = _beyond(got, reference, ("value", str(i)))
+        if beyond is not None:
+            return str(Difference(graph, node, k, *beyond))
+    return None
+
+
+def state_before(graph: Graph, state: dict[str, torch.Tensor],
+                 steps: Sequence[Sequence[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`state` with the updates of `steps` (each step's outputs of `graph`) applied in turn:
+    what the step after them starts from."""
+    state = dict(state)
+    for outputs in steps:
+        for out, t in zip(graph.outputs, outputs):
+            if out.role is OutputRole.UPDATE:
+                state[out.target] = t
+    return state
+
+
+def _beyond(got: torch.Tensor, reference: Reference, key, step: int = 0
+            ) -> tuple[tuple[int, ...], float, float] | None:
+    """(index, error, bound) of `got`'s element furthest beyond its bound in `reference`, or
+    None when every element is within."""
+    want = reference.values[step][key].double()
+    got = got.double()
+    error = torch.where((got == want) | (got.isnan() & want.isnan()), 0.0, (got - want).abs())
+    bound = reference.bound(step, key)
+    beyond = torch.nan_to_num(error / bound.clamp(min=torch.finfo(torch.float64).tiny),
+                              nan=float("inf"))
+    beyond = torch.where(error == 0, 0.0, beyond)
+    if not beyond.numel() or float(beyond.max()) <= 1.0:
+        return None
+    j = int(beyond.flatten().argmax())
+    index = tuple(int(x) for x in torch.unravel_index(torch.tensor(j), beyond.shape))
+    return index, float(error.flatten()[j]), float(bound.flatten()[j])
+
+
+PHASES = {"F": "forward", "B": "backward", "I": "input-gradient backward",
+          "W": "weight-gradient backward", "U": "update"}
+
+
+def pipeline_difference(pipe, state: dict[str, torch.Tensor] | None = None,
+                        samples: int = SAMPLES) -> str:
+    """Where a pipelined step first differs, stage by stage: its step run again in this
+    process on the example, every phase (a stage's forward, backward, update) is compared, in
+    the order it ran, with its own single-device program run in float64 on the same inputs;
+    the first phase beyond its bound is named (with, for a stage sharded on a sub-mesh, the
+    first node of its plan that differs). When every phase computes what its program says,
+    the values that crossed between stages are compared with what their stage computed.
+    `state`: the state to start from, as `first_difference`'s."""
+    from graphpar.runtime.pipeline import run_in_process, split_microbatches
+
+    spec = pipe.spec
+    names = pipe.captured.user_inputs
+    inputs = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
+                                pipe.microbatches)
+    records: list[tuple] = []
+    run_in_process(pipe.programs, pipe.schedule, {**pipe.captured.state, **(state or {})},
+                   inputs, pipe.sharded,
+                   observe=lambda *record: records.append(record))
+    for stage, phase, m, args, results in records:
+        if m not in (0, None):
+            continue
+        graph = pipe.programs.stages[stage].program(phase)
+        reference = _phase_outputs(graph, args, samples)
+        for k, got in enumerate(results):
+            if not got.is_floating_point():
+                continue
+            beyond = _beyond(got, reference, ("output", str(k)))
+            if beyond is None:
+                continue
+            out = graph.outputs[k]
+            what = (f"stage {stage}'s {PHASES[phase]}"
+                    + (f" of microbatch {m}" if m is not None else "")
+                    + f", output {k} ({out.role.value} {out.target or ''}".rstrip() + ")"
+                    + f": element [{', '.join(map(str, beyond[0]))}] off by "
+                      f"{beyond[1]:.2e}, bound {beyond[2]:.2e}")
+            phased = (pipe.sharded.get(stage) or {}).get(phase)
+            if phased is not None:
+                node = first_node_beyond(phased.global_graph, dict(args), samples)
+                if node is not None:
+                    what += f"; on its sub-mesh {phased.mesh}, the plan first differs at {node}"
+            return what
+    produced: dict[tuple, tuple[int, torch.Tensor]] = {}  # a microbatch's values by name
+    crossing = [r for r in records if r[2] is not None]  # the update reads state, not sends
+    for stage, phase, m, _args, results in crossing:
+        graph = pipe.programs.stages[stage].program(phase)
+        for out, t in zip(graph.outputs, results):
+            if out.target is not None:
+                produced.setdefault((m, out.target), (stage, t))
+    for stage, phase, m, args, _ in crossing:
+        for name, t in args.items():
+            source = produced.get((m, name))
+            if source is not None and source[0] != stage and not torch.equal(source[1], t):
+                return (f"%{name} of microbatch {m} arrives at stage {stage}'s {PHASES[phase]} "
+                        f"different from what stage {source[0]} computed")
+    return ("no stage: every phase computes what its program says on its inputs and every "
+            "value crossing between stages arrives as computed, so the difference is in how "
+            "the microbatches combine (gradient accumulation) or in the stage programs "
+            "themselves (the split of the step)")
+
+
+def _phase_outputs(graph: Graph, args: dict[str, torch.Tensor], samples: int) -> Reference:
+    as64 = graph.copy(map_type=lambda t: TensorType(t.shape, torch.float64)
+                      if t.dtype == torch.float32 else t)
+    named = {k: to_float64(v) for k, v in args.items()}
+
+    def run(seed: int | None) -> list[dict]:
+        with float64_run(seed):
+            outputs = Interpreter(as64).run(named)
+        return [{("output", str(k)): t for k, t in enumerate(outputs)}]
+    return reference_of(run, samples)

@@ -122,6 +122,9 @@ class StageRunner:
         self.spans: list[tuple[Action, float, float]] = []  # measured: action, start, end
         self.backward_done: set[int] = set()  # microbatches whose gradients are summed
         self.sent_back: set[int] = set()  # microbatches whose SEND_B has run
+        # called with (stage, phase, microbatch or None for the update, inputs, results) after
+        # each phase runs: what a check that looks inside the step reads
+        self.observe: Callable[..., None] | None = None
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -140,6 +143,8 @@ class StageRunner:
             graph = interpreter.graph
             args = {v.name: self._lookup(v.name, env, m) for v in graph.inputs}
             results = self._execute(phase, args)
+            if self.observe is not None:
+                self.observe(self.stage, phase, m, args, results)
             for out, t in zip(graph.outputs, results):
                 self._keep(out.role, out.target, t, env, m)
         if phase == "F":  # keep what the backward (or a later send) reads
@@ -233,7 +238,10 @@ class StageRunner:
         graph = interpreter.graph
         args = {v.name: grads[v.name] if v.name in grads else self.state[v.name]
                 for v in graph.inputs}
-        for out, t in zip(graph.outputs, self._execute("U", args)):
+        results = self._execute("U", args)
+        if self.observe is not None:
+            self.observe(self.stage, "U", None, args, results)
+        for out, t in zip(graph.outputs, results):
             if out.role is OutputRole.UPDATE:
                 self.updates[out.target] = t
 
@@ -344,13 +352,15 @@ def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
 def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
                    state: Mapping[str, torch.Tensor],
                    inputs: Sequence[Mapping[str, torch.Tensor]],
-                   sharded: Mapping[int, Mapping[str, Any]] | None = None) -> PipelineRun:
+                   sharded: Mapping[int, Mapping[str, Any]] | None = None,
+                   observe: Callable[..., None] | None = None) -> PipelineRun:
     """One step with every stage in this process: the stages take turns, each running actions
     until it waits for a transfer that has not been sent; a send lands in a mailbox.
 
     `inputs`: per microbatch, the user's tensors by name (`split_microbatches`). `sharded`:
     stage -> phase -> `lower_mpmd.ShardedPhase` for stages on more than one device, whose
-    phases run as SPMD programs on their sub-mesh (lockstep, in this process)."""
+    phases run as SPMD programs on their sub-mesh (lockstep, in this process). `observe`:
+    called after every phase (`StageRunner.observe`)."""
     validate(schedule)
     stages = programs.stages
     if len(schedule) != len(stages):
@@ -359,6 +369,8 @@ def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
     microbatches = len(inputs)
     runners = [StageRunner(p, microbatches, state, inputs, (sharded or {}).get(p.stage))
                for p in stages]
+    for runner in runners:
+        runner.observe = observe
     meshes = stage_meshes(len(stages), sharded)
     mailbox: dict[tuple[ActionKind, int, int], list[torch.Tensor]] = {}
     start = take_turns(schedule, lambda s, action: _step(action, runners, mailbox, programs,

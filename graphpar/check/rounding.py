@@ -273,10 +273,26 @@ def _kernel_softmax(mode: Float64, scores: torch.Tensor) -> torch.Tensor:
     return p
 
 
+def _grouped(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Keys or values with fewer heads than the queries (grouped-query attention) repeated so
+    that query head h reads key head h // (q heads / kv heads), as SDPA's enable_gqa does."""
+    groups = q.shape[-3] // kv.shape[-3]
+    return kv if groups == 1 else kv.repeat_interleave(groups, -3)
+
+
+def _ungrouped(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """The gradient of `_grouped(q, kv)` summed back onto kv's heads."""
+    heads = kv.shape[-3]
+    if grad.shape[-3] == heads:
+        return grad
+    return grad.unflatten(-3, (heads, grad.shape[-3] // heads)).sum(-3)
+
+
 def _flash_attention(mode, q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None,
                      scale=None):
     """The CPU flash attention's (out, logsumexp) in its math form. (torch's decomposition of
     it returns the log-sum-exp unreduced.)"""
+    k, v = _grouped(q, k), _grouped(q, v)
     scores, _ = _attention_scores(q, k, is_causal, attn_mask, scale)
     lse = torch.logsumexp(scores, -1)
     if isinstance(mode, Rounding):
@@ -289,11 +305,14 @@ def _flash_attention_backward(mode, grad, q, k, v, out, lse, dropout_p=0.0, is_c
     """The CPU flash attention's backward in its math form, whose matmuls and softmax are
     visible: P = softmax(q·kᵀ·scale + mask), dV = Pᵀ·dO, dS = P ⊙ (dO·vᵀ - rowsum(P ⊙ dO·vᵀ)),
     dQ = dS·k·scale, dK = dSᵀ·q·scale."""
+    k_heads, v_heads = k, v
+    k, v = _grouped(q, k), _grouped(q, v)
     scores, scale = _attention_scores(q, k, is_causal, attn_mask, scale)
     p = _kernel_softmax(mode, scores)
     dp = grad @ v.transpose(-2, -1)
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    return (ds @ k) * scale, (ds.transpose(-2, -1) @ q) * scale, p.transpose(-2, -1) @ grad
+    return ((ds @ k) * scale, _ungrouped((ds.transpose(-2, -1) @ q) * scale, k_heads),
+            _ungrouped(p.transpose(-2, -1) @ grad, v_heads))
 
 
 def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None):

@@ -1,58 +1,28 @@
-"""Hugging Face models with attention biases (OPT, GPT-2, ViT), whose key-bias gradients (and a
-ViT's class token's) are mathematically zero and in float32 pure rounding: sharded on a 2x2 mesh,
-pipelined in 2 stages and lowered to CUDA listings, three training steps each equal eager
-PyTorch within the rounding their computation allows, with no false alarm. A tolerance relative
-to each result's own size would call these 1e5 to 1e9 times over."""
+"""Hugging Face models with attention biases (OPT, GPT-2, ViT: examples/hf_*.py), whose
+key-bias gradients (and a ViT's class token's) are mathematically zero and in float32 pure
+rounding: sharded on a 2x2 mesh, pipelined in 2 stages and lowered to CUDA listings, three
+training steps each equal eager PyTorch within the rounding their computation allows, with no
+false alarm. A tolerance relative to each result's own size would call these 1e5 to 1e9 times
+over."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-import torch
-import torch.nn.functional as F
 
 import graphpar
 from graphpar.capture import Adam
+from graphpar.model_file import load_model_file
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 128
-
-
-class Logits(torch.nn.Module):
-    """A Hugging Face model called on one tensor, returning its logits."""
-
-    def __init__(self, model, key: str):
-        super().__init__()
-        self.model, self.key = model, key
-
-    def forward(self, x):
-        return self.model(**{self.key: x}).logits
-
-
-def lm_loss(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def build(name: str):
-    torch.manual_seed(0)
-    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    if name == "vit":
-        config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=64, image_size=16, patch_size=4,
-                                        num_labels=5)
-        model = Logits(transformers.ViTForImageClassification(config), "pixel_values")
-        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(2))
-        return model.eval(), x, F.cross_entropy, torch.tensor([0, 3, 1, 4])
-    if name == "opt":
-        config = transformers.OPTConfig(num_hidden_layers=2, hidden_size=32, ffn_dim=64,
-                                        num_attention_heads=4, vocab_size=VOCAB,
-                                        max_position_embeddings=32, word_embed_proj_dim=32)
-        model = transformers.OPTForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32,
-                                         vocab_size=VOCAB)
-        model = transformers.GPT2LMHeadModel(config)
-    return Logits(model, "input_ids").eval(), ids, lm_loss, torch.roll(ids, -1, 1)
+    spec = load_model_file(EXAMPLES / f"hf_{name}.py", "train")
+    return spec.module, spec.inputs[0], spec.loss_fn, spec.targets[0]
 
 
 def certify(name: str, how: str):

@@ -127,3 +127,26 @@ def test_grouped_mm_runs_in_float64(seed):
     want = torch.cat([a[:2] @ b[0], a[2:6] @ b[2]])
     assert out.dtype == torch.float64
     assert torch.allclose(out, want, rtol=1e-5 if seed is not None else 1e-12)
+
+
+def test_flash_attention_runs_as_its_math_form_with_grouped_heads():
+    """The fused CPU attention kernels run as their math form (so their sums get rounding):
+    in float64 it equals the kernels, forward and backward, with fewer key heads than query
+    heads; under rounding its spread covers what float32 kernels do."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 8, 8, dtype=torch.float64), torch.randn(2, 2, 8, 8,
+                                                                     dtype=torch.float64)
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    out, lse = forward(q, k, v, 0.0, True)[:2]
+    grad = torch.randn_like(out)
+    grads = backward(grad, q, k, v, out, lse, 0.0, True)
+    with float64_run(None):
+        assert all(torch.allclose(a, b, atol=1e-12)
+                   for a, b in zip((out, lse), forward(q, k, v, 0.0, True)[:2]))
+        assert all(torch.allclose(a, b, atol=1e-12)
+                   for a, b in zip(grads, backward(grad, q, k, v, out, lse, 0.0, True)))
+    _, spread = spread_of(lambda: forward(q, k, v, 0.0, True)[0], samples=8)
+    float32 = forward(q.float(), k.float(), v.float(), 0.0, True)[0].double()
+    assert ((float32 - out).abs() <= 8 * spread + UNIT * out.abs()).all()

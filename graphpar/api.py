@@ -151,7 +151,8 @@ class Compiled:
 
             before = outputs[:check.worst.step - 1]  # the failing step's, from the plan's state
             check.where = first_difference(
-                self, state_before(self.spmd, self.captured.state, before))
+                self.captured, self.example_args(),
+                state_before(self.spmd, self.captured.state, before))
         return check
 
     def spec_or_raise(self) -> ModelSpec:

@@ -30,7 +30,7 @@ from graphpar.ir.printer import node_numbers
 from graphpar.ir.types import TensorType
 
 if TYPE_CHECKING:
-    from graphpar.api import Compiled
+    from graphpar.capture import Captured
 
 __all__ = ["Difference", "first_difference", "first_node_beyond", "node_values",
            "pipeline_difference", "state_before"]
@@ -145,13 +145,14 @@ def _reduce(tensors, op: str) -> torch.Tensor:
     return total / len(tensors) if op == "avg" else total
 
 
-def first_difference(compiled: Compiled, state: dict[str, torch.Tensor] | None = None,
-                     samples: int = SAMPLES) -> str:
-    """Where `compiled`'s device program first differs from its single-device graph on the
-    example it was compiled from (module docstring), in one line; from `state` (parameters,
-    optimizer state: those a later step starts from) instead of the compiled state."""
-    named = {**compiled.captured.bind(*compiled.example_args()), **(state or {})}
-    found = first_node_beyond(compiled.captured.graph, named, samples)
+def first_difference(captured: Captured, args: Sequence[torch.Tensor],
+                     state: dict[str, torch.Tensor] | None = None, samples: int = SAMPLES
+                     ) -> str:
+    """Where the device program of `captured`'s sharded graph first differs from the graph
+    itself on `args` (module docstring), in one line; from `state` (parameters, optimizer
+    state: those a later step starts from) instead of the captured state."""
+    named = {**captured.bind(*args), **(state or {})}
+    found = first_node_beyond(captured.graph, named, samples)
     return found or NO_NODE
 
 

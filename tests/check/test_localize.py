@@ -21,7 +21,7 @@ def gpt_2x2():
 
 
 def test_a_right_plan_differs_nowhere(gpt_2x2):
-    assert first_difference(gpt_2x2).startswith("no node")
+    assert first_difference(gpt_2x2.captured, gpt_2x2.example_args()).startswith("no node")
 
 
 def test_a_wrong_reduction_is_found_at_its_reshard(gpt_2x2, monkeypatch):

@@ -40,7 +40,11 @@ class Compiled:
     spmd: Graph  # the program every device runs
     plan: Plan
     mesh: Mesh
-    bytes_sent: list[float] = field(default_factory=list)  # measured, per rank, last run
+    # per rank, last run: bytes sent by the plan's definition (the cost model's formula per
+    # collective, so equal to `predicted_bytes` by construction), and the payloads handed to
+    # gloo (None when the ranks ran in this process: no wire)
+    bytes_sent: list[float] = field(default_factory=list)
+    bytes_counted: list[float] | None = None
     spec: ModelSpec | None = None  # the module and example it was compiled from
     optimizer: Optimizer | None = None  # a training step's, as torch.optim runs it
     # the CUDA backend's: each rank's listing (made on first use) and, after a run on the
@@ -113,6 +117,7 @@ class Compiled:
                 else:
                     outputs = run_spmd_in_process(self.spmd, per_rank, self.mesh)
                 self.bytes_sent = list(outputs.bytes_sent)
+                self.bytes_counted = outputs.bytes_counted
                 step = [unshard([rank[i] for rank in outputs], out.value.layout, self.mesh)
                         for i, out in enumerate(self.spmd.outputs)]
                 results.append(step)

@@ -212,7 +212,8 @@ def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | 
     its measured timeline as a Chrome trace. A stage the pipeline's plan puts on several
     devices is sharded by the ILP on its logical mesh (`TokenPipeline.on_submeshes`, planned
     for `cluster`). Returns the report section: the slices, the errors, bytes between stages
-    measured and predicted, the measured step time."""
+    (counted as gloo payloads, by the plan's definition, predicted), the measured step
+    time."""
     from graphpar.runtime.schedules import chrome_trace, timeline_of
 
     tokens = token_pipeline(pipe, token_slices, schedule)
@@ -227,6 +228,8 @@ def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | 
               "processes": tokens.programs.stages if processes else 0,
               **check.report(), "lines": check.lines(),
               "bytes_sent": sum(run.bytes_sent), "predicted_bytes": tokens.predicted_bytes,
+              # the payloads handed to gloo (None in one process: no wire)
+              "bytes_counted": None if run.bytes_counted is None else sum(run.bytes_counted),
               "step_seconds_measured": timeline_of(run.spans).step_seconds}
     report["sharded_stages"] = {str(i): mesh for i, mesh in submeshes.items()}
     if trace:

@@ -191,6 +191,15 @@ def step_time_line(r: dict) -> str:
             f"{r['step_seconds_estimated'] * 1e3:.3f} ms estimated, ratio {ratio}")
 
 
+def bytes_sent_text(counted: float | None, logical: float, predicted: float) -> str:
+    """`X counted (gloo payloads), Y by the plan's definition, Z predicted`: the payloads the
+    ranks handed to gloo, the same run's bytes by the cost model's definition of each
+    collective (equal to the prediction by construction), and the plan's prediction."""
+    wire = ("not counted (no process group)" if counted is None
+            else f"{counted:,.0f} counted (gloo payloads)")
+    return f"{wire}, {logical:,.0f} by the plan's definition, {predicted:,.0f} predicted"
+
+
 def check_plan_options(args: argparse.Namespace) -> None:
     """Usage errors in the sharding plan's options (--time-limit, --memory-limit, a --cluster
     file), found before the model is loaded."""

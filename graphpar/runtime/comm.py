@@ -11,12 +11,15 @@ tensors it gathers, so both executors compute bit-identical results.
 Ranks are positions in the mesh's row-major order (0 .. mesh.size - 1); a rank's device id
 is `mesh.device_ids[rank]`. Send/recv name global ranks.
 
-Byte accounting follows the cost model exactly (`graphpar.cost.communication`): each
-communicating node appends a `CommRecord` with the buffer size `nbytes` as the cost model
-defines it (all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the full
-input; all_to_all: the local buffer; send: the message) and `bytes_sent =
-collective_bytes(kind, nbytes, n)`, the logical collective's bytes per rank, whatever
-primitives the communicator used to implement it.
+Byte accounting comes in two kinds, side by side on each `CommRecord`. By the plan's
+definition (`graphpar.cost.communication`): the buffer size `nbytes` as the cost model defines
+it (all_reduce: the buffer; all_gather: the gathered output; reduce_scatter: the full input;
+all_to_all: the local buffer; send: the message) and `bytes_sent = collective_bytes(kind,
+nbytes, n)`, the logical collective's bytes per rank, whatever primitives the communicator
+used to implement it: the same formula the plan's prediction uses, so it cannot disagree with
+it. Counted: `bytes_counted`, the payload bytes this rank handed to torch.distributed for the
+node, by what each primitive it called moves (`GlooCommunicator`); None where no process group
+moved anything (the in-process executor has no wire).
 
 Tensors bound for one rank at one time (a pipeline stage boundary: several tensors, each cut
 into tiles) travel as one message: `pack` lays them end to end in one flat uint8 buffer and
@@ -29,7 +32,7 @@ ahead (`post_boundary`) lets the data leave from the sender's `isend` itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -68,8 +71,11 @@ class CommRecord:
     - `axes`, `group_size`: the mesh axes and group size (send/recv: (), 2);
     - `nbytes`: the buffer as the cost model defines it for `kind`;
     - `bytes_sent`: `collective_bytes(kind, nbytes, group_size)`, bytes this rank sent
-      (0 for recv);
-    - `peer`: the other rank of a send/recv.
+      by the plan's definition (0 for recv);
+    - `peer`: the other rank of a send/recv;
+    - `bytes_counted`: the payload bytes this rank handed to torch.distributed for it (0 for
+      recv), None where no process group ran it. Not compared: a program's records are equal
+      whichever executor ran it.
     """
 
     node: int | None
@@ -80,6 +86,7 @@ class CommRecord:
     nbytes: float
     bytes_sent: float
     peer: int | None = None
+    bytes_counted: float | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,8 +244,12 @@ class Communicator:
 
     Subclasses implement `_all_reduce`, `_all_gather`, `_reduce_scatter`, `_all_to_all`,
     `_send` and `_recv` for groups of two or more; this class handles groups of one, checks
-    arguments, and records bytes (`records`, `bytes_sent`).
+    arguments, and records bytes (`records`, `bytes_sent`). A subclass whose primitives move
+    bytes between processes sets `counts_payloads` and counts each payload it hands over
+    (`_count`); each record then takes what was counted since the last one (`bytes_counted`).
     """
+
+    counts_payloads = False  # whether records carry `bytes_counted`
 
     def __init__(self, mesh: Mesh, rank: int, global_ranks: Sequence[int] | None = None,
                  world_size: int | None = None):
@@ -256,6 +267,7 @@ class Communicator:
         self.device = mesh.device_ids[rank]
         self.coordinate = mesh.coordinate(self.device)
         self.records: list[CommRecord] = []
+        self._uncounted = 0  # payload bytes handed over since the last record
         self._node: int | None = None
         self._groups: dict[tuple[int, ...], tuple[int, ...]] = {}
 
@@ -297,23 +309,44 @@ class Communicator:
         """Bytes this rank sent in all, per the cost model's definition of each collective."""
         return sum(r.bytes_sent for r in self.records)
 
+    @property
+    def bytes_counted(self) -> float | None:
+        """Payload bytes this rank handed to torch.distributed in all (None: no process group
+        ran its collectives)."""
+        if not self.counts_payloads:
+            return None
+        return sum(r.bytes_counted or 0.0 for r in self.records)
+
     def bytes_by_node(self) -> dict[int | None, float]:
-        """Bytes sent per node index."""
+        """Bytes sent per node index (the plan's definition)."""
         out: dict[int | None, float] = {}
         for r in self.records:
             out[r.node] = out.get(r.node, 0.0) + r.bytes_sent
         return out
 
     def record(self, op: str, x: torch.Tensor, axes: tuple[int, ...], n: int,
-               peer: int | None = None, node: int | None = None) -> CommRecord:
+               peer: int | None = None, node: int | None = None,
+               counted: int | None = None) -> CommRecord:
         """Append the record of one communicating op on input `x` (for recv: the message),
-        labelled with node index `node` (default: the node `execute` is running)."""
+        labelled with node index `node` (default: the node `execute` is running). Its
+        `bytes_counted` is what was counted since the last record, or `counted` of it."""
         kind, nbytes = comm_nbytes(op, x, n)
         sent = 0.0 if op == "recv" else collective_bytes(kind, nbytes, n)
         rec = CommRecord(self._node if node is None else node, op, kind.value, axes, n,
-                         nbytes, sent, peer)
+                         nbytes, sent, peer, self._take_counted(counted))
         self.records.append(rec)
         return rec
+
+    def _count(self, nbytes: int) -> None:
+        """Count `nbytes` of payload handed to torch.distributed (for the next record)."""
+        self._uncounted += nbytes
+
+    def _take_counted(self, share: int | None = None) -> float | None:
+        if not self.counts_payloads:
+            return None
+        take = self._uncounted if share is None else share
+        self._uncounted -= take
+        return float(take)
 
     # ----------------------------------------------------------------- collectives
 
@@ -399,11 +432,17 @@ class Communicator:
 
     def send_packed(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> None:
         """Send `tensors` to global rank `dst` as one message (`pack`). The byte records are
-        the tensors' own, one send each, as if each had been sent alone."""
+        the tensors' own, one send each, as if each had been sent alone; the counted bytes
+        are the message's, padding included, each record counting its tensor and the padding
+        before it."""
         self.check_peer(dst)
-        self._send(pack(tensors), dst, tag)
-        for t in tensors:
-            self.record("send", t, (), 2, peer=dst)
+        message = pack(tensors)
+        self._send(message, dst, tag)
+        offsets, _ = packed_offsets([TensorType.of(t) for t in tensors])
+        end = 0
+        for t, start in zip(tensors, offsets):
+            self.record("send", t, (), 2, peer=dst, counted=start + _nbytes(t) - end)
+            end = start + _nbytes(t)
 
     def post_packed(self, types: Sequence[TensorType], src: int, tag: int = 0) -> Posted:
         """Post the receive of a `send_packed` of tensors of `types` from global rank `src`;

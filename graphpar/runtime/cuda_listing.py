@@ -31,7 +31,8 @@ __all__ = ["ListingResult", "ListingWorker", "communicator_axes", "run_listings"
 @dataclass
 class ListingResult:
     """Every rank's outputs (`outputs[rank][i]`), the arena bytes each rank wrote up to
-    (measured) and what each rank sent."""
+    (measured) and what each rank sent (`outputs.records`; `outputs.bytes_counted`: the
+    payloads handed to gloo, None for one rank in this process)."""
 
     outputs: SpmdResult
     peak_arena_bytes: list[int]
@@ -85,7 +86,7 @@ def run_listings(listings: Sequence[Listing], per_rank_inputs: Sequence[Inputs],
             records.append([CommRecord(**{**r, "axes": tuple(r["axes"])})
                             for r in data["records"]])
             peaks.append(int(data["peak"]))
-        return ListingResult(SpmdResult(outputs, records), peaks)
+        return ListingResult(SpmdResult(outputs, records, counted=True), peaks)
     finally:
         group.stop()
         shutil.rmtree(jobdir, ignore_errors=True)

@@ -7,7 +7,18 @@ executor runs (`graphpar.runtime.comm.group_*`), so reductions go left to right 
 and both executors agree bit for bit. `deterministic=False` uses gloo's `all_reduce` for
 all_reduce and reduce_scatter instead.
 
-Byte records count the logical collective per the cost model, not the primitives used.
+Byte records carry both accounts (`graphpar.runtime.comm.CommRecord`): `bytes_sent`, the
+logical collective by the cost model's definition, and `bytes_counted`, the payload bytes this
+process hands to torch.distributed, by what each primitive it calls moves:
+
+- `all_gather` of B bytes in a group of n: gloo's ring all-gather (`gloo/allgather.cc`) sends
+  this rank's B and forwards n-2 others' blocks to its ring neighbour: (n-1)·B;
+- `all_reduce` (`deterministic=False`): gloo's ring, `ring_all_reduce_bytes`;
+- `isend` of B bytes: B (a packed boundary: the packed buffer, padding included);
+- `recv`/`irecv`: nothing sent.
+
+These are payloads: gloo's message headers and TCP/IP framing are not counted, nor are the
+barriers that line up timed steps (outside any program).
 """
 
 from __future__ import annotations
@@ -29,7 +40,11 @@ from graphpar.runtime.comm import (
     reduce_tensors,
 )
 
-__all__ = ["CommunicationError", "GlooCommunicator", "all_axes", "new_process_groups"]
+__all__ = ["CommunicationError", "GlooCommunicator", "all_axes", "new_process_groups",
+           "ring_all_reduce_bytes"]
+
+# gloo's AllreduceOptionsImpl::kMaxSegmentSize, which ProcessGroupGloo leaves as it is
+_GLOO_MAX_SEGMENT_BYTES = 1024 * 1024
 
 
 class CommunicationError(BackendError):
@@ -45,6 +60,41 @@ def _communicating(what: str) -> Iterator[None]:
 
 _NATIVE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                "min": dist.ReduceOp.MIN}
+
+
+def ring_all_reduce_bytes(nbytes: int, itemsize: int, n: int, rank: int,
+                          max_segment_bytes: int = _GLOO_MAX_SEGMENT_BYTES) -> int:
+    """The payload bytes rank `rank` (its rank in the process group: the members in ascending
+    global rank) of a group of `n` sends in gloo's all-reduce of `nbytes` bytes of elements of
+    `itemsize` bytes.
+
+    What runs, in torch 2.13: ProcessGroupGloo's CPU all_reduce (`AsyncAllreduceWork`) calls
+    `gloo::allreduce` with no algorithm set, and gloo (`gloo/allreduce.cc`) runs UNSPECIFIED
+    as its ring, for every buffer size: there is no small-buffer special case (the bundled
+    gloo has no shared-memory all-reduce either; its strings are absent from libtorch_cpu).
+    The ring cuts the buffer into `numSegments` segments, a multiple of n and at least 2n, of
+    `segmentBytes` each (rounded up to whole elements, so the last ones may be short or
+    empty); rank r's chunk is segments [r·s, (r+1)·s), s = numSegments / n. Reduce-scatter:
+    r sends every chunk but its own (r) to r - 1; all-gather: every chunk but r - 1's. Each
+    send is a segment's bytes within the buffer. When the buffer cuts into equal segments
+    this is 2·(n-1)/n·B, the textbook ring; otherwise ranks send a few bytes more or less,
+    summing to 2·(n-1)·B over the group."""
+    if n < 2 or nbytes == 0:
+        return 0
+
+    def round_up(a: int, b: int) -> int:
+        return -(-a // b) * b
+
+    max_segment = itemsize * max(1, max_segment_bytes // itemsize)
+    segments = round_up(max(-(-nbytes // max_segment), 2 * n), n)
+    per_rank = segments // n
+    segment = round_up(-(-nbytes // segments), itemsize)
+
+    def chunk_bytes(owner: int) -> int:
+        starts = (((owner % n) * per_rank + i) * segment for i in range(per_rank))
+        return sum(max(0, min(segment, nbytes - start)) for start in starts)
+
+    return 2 * nbytes - chunk_bytes(rank) - chunk_bytes(rank - 1)
 
 
 def all_axes(ndim: int) -> list[tuple[int, ...]]:
@@ -83,7 +133,10 @@ class GlooCommunicator(Communicator):
     `axes`: the mesh-axis tuples collectives will use (every combination if None); process
     groups are made for exactly these, in sorted order, so every rank must pass the same.
     Ranks outside a sub-mesh must make the same groups too (`new_process_groups`).
+    Its records count the payloads it hands to torch.distributed (`bytes_counted`).
     """
+
+    counts_payloads = True
 
     def __init__(self, mesh: Mesh, rank: int | None = None,
                  axes: Iterable[Sequence[int]] | None = None, *, deterministic: bool = True,
@@ -130,6 +183,8 @@ class GlooCommunicator(Communicator):
         parts = [torch.empty_like(send) for _ in ranks]
         with _communicating(f"all_gather over ranks {list(ranks)}"):
             dist.all_gather(parts, send, group=pg)
+        # gloo's ring all-gather: this rank's block and n-2 forwarded ones, to one neighbour
+        self._count((len(ranks) - 1) * send.numel() * send.element_size())
         # all_gather fills parts in the process group's rank order: ascending global rank
         members = [self.global_ranks[p] for p in ranks]
         by_rank = dict(zip(sorted(members), parts))
@@ -142,6 +197,9 @@ class GlooCommunicator(Communicator):
         out = x.clone().contiguous()
         with _communicating(f"all_reduce over ranks {list(ranks)}"):
             dist.all_reduce(out, op=_NATIVE_OPS[op], group=pg)
+        members = sorted(self.global_ranks[p] for p in ranks)  # the process group's order
+        self._count(ring_all_reduce_bytes(out.numel() * out.element_size(), out.element_size(),
+                                          len(ranks), members.index(self.global_rank)))
         if op == "avg":
             out.div_(len(ranks))
         return out
@@ -172,6 +230,7 @@ class GlooCommunicator(Communicator):
         buf = x.contiguous()
         with _communicating(f"send to rank {dst}"):
             self._sends.append((dist.isend(buf, dst=dst, tag=tag), buf))
+        self._count(buf.numel() * buf.element_size())
 
     def _recv(self, shape, dtype, src, tag):
         out = torch.empty(shape, dtype=dtype)

@@ -4,7 +4,8 @@
 run's inputs), starts one worker per rank (:class:`graphpar.runtime.workers.WorkerGroup`), and
 runs the program on the ranks as often as asked: every worker prepares its program once
 (:class:`~graphpar.backends.interpreter.Interpreter` with a ``GlooCommunicator``) and runs it
-on each run's inputs, writing its outputs and byte records back to the directory.
+on each run's inputs, writing its outputs and byte records (the plan's definition and the
+payloads counted at gloo) back to the directory.
 ``run_multiprocess`` is one job with one run. :meth:`SpmdJob.time_steps` times repeated steps
 inside the workers, so that starting the processes and moving tensors through the directory
 are not timed.
@@ -86,7 +87,7 @@ class SpmdJob:
             outputs.append(data["outputs"])
             records.append([CommRecord(**{**r, "axes": tuple(r["axes"])})
                             for r in data["records"]])
-        return SpmdResult(outputs, records)
+        return SpmdResult(outputs, records, counted=True)
 
     def time_steps(self, per_rank_inputs: Sequence[Inputs], steps: int = 5, warmup: int = 2,
                    *, profile: bool = False) -> StepTimes:

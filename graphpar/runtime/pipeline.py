@@ -105,7 +105,7 @@ class StageRunner:
         # run their SPMD program for that device only; None: for every device in lockstep
         self.comm = comm
         self.device_interpreters: dict[str, Interpreter] = {}
-        self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent, measured
+        self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent (plan's definition)
         self.stage = program.stage
         self.microbatches = microbatches
         self.inputs = inputs  # per microbatch, the user's tensors by name
@@ -304,16 +304,18 @@ def mean_loss(losses: Mapping[int, torch.Tensor]) -> torch.Tensor | None:
 
 @dataclass
 class PipelineRun:
-    """One pipelined step: the training graph's outputs and what the run measured."""
+    """One pipelined step: the training graph's outputs and what the run measured and
+    counted. Bytes are counted by the plan's definition (each tile, each collective as the
+    cost model defines it) unless named counted at gloo."""
 
     outputs: list[torch.Tensor]  # in the order of the training graph's outputs
-    bytes_sent: list[int]  # per stage, activations and gradients across meshes, measured
+    bytes_sent: list[int]  # per stage, activations and gradients across meshes
     spans: list[Span] = field(default_factory=list)  # measured, seconds from the step's start
     # per stage, inside its sub-mesh: its phases' collectives and the all-gathers that make a
-    # phase's outputs whole (measured; the in-process lockstep counts the collectives only)
+    # phase's outputs whole (the in-process lockstep counts the collectives only)
     intra_stage_bytes: list[int] = field(default_factory=list)
     # per stage: the local all-gathers that join the tiles it received (Alpa's local
-    # all-gather; measured on gloo ranks only)
+    # all-gather; on gloo ranks only)
     gathered_bytes: list[int] = field(default_factory=list)
     # microbatch tensors still held when the step ended (stash, received): 0 unless leaked
     tensors_left: int = 0
@@ -321,6 +323,9 @@ class PipelineRun:
     # per step and stage, and per stage its forward and backward seconds in each step
     step_times: Any = None  # graphpar.runtime.program.StepTimes
     stage_compute_seconds: list[list[float]] = field(default_factory=list)
+    # per stage, what crossed to other stages as gloo payloads: the packed messages handed
+    # to torch.distributed, padding included (None when the stages ran in this process)
+    bytes_counted: list[int] | None = None
 
 
 def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
@@ -541,7 +546,8 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
 
     run = PipelineRun(assemble_outputs(programs.graph, runners, len(inputs)),
                       per_stage("bytes_sent"), spans, per_stage("intra_stage_bytes"),
-                      gathered_bytes=per_stage("gathered_bytes"))
+                      gathered_bytes=per_stage("gathered_bytes"),
+                      bytes_counted=per_stage("bytes_counted"))
     if timings:
         from graphpar.runtime.program import StepTimes
 
@@ -686,6 +692,7 @@ class PipelineWorker:
         self.microbatches = job["microbatches"]
         self.runner = self._runner()
         self.bytes_across = 0  # the tiles this device sent to other stages
+        self.counted_across = 0  # the same as gloo payloads: its packed messages
         self.gathered_bytes = 0  # the all-gathers joining the tiles it received
 
     def _runner(self) -> StageRunner:
@@ -701,7 +708,7 @@ class PipelineWorker:
         write_result(self.jobdir / f"result{self.rank}.pt",
                      {"stage": self.stage, "losses": runner.losses,
                       "grad_outputs": runner.grad_outputs, "updates": runner.updates,
-                      "bytes_sent": self.bytes_across,
+                      "bytes_sent": self.bytes_across, "bytes_counted": self.counted_across,
                       "intra_stage_bytes": runner.intra_stage_bytes + self.gathered_bytes,
                       "gathered_bytes": self.gathered_bytes, "spans": spans})
 
@@ -784,9 +791,10 @@ class PipelineWorker:
         """This device's tiles of `tensors` (whole on every device of its stage) to `stage`:
         one message per receiving device."""
         plans = self._plans(names, self.stage, stage)
-        before = self.comm.bytes_sent
+        before, counted = self.comm.bytes_sent, self.comm.bytes_counted
         self.comm.send_boundary(list(zip(tensors, plans)), tag)
         self.bytes_across += int(self.comm.bytes_sent - before)
+        self.counted_across += int(self.comm.bytes_counted - counted)
 
     def _post(self, names: Sequence[str], stage: int, tag: int) -> _Arrival:
         """Post the receives of `names` from `stage`; returns what waits for them: this

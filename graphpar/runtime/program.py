@@ -29,17 +29,28 @@ MeshArg = Mesh | str | Sequence[int] | None
 
 class SpmdResult(list):
     """The outputs of every rank (`result[rank][i]`), with what each rank sent:
-    `records[rank]` (one `CommRecord` per communicating node) and `bytes_sent[rank]`."""
+    `records[rank]` (one `CommRecord` per communicating node), `bytes_sent[rank]` (by the
+    plan's definition) and, when the ranks ran over process groups (`counted`),
+    `bytes_counted[rank]` (the payloads handed to torch.distributed)."""
 
     def __init__(self, outputs: Sequence[Sequence[torch.Tensor]],
-                 records: Sequence[Sequence[CommRecord]]):
+                 records: Sequence[Sequence[CommRecord]], counted: bool = False):
         super().__init__(list(o) for o in outputs)
         self.records: list[list[CommRecord]] = [list(r) for r in records]
+        self.counted = counted
 
     @property
     def bytes_sent(self) -> list[float]:
         """Bytes each rank sent in all (cost-model definition of each collective)."""
         return [sum(r.bytes_sent for r in recs) for recs in self.records]
+
+    @property
+    def bytes_counted(self) -> list[float] | None:
+        """Payload bytes each rank handed to torch.distributed in all; None when the ranks
+        ran in this process (no wire: nothing to count)."""
+        if not self.counted:
+            return None
+        return [sum(r.bytes_counted or 0.0 for r in recs) for recs in self.records]
 
     def bytes_by_node(self, rank: int = 0) -> dict[int | None, float]:
         """Bytes `rank` sent per node index."""

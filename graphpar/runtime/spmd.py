@@ -8,9 +8,11 @@ own shard, with collectives along mesh axes (`graphpar.ir.spmd_ops`), declared o
     outs = run_spmd_multiprocess(graph, per_rank_inputs, mesh)    # gloo on 127.0.0.1
     outs[rank][i]                # output i of rank `rank`
     outs.bytes_sent[rank]        # bytes rank sent, per the cost model's definitions
+    outs.bytes_counted[rank]     # payload bytes rank handed to gloo (None in one process)
     outs.records[rank]           # one CommRecord per communicating node
 
-Both executors give bit-identical outputs and identical records. A list of graphs (one per
+Both executors give bit-identical outputs and identical records (`bytes_counted`, which only
+the gloo ranks have, is not compared). A list of graphs (one per
 rank) runs MPMD programs, e.g. pipeline stages joined by send/recv.
 
 `shard_tensor` / `unshard` split a global tensor by layout into a device's local tensor and

@@ -118,8 +118,8 @@ class TokenStage:
         self.updates: dict[str, torch.Tensor] = {}
         self.items_backward = 0  # backward items done: received gradients wait for all
         self.spans: list[tuple[Action, float, float]] = []
-        # bytes this stage sent to others (measured): activations and their gradients as
-        # they leave, plus summed gradients sent to another stage's update
+        # bytes this stage sent to others, each tensor's own: activations and their
+        # gradients as they leave, plus summed gradients sent to another stage's update
         self.sent_bytes = 0
 
     def _runner(self, action: Action) -> tuple[SliceRunner, Action, int, int]:
@@ -197,7 +197,8 @@ class TokenStage:
 
     @property
     def intra_stage_bytes(self) -> int:
-        """What the sub-mesh's collectives sent, measured (0 unless sharded)."""
+        """What the sub-mesh's collectives sent, by the plan's definition (0 unless
+        sharded)."""
         runners = [*self.runners, *([self.update_runner] if self.update_runner else [])]
         return sum(r.intra_stage_bytes for r in runners)
 
@@ -286,7 +287,7 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
                             ) -> PipelineRun:
     """One token-pipelined step with each stage in its own process over gloo, started by
     `runtime.workers.WorkerGroup`; the programs travel as IR text, transfers are
-    point-to-point, one message per named tensor of the item's slice.
+    point-to-point, one packed message per item (the named tensors of its slice).
 
     A stage in `sharded` (as `run_tokens_in_process` takes it) ships its phases' SPMD device
     programs as IR text too and runs them for every device of its sub-mesh in lockstep inside
@@ -354,7 +355,8 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
     spans = [Span(s, Action(ActionKind(kind), s, item), t0 - begin, t1 - begin, rank=s)
              for s, r in enumerate(results) for kind, item, t0, t1 in r["spans"]]
     return PipelineRun(assemble_outputs(programs.whole.graph, runners, len(inputs)),
-                       [r["bytes_sent"] for r in results], spans)
+                       [r["bytes_sent"] for r in results], spans,
+                       bytes_counted=[r["bytes_counted"] for r in results])
 
 
 def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int) -> dict:
@@ -483,4 +485,4 @@ class TokenPipelineWorker:
         write_result(self.jobdir / f"result{self.rank}.pt",
                      {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
                       "updates": stage.updates, "bytes_sent": stage.bytes_sent,
-                      "spans": spans})
+                      "bytes_counted": int(comm.bytes_counted), "spans": spans})

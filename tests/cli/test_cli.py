@@ -151,8 +151,11 @@ def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
     assert report["plan"]["compute_model"] == "roofline, cpu fp32"
     assert "compute as a roofline, cpu fp32" in out
     assert report["run_cpu"]["max_abs_error"] < 1e-5
-    assert report["run_cpu"]["bytes_measured"] == pytest.approx(
+    assert report["run_cpu"]["bytes_logical"] == pytest.approx(
         report["run_cpu"]["bytes_predicted"])
+    # the payloads handed to gloo, beside the plan's definition (this plan sends nothing)
+    assert report["run_cpu"]["bytes_counted"] == report["run_cpu"]["bytes_logical"] == 0
+    assert "bytes sent per rank: " in out and " counted (gloo payloads), " in out
     assert "{" in (tmp_path / "mlp_tiny.gpir").read_text()  # layouts in the IR dump
     assert "run-cpu    2 ranks" in out
     # the measured step time beside the program's estimate (its nodes priced: at most the

@@ -71,6 +71,11 @@ def test_on_gloo_ranks(gpt_two_stages):
     stages = pipe.programs.stages
     assert len(stages[0].send_forward) > 1 and len(stages[1].send_backward) > 1
     run = assert_matches_eager(pipe, processes=True)
+    # every tensor crossing is f32: the packed messages need no padding, so gloo carried
+    # exactly each tensor's bytes
+    crossing = {n for s in stages for n in (*s.send_forward, *s.send_backward)}
+    assert {pipe.programs.types[n].dtype for n in crossing} == {torch.float32}
+    assert run.bytes_counted == run.bytes_sent
     assert {s.rank for s in run.spans} == {0, 1}
     assert len(run.spans) == sum(len(actions) for actions in pipe.schedule.values())
     # a rank's actions are timed in order, one after the other

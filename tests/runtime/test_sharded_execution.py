@@ -110,8 +110,13 @@ def test_ilp_plan_on_gloo_ranks_equals_in_process_and_eager():
     compiled = graphpar.compile(ex.module, ex.inputs, mesh="2x2", cluster="cpu", time_limit=20)
     in_process = compiled.run(*ex.inputs)
     bytes_in_process = list(compiled.bytes_sent)
+    assert compiled.bytes_counted is None  # no wire in one process
     multi = compiled.run(*ex.inputs, processes=True)
     assert torch.equal(in_process[0], multi[0])
     assert compiled.bytes_sent == bytes_in_process
+    # every collective is a gloo all-gather (then the group's sum or cut), which sends at
+    # least the logical collective's bytes: (n-1)·B against 2·(n-1)/n·B, (n-1)/n·B, ...
+    assert len(compiled.bytes_counted) == 4
+    assert all(c >= s for c, s in zip(compiled.bytes_counted, compiled.bytes_sent))
     with torch.no_grad():
         torch.testing.assert_close(multi[0], ex.module(*ex.inputs), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # `graphpar.compile` without importing torch and the compiler for `import graphpar` alone.
     if name == "compile":
-        from graphpar.api import compile
+        from graphpar.compiler.api import compile
 
         return compile
     if name == "place":

@@ -24,7 +24,7 @@ Capturing an adapter inside a step module gives two graphs over the same paramet
         -> logits [B,1,V], then per layer i: key, value [B,Hkv,L+1,D] (past + new)
 
 Both run on the CPU reference executor and are what the ``paged-attention`` pass rewrites. The
-same adapters run eagerly for HF-style contiguous-cache generation (graphpar.runtime.naive).
+same adapters run eagerly for HF-style contiguous-cache generation (graphpar.serving.naive).
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ def add_calibrate_parser(sub) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from graphpar.calibration import calibrate, planned_measurements, report, timings
+    from graphpar.calibration.calibrate import calibrate, planned_measurements, report, timings
+    from graphpar.calibration.measure import contention_note
     from graphpar.cost.cluster import PRESETS
-    from graphpar.runtime.calibrate import contention_note
 
     if args.ranks < 2:
         raise UsageError(f"--ranks {args.ranks}: collectives need at least 2 ranks; give "

@@ -115,7 +115,7 @@ def example_spec(text: str, train: bool = False):
     built on the meta device, so a model of any size compiles; its real weights, the same as
     a CPU build's, are made only to run it (`ModelSpec.real_module`). The example batch is
     real: it is small."""
-    from graphpar.compiler import ModelSpec
+    from graphpar.compiler.driver import ModelSpec
     from graphpar.models import example_batch, get_model
 
     name, _, preset = text.partition(":")
@@ -128,7 +128,7 @@ def example_spec(text: str, train: bool = False):
 
 
 def load_target(path: str | None, example: str | None, mode: str = "infer"):
-    from graphpar.model_file import load_model_file
+    from graphpar.compiler.model_file import load_model_file
 
     if path and example:
         raise UsageError("give a model file or --example, not both")

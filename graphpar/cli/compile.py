@@ -29,7 +29,7 @@ from graphpar.errors import OutputError, UsageError
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.capture.optim import optimizer_from_name
-    from graphpar.compiler import compile_model
+    from graphpar.compiler.driver import compile_model
     from graphpar.cost.communication import annotate_comm
     from graphpar.ir.printer import format_count, print_program
     from graphpar.passes import parse_pipeline
@@ -75,7 +75,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         cuda = getattr(args, "lower", None) == "cuda" or "lower-cuda" in {p.name for p in passes}
         compiled = None
         if args.run_cpu or (cuda and args.mesh):
-            from graphpar.api import lower
+            from graphpar.compiler.api import lower
 
             compiled = lower(result.captured, result.context, spec=result.spec,
                              optimizer=result.optimizer)
@@ -172,8 +172,8 @@ def _check_compile_options(args: argparse.Namespace) -> None:
 def run_on_cpu_ranks(result, compiled=None, steps: int = 3) -> dict:
     """Run the compiled plan on CPU ranks over gloo, `steps` steps in train mode, and compare
     each output with eager PyTorch in float64 (and torch.optim): the worst error of each kind,
-    by name, and the verdict (`graphpar.check.eager`)."""
-    from graphpar.api import lower
+    by name, and the verdict (`graphpar.compiler.check.eager`)."""
+    from graphpar.compiler.api import lower
 
     if compiled is None:
         compiled = lower(result.captured, result.context, spec=result.spec,
@@ -187,7 +187,7 @@ def run_on_cpu_ranks(result, compiled=None, steps: int = 3) -> dict:
               "bytes_predicted": compiled.predicted_bytes}
     if not check.within_tolerance:  # a wrong plan's speed is beside the point
         return report
-    from graphpar.plan_runs import program_seconds
+    from graphpar.calibration.plan_runs import program_seconds
 
     (times,) = compiled.time_steps(TIMED_STEPS, WARMUP_STEPS)
     # the estimate of the program that ran (its nodes priced): the plan's objective can be

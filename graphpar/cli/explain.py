@@ -61,7 +61,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from graphpar.capture.optim import optimizer_from_name
-    from graphpar.compiler import compile_model
+    from graphpar.compiler.driver import compile_model
     from graphpar.passes.autoshard.explain import Explainer, Explanation, plan_dict
 
     _check_options(args)

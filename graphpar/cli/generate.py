@@ -258,7 +258,7 @@ def _load_model(args: argparse.Namespace):
 
 def _base_sampling(args: argparse.Namespace):
     """The command line's sampling options, the defaults of every request."""
-    from graphpar.runtime.sampling import SamplingParams
+    from graphpar.serving.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, n=args.n,
@@ -269,7 +269,7 @@ def _base_sampling(args: argparse.Namespace):
 
 def _sampling(args: argparse.Namespace, overrides: dict[str, Any], where: str):
     from graphpar.errors import GenerationError
-    from graphpar.runtime.sampling import SamplingParams
+    from graphpar.serving.sampling import SamplingParams
 
     known = {f.name for f in fields(SamplingParams)}
     try:
@@ -285,8 +285,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
     from graphpar.cli.common import step
     from graphpar.errors import GenerationError
-    from graphpar.runtime.engine import EngineConfig
-    from graphpar.serve import LLM
+    from graphpar.serving.engine import EngineConfig
+    from graphpar.serving.llm import LLM
 
     if not args.model and not args.example:
         raise UsageError("generate needs a model file or --example (e.g. --example gpt:tiny)")
@@ -320,7 +320,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start: float) -> int:
     from graphpar.cli.common import atomic_output
-    from graphpar.serve import progress_printer
+    from graphpar.serving.llm import progress_printer
 
     engine, config = llm.engine, llm.engine.config
     info = engine.info

@@ -15,10 +15,10 @@ from graphpar.cli.common import _publish, load_target, plan_limits, staging_dir,
 from graphpar.errors import UsageError
 
 if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
-    from graphpar.compiler import CompileResult, ModelSpec
+    from graphpar.compiler.driver import CompileResult, ModelSpec
+    from graphpar.compiler.pipelined import PipelineCompiled
     from graphpar.ir.graph import Program
     from graphpar.passes.pipeline.plan import StagePlan
-    from graphpar.pipelined import PipelineCompiled
 
 
 def check_pipeline_options(args: argparse.Namespace) -> None:
@@ -42,7 +42,7 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
     if args.trace and not args.run_cpu:
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
     if getattr(args, "token_slices", None):
-        from graphpar.runtime.schedules import TOKEN_SCHEDULES
+        from graphpar.passes.pipeline.schedules import TOKEN_SCHEDULES
 
         if args.schedule not in TOKEN_SCHEDULES:
             raise UsageError(f"--schedule {args.schedule} with --token-slices: token-sliced "
@@ -83,10 +83,10 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
     `graphpar compile --pipeline` from `args` (model, example, mode, mesh, cluster, pipeline,
     microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu)."""
     from graphpar.capture.optim import optimizer_from_name
+    from graphpar.compiler.pipelined import slice_and_build
     from graphpar.cost.cluster import mesh_for
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
     from graphpar.passes.pipeline.slice_tokens import slice_count
-    from graphpar.pipelined import slice_and_build
     from graphpar.runtime.pipeline import MicrobatchError
 
     run_cpu = getattr(args, "run_cpu", None)
@@ -137,7 +137,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
         summary = result.summary()
         summary["pipeline"] = pipeline_report(plan, pipe, args.schedule)
         if args.token_slices is not None:
-            from graphpar.runtime.schedules import chrome_trace
+            from graphpar.cost.timeline import chrome_trace
 
             tokens = token_slicing_report(result)
             timeline = token_timeline(plan, result)
@@ -150,7 +150,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
             with step("lowering every stage program to CUDA listings"):
                 summary["cuda"] = lower_stage_programs(compiled.program, staging / "cuda")
         if args.run_cpu and getattr(args, "token_slices", None):
-            from graphpar.token_pipelined import run_token_pipeline_on_cpu
+            from graphpar.compiler.token_pipelined import run_token_pipeline_on_cpu
 
             with step("running the pipeline token slice by token slice on CPU ranks (gloo, "
                       "one process per stage)"):
@@ -204,7 +204,7 @@ def lower_stage_programs(program, directory: Path) -> dict:
 def pipeline_report(plan, pipe, schedule: str) -> dict:
     """The stage plan as report data; step time and bubble from the schedule simulated over
     the DP's per-stage estimates (forward : backward taken as 1 : 2)."""
-    from graphpar.runtime.schedules import simulate
+    from graphpar.cost.timeline import simulate
 
     per_stage = [s.est_seconds for s in plan.stages]
     timeline = simulate(pipe.schedule, [t / 3 for t in per_stage],
@@ -245,8 +245,9 @@ def token_timeline(plan, result):
     """The step as GPipe over (microbatch, token slice) units (`token_schedule`), simulated on
     the stage plan's estimates (forward : backward as 1 : 2), each unit's time the stage's per
     microbatch time times its slice's share (`TokenSlicing.slice_shares`). Estimated."""
+    from graphpar.cost.timeline import simulate
+    from graphpar.passes.pipeline.schedules import token_schedule
     from graphpar.passes.pipeline.token_slicing import TokenSlicing
-    from graphpar.runtime.schedules import simulate, token_schedule
 
     tokens = result.context.result(TokenSlicing)
     per_stage = [s.est_seconds for s in plan.stages]
@@ -264,7 +265,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
     timed (`TIMED_STEPS` after `WARMUP_STEPS`), whole and per stage, beside `estimated` (the
     report's pipeline estimates)."""
     from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS, step_time_report
-    from graphpar.runtime.schedules import timeline_of
+    from graphpar.cost.timeline import timeline_of
 
     spec.real_module()  # weights are made only now, to run
     pipe = pipe.sharded_as_planned(args.cluster)

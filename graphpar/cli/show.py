@@ -45,7 +45,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
     if args.pipeline:
         page = _pipeline_page(args)
     elif args.target.endswith(".py") or args.example:
-        from graphpar.compiler import compile_model
+        from graphpar.compiler.driver import compile_model
         from graphpar.passes import parse_pipeline
 
         passes = parse_pipeline(args.passes)

@@ -25,7 +25,7 @@ Alpha-beta (one collective kind, the formulas of `graphpar.cost.communication` o
 
 In step (`fit_in_step`, whole programs profiled node by node): each class's and kind's
 measured seconds over the two fits' prediction, and a per-node dispatch time, which the
-calibration folds into the rates (`graphpar.calibration`).
+calibration folds into the rates (`graphpar.calibration.calibrate`).
 """
 
 from __future__ import annotations

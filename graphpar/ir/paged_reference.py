@@ -59,7 +59,7 @@ SUPPORTED_HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 
 
 class BlockPair(Protocol):
-    """Anything with ``src`` and ``dst`` block ids (graphpar.runtime.block_manager.BlockCopy)."""
+    """Anything with ``src`` and ``dst`` block ids (graphpar.serving.kv_cache_manager.BlockCopy)."""
 
     src: int
     dst: int

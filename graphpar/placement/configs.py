@@ -200,7 +200,7 @@ def profile_example(example: str, dtype: str = "fp16", cluster: str = "dgx-a100"
 def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100",
                  ilp: bool = True) -> LayerProfile:
     """The layer profile of a model file defining build(), as `graphpar compile` reads it."""
-    from graphpar.model_file import load_model_file
+    from graphpar.compiler.model_file import load_model_file
 
     spec = load_model_file(path)
     return profile_module(spec.name, spec.module, spec.inputs, dtype, cluster, ilp)

@@ -30,19 +30,13 @@ from typing import Any, Protocol
 import torch
 
 from graphpar.backends.interpreter import Interpreter
+from graphpar.cost.timeline import Span
 from graphpar.errors import BackendError, GraphparError, ScheduleError
 from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.schedule import COMPUTE_KINDS, Action, ActionKind, Schedule, validate
 from graphpar.ir.types import TensorType
-from graphpar.runtime.schedules import (
-    COMPUTE_KINDS,
-    Action,
-    ActionKind,
-    Schedule,
-    Span,
-    validate,
-)
 
 __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
            "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from graphpar.cost.timeline import Span
 from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.schedule import Action, ActionKind, Schedule, token_unit, validate
 from graphpar.runtime.pipeline import (
     PipelineRun,
     ReceivesAhead,
@@ -43,7 +45,6 @@ from graphpar.runtime.pipeline import (
     mean_loss,
     take_turns,
 )
-from graphpar.runtime.schedules import Action, ActionKind, Schedule, Span, token_unit, validate
 
 __all__ = ["SliceRunner", "TokenStage", "run_tokens_in_process", "run_tokens_multiprocess",
            "slice_inputs"]

@@ -12,7 +12,7 @@ import torch
 
 from graphpar.backends.cuda.cpu_executor import CpuListingExecutor
 from graphpar.backends.interpreter import Interpreter
-from graphpar.compiler import ModelSpec, compile_model
+from graphpar.compiler.driver import ModelSpec, compile_model
 from graphpar.errors import BackendError
 from graphpar.ir.cuda_listing import Call, parse_listing, print_listing
 from graphpar.models import get_model

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from graphpar.backends.cuda.cpu_executor import CpuListingExecutor  # noqa: E402
 from graphpar.backends.cuda.gpu_executor import GpuListingExecutor  # noqa: E402
-from graphpar.compiler import ModelSpec, compile_model  # noqa: E402
+from graphpar.compiler.driver import ModelSpec, compile_model  # noqa: E402
 from graphpar.models import get_model  # noqa: E402
 from graphpar.passes.lower_cuda import CudaListings  # noqa: E402
 

@@ -19,7 +19,7 @@ HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 
 
 @dataclass(frozen=True)
-class Copy:  # shaped like graphpar.runtime.block_manager.BlockCopy
+class Copy:  # shaped like graphpar.serving.kv_cache_manager.BlockCopy
     src: int
     dst: int
 

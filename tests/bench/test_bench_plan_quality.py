@@ -56,8 +56,8 @@ def test_a_programs_estimate_is_its_nodes_priced():
     does (compute: roofline; collectives: alpha-beta); their sum is the program's estimate,
     near the plan's objective (which prices the copies inside a reshard at 0, and a value
     resharded for two readers twice)."""
+    from graphpar.calibration.plan_runs import capture_case, node_rows, program_seconds, solve_plan
     from graphpar.cost.cluster import get_cluster, mesh_for
-    from graphpar.plan_runs import capture_case, node_rows, program_seconds, solve_plan
 
     case = capture_case("gpt", "infer", batch=2, config=dict(n_layers=1))
     mesh = mesh_for("2", get_cluster("cpu"))

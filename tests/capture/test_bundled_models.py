@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from graphpar.capture import SGD, Adam, capture_inference, capture_training
-from graphpar.check.eager import compare, eager_reference
-from graphpar.compiler import ModelSpec
+from graphpar.compiler.check.eager import compare, eager_reference
+from graphpar.compiler.driver import ModelSpec
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -88,7 +88,7 @@ def test_training_step_updates_match_torch_optim(name, optimizer):
     # level (|g| ~ 1e-8 here, beside gradients of 1e-2) can come out anywhere in ±lr on
     # another CPU, while a gradient well above its rounding fixes its update tightly. The
     # check's bound per element comes from running eager PyTorch and torch.optim with
-    # float32-sized rounding errors (graphpar.check.rounding), so it follows Adam's formula.
+    # float32-sized rounding errors (compiler.check.rounding), so it follows Adam's formula.
     # A wrong formula (a lost bias correction, a wrong β or lr) is off by a fraction of lr on
     # every element and fails.
     assert check.within_tolerance, "\n".join(check.lines())

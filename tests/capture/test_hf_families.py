@@ -22,8 +22,8 @@ import torch
 from test_hf_models import assert_training_gradients_match_eager
 
 import graphpar
-from graphpar.api import lower
 from graphpar.capture import Captured, capture_inference
+from graphpar.compiler.api import lower
 from graphpar.cost.cluster import mesh_for
 from graphpar.ir.layout import Partial, Shard
 from graphpar.ir.parser import parse

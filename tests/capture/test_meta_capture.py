@@ -7,7 +7,7 @@ from torch import nn
 
 from graphpar.capture import Adam, capture_inference, capture_training
 from graphpar.cli.common import example_spec
-from graphpar.compiler import ModelSpec, compile_model
+from graphpar.compiler.driver import ModelSpec, compile_model
 from graphpar.ir.printer import print_graph
 from graphpar.models import MODEL_NAMES, get_model
 

@@ -5,8 +5,8 @@ result."""
 import pytest
 import torch
 
-from graphpar.api import lower
 from graphpar.capture import Captured, capture_inference, capture_training
+from graphpar.compiler.api import lower
 from graphpar.cost.cluster import mesh_for
 from graphpar.errors import UnsupportedOpError
 from graphpar.ir.graph import OutputRole

@@ -210,7 +210,7 @@ def test_a_stack_that_cannot_be_shortened_is_traced_whole():
 
 
 def test_a_repeated_capture_runs_equal_to_eager_once_it_has_weights():
-    from graphpar.compiler import ModelSpec, capture
+    from graphpar.compiler.driver import ModelSpec, capture
 
     def real():
         torch.manual_seed(0)

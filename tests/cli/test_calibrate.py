@@ -10,16 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-import graphpar.calibration as calibration
-from graphpar.calibration_steps import ProgramProfile
-from graphpar.cli import main
-from graphpar.cost.cluster import ClusterFallbackWarning, get_cluster, load_cluster
-from graphpar.cost.communication import collective_time
-from graphpar.cost.fit import roofline_seconds
-from graphpar.ir.cluster import COMPUTE_CLASSES
-from graphpar.ir.registry import get_op
-from graphpar.plan_runs import NodeRow
-from graphpar.runtime.calibrate import (
+import graphpar.calibration.calibrate as calibration
+from graphpar.calibration.in_step import ProgramProfile
+from graphpar.calibration.measure import (
     CACHE_BYTES,
     MEASURED_COLLECTIVES,
     SKINNY_WEIGHT_BYTES,
@@ -30,6 +23,13 @@ from graphpar.runtime.calibrate import (
     overhead_cases,
     rotations,
 )
+from graphpar.calibration.plan_runs import NodeRow
+from graphpar.cli import main
+from graphpar.cost.cluster import ClusterFallbackWarning, get_cluster, load_cluster
+from graphpar.cost.communication import collective_time
+from graphpar.cost.fit import roofline_seconds
+from graphpar.ir.cluster import COMPUTE_CLASSES
+from graphpar.ir.registry import get_op
 
 RATE, BANDWIDTH, OVERHEAD = 60e9, 15e9, 4e-6  # every class, every dtype (synthetic)
 LATENCY = {"all_reduce": 100e-6, "all_gather": 80e-6, "reduce_scatter": 90e-6,

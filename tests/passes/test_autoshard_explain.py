@@ -4,7 +4,7 @@ import pytest
 
 from graphpar.capture.optim import optimizer_from_name
 from graphpar.cli.common import example_spec
-from graphpar.compiler import compile_model
+from graphpar.compiler.driver import compile_model
 from graphpar.errors import ShardingError
 from graphpar.passes.autoshard import AutoShard
 from graphpar.passes.autoshard.explain import Explainer, explain, strategy_text

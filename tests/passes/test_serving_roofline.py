@@ -14,7 +14,7 @@ from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.models import get_model
 from graphpar.passes.autoshard.ilp import Problem
 from graphpar.passes.autoshard.serving import solve_serving
-from graphpar.serving_compile import compile_decoder
+from graphpar.serving.compile import compile_decoder
 
 # Two gloo processes on loopback, as tools/bench/gloo_cluster.py measured them (350 us per
 # ring step, 1.25 GB/s), and one thread's compute: 90 GFLOP/s, 8 GB/s, 5 us per op.

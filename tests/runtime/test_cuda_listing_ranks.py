@@ -14,7 +14,7 @@ import pytest
 from test_sharded_execution import sharded
 
 from graphpar.capture import Adam, capture_inference, capture_training
-from graphpar.compiler import ModelSpec
+from graphpar.compiler.driver import ModelSpec
 from graphpar.models import MODEL_NAMES, get_model
 
 NCCL_KINDS = {"nccl.allReduce", "nccl.allGather", "nccl.reduceScatter", "nccl.send",

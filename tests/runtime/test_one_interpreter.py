@@ -14,7 +14,6 @@ from graphpar.backends.interpreter import Interpreter
 from graphpar.backends.reference import run
 from graphpar.errors import BackendError
 from graphpar.ir.parser import parse
-from graphpar.runtime.executor import CompiledGraph
 from graphpar.runtime.launch import SpmdJob
 from graphpar.runtime.spmd import run_spmd_in_process, run_spmd_multiprocess
 
@@ -73,16 +72,17 @@ def test_lockstep_gloo_and_prepared_gloo_runs_are_bit_identical():
 
 
 def test_one_rank_runs_the_same_way_prepared_or_not():
-    """Without a communicator the interpreter, reference.run and CompiledGraph agree (groups of
-    one run as the identity), and a prepared interpreter gives the same result every run."""
+    """Without a communicator the interpreter, reference.run and an interpreter prepared as
+    serving prepares it (inference mode, inputs checked once) agree (groups of one run as the
+    identity), and a prepared interpreter gives the same result every run."""
     single = parse(PROGRAM.replace("<[2]>", "<[1]>").replace("n=2", "n=1")
                    .split("  %7")[0] + "  return %5 output\n}\n")
     inputs = rank_inputs(2)[0]
     expected = run(single, inputs)
     prepared = Interpreter(single)
-    compiled = CompiledGraph(single, checked=("x",))
+    serving = Interpreter(single, checked=("x",), inference=True)
     for _ in range(2):
         assert torch.equal(prepared.run(inputs)[0], expected[0])
-        assert torch.equal(compiled.run(inputs)[0], expected[0])
+        assert torch.equal(serving.run(inputs)[0], expected[0])
     with pytest.raises(BackendError, match="needs the device's rank"):
         run(parse(TEXTS[0]), inputs)

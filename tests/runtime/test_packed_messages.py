@@ -13,10 +13,10 @@ import torch
 from graphpar.errors import BackendError
 from graphpar.ir.cross_mesh import tile_transfer
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.schedule import Action, ActionKind
 from graphpar.ir.types import TensorType
 from graphpar.runtime.comm import Communicator, pack, packed_offsets, unpack
 from graphpar.runtime.pipeline import ReceivesAhead
-from graphpar.runtime.schedules import Action, ActionKind
 
 
 def tensors() -> list[torch.Tensor]:

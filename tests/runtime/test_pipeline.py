@@ -9,12 +9,13 @@ import torch
 from pipeline_check import assert_matches_eager
 
 from graphpar.capture import Adam, capture_training
-from graphpar.compiler import ModelSpec
+from graphpar.compiler.driver import ModelSpec
+from graphpar.compiler.pipelined import compile_pipeline, pipeline_of
 from graphpar.errors import GraphparError, ScheduleError, UsageError
+from graphpar.ir.schedule import COMPUTE_KINDS, ActionKind
 from graphpar.models import get_model
-from graphpar.pipelined import compile_pipeline, pipeline_of
+from graphpar.passes.pipeline.schedules import SCHEDULES
 from graphpar.runtime import pipeline as runtime
-from graphpar.runtime.schedules import COMPUTE_KINDS, SCHEDULES, ActionKind
 
 MICROBATCHES = 4
 BATCH = 8
@@ -241,7 +242,7 @@ def moved_update_plan(pipe):
 @pytest.mark.slow
 def test_a_stage_plan_with_a_gradient_updated_on_another_stage(gpt_two_stages):
     # the summed gradient crosses stages before the update
-    from graphpar.pipelined import pipeline_of_plan
+    from graphpar.compiler.pipelined import pipeline_of_plan
 
     pipe = gpt_two_stages
     planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "1f1b", spec=pipe.spec,
@@ -253,7 +254,7 @@ def test_a_stage_plan_with_a_gradient_updated_on_another_stage(gpt_two_stages):
 
 @pytest.mark.slow
 def test_a_gradient_updated_on_another_stage_on_gloo_ranks(gpt_two_stages):
-    from graphpar.pipelined import pipeline_of_plan
+    from graphpar.compiler.pipelined import pipeline_of_plan
 
     pipe = gpt_two_stages
     planned = pipeline_of_plan(pipe.captured, moved_update_plan(pipe), "zb", spec=pipe.spec,

@@ -9,25 +9,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from graphpar.cost.timeline import Span, chrome_trace, format_timeline, simulate, timeline_of
 from graphpar.errors import GraphparError, ScheduleError
-from graphpar.runtime.schedules import (
+from graphpar.ir.schedule import (
     COMPUTE_KINDS,
-    SCHEDULES,
     Action,
     ActionKind,
     Schedule,
-    Span,
-    chrome_trace,
     format_schedule,
-    format_timeline,
+    parse_schedule,
+    peak_in_flight,
+    validate,
+)
+from graphpar.passes.pipeline.schedules import (
+    SCHEDULES,
     gpipe,
     make_schedule,
     one_f_one_b,
-    parse_schedule,
-    peak_in_flight,
-    simulate,
-    timeline_of,
-    validate,
     zero_bubble_h1,
 )
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import graphpar
-from graphpar.api import lower
 from graphpar.capture import SGD, Adam, capture_inference, capture_training
-from graphpar.compiler import ModelSpec
+from graphpar.compiler.api import lower
+from graphpar.compiler.driver import ModelSpec
 from graphpar.cost.cluster import mesh_for
 from graphpar.ir.graph import OutputRole
 from graphpar.ir.verify import verify

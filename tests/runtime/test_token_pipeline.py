@@ -10,21 +10,16 @@ import torch
 from pipeline_check import assert_matches_eager
 
 from graphpar.capture import Adam
+from graphpar.compiler.pipelined import compile_pipeline
+from graphpar.compiler.token_pipelined import parse_token_slices, token_pipeline
 from graphpar.errors import ScheduleError, UsageError
 from graphpar.ir.graph import OutputRole, Role
+from graphpar.ir.schedule import Action, ActionKind, format_schedule, validate_token_order
 from graphpar.models import get_model
 from graphpar.models.common import lm_loss
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
-from graphpar.pipelined import compile_pipeline
+from graphpar.passes.pipeline.schedules import token_schedule
 from graphpar.runtime import token_pipeline as runtime
-from graphpar.runtime.schedules import (
-    Action,
-    ActionKind,
-    format_schedule,
-    token_schedule,
-    validate_token_order,
-)
-from graphpar.token_pipelined import parse_token_slices, token_pipeline
 
 SEQ = 8
 BATCH = 4

@@ -5,15 +5,9 @@ import json
 
 import pytest
 
-from graphpar.runtime.schedules import (
-    ActionKind,
-    chrome_trace,
-    format_schedule,
-    gpipe,
-    simulate,
-    token_schedule,
-    token_unit,
-)
+from graphpar.cost.timeline import chrome_trace, simulate
+from graphpar.ir.schedule import ActionKind, format_schedule, token_unit
+from graphpar.passes.pipeline.schedules import gpipe, token_schedule
 
 
 def test_slices_go_forward_in_order_and_backward_last_first():

@@ -25,8 +25,8 @@ import torch
 import graphpar
 import graphpar.runtime.spmd as spmd
 from graphpar.capture import Adam
+from graphpar.compiler.model_file import load_model_file
 from graphpar.ir.spmd_ops import GROUP_OPS
-from graphpar.model_file import load_model_file
 from graphpar.models import get_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         print(f"{name:<12}{row['collectives']:>12}{row['clean_tolerance_used']:>9.3f}"
               f"{row['planted_tolerance_used']:>11.1f}  {row['check_seconds']:>8.1f}  {where}",
               flush=True)
-    from graphpar.calibration import cpu_model
+    from graphpar.calibration.calibrate import cpu_model
 
     result = {"benchmark": "certificate",
               "units": "share of the rounding bound (counted; <= 1 passes), seconds (measured)",

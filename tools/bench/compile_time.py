@@ -62,7 +62,7 @@ def measure_row(model: str, mesh: str) -> dict:
     import torch
 
     from graphpar.capture import Adam
-    from graphpar.compiler import ModelSpec, capture
+    from graphpar.compiler.driver import ModelSpec, capture
     from graphpar.cost.cluster import get_cluster
     from graphpar.models import example_batch, get_model
     from graphpar.passes import PassContext, PassManager, parse_pipeline

@@ -37,10 +37,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphpar.api import lower
 from graphpar.backends.interpreter import Interpreter
 from graphpar.cli.common import load_target
-from graphpar.compiler import compile_model
+from graphpar.compiler.api import lower
+from graphpar.compiler.driver import compile_model
 from graphpar.ir.graph import Graph
 from graphpar.passes import parse_pipeline
 from graphpar.passes.autoshard import AutoShard

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphpar.runtime.block_manager import BlockManager
+from graphpar.serving.kv_cache_manager import BlockManager
 
 # OPT-13B on one A100-40GB (PagedAttention §3, Table 1).
 HIDDEN = 5120

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from graphpar.calibration import cpu_model
+from graphpar.calibration.calibrate import cpu_model
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster
 from graphpar.errors import GraphparError

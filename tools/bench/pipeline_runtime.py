@@ -30,12 +30,13 @@ import statistics
 import time
 from pathlib import Path
 
-from graphpar.calibration import cluster_file_for
+from graphpar.calibration.calibrate import cluster_file_for
 from graphpar.capture import Adam
 from graphpar.cli.common import TIMED_STEPS, WARMUP_STEPS
+from graphpar.compiler.pipelined import compile_pipeline
+from graphpar.cost.timeline import simulate
+from graphpar.ir.schedule import ActionKind
 from graphpar.models import get_model
-from graphpar.pipelined import compile_pipeline
-from graphpar.runtime.schedules import ActionKind, simulate
 
 DEFAULT_CLUSTER = Path(__file__).with_name("gloo_cluster.json")
 

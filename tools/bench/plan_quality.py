@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
+from graphpar.calibration.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.errors import MemoryLimitError
 from graphpar.passes.autoshard.hand_plans import HAND_PLANS, NotApplicable
-from graphpar.plan_runs import NodeRow, PlanCase, capture_case, node_rows, solve_plan
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CLUSTER = str(HERE / "gloo_cluster.json")
@@ -243,7 +243,7 @@ def print_ops(totals: dict[str, dict], top: int = 15) -> None:
 
 
 def machine() -> dict:
-    from graphpar.calibration import cpu_model
+    from graphpar.calibration.calibrate import cpu_model
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average": list(os.getloadavg()),
             "python": platform.python_version(), "torch": torch.__version__}
@@ -252,7 +252,7 @@ def machine() -> dict:
 def cluster_for(devices: int, given: str | None) -> str:
     """The cluster a mesh of `devices` ranks is priced on: `given`, else this machine
     calibrated on that many ranks (`calibration.cluster_file_for`)."""
-    from graphpar.calibration import cluster_file_for
+    from graphpar.calibration.calibrate import cluster_file_for
 
     return given or cluster_file_for(devices, DEFAULT_CLUSTER)
 

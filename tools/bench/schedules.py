@@ -4,7 +4,7 @@ cost of generating and validating the lists.
     python tools/bench/schedules.py            # writes schedules.json here
     python tools/bench/schedules.py --quick    # CI size
 
-Three tables, all from `graphpar.runtime.schedules`:
+Three tables, all from `graphpar.ir.schedule`:
 
 1. For GPipe, 1F1B and ZB-H1 on p stages and m microbatches with uniform stages (F = 1,
    B = 2, and for ZB-H1 I = W = 1; no transfer time): the simulated step and bubble fraction
@@ -26,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from graphpar.runtime.schedules import SCHEDULES, peak_in_flight, simulate, validate
+from graphpar.cost.timeline import simulate
+from graphpar.ir.schedule import peak_in_flight, validate
+from graphpar.passes.pipeline.schedules import SCHEDULES
 
 
 def bubble_rows(sizes: list[tuple[int, int]]) -> list[dict]:

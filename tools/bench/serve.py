@@ -2,9 +2,9 @@
 
 Same model, same prompts, same greedy decoding, in one run:
 
-* **engine**: ``graphpar.serve.LLM``: continuous batching (at most ``batch`` sequences per step)
-  over paged attention, the model's captured prefill/decode graphs on the CPU executor;
-* **naive**: ``graphpar.runtime.naive.naive_generate``: the requests in arrival order in static
+* **engine**: ``graphpar.serving.llm.LLM``: continuous batching (at most ``batch`` sequences
+  per step) over paged attention, the model's captured prefill/decode graphs on the CPU executor;
+* **naive**: ``graphpar.serving.naive.naive_generate``: the requests in arrival order in static
   batches of ``batch``, left-padded, a contiguous KV cache grown by ``torch.cat``, each batch
   decoded until its longest request is done (what ``model.generate`` does for a batch), the model
   run eagerly in PyTorch.
@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from graphpar.models import get_model
-from graphpar.runtime.naive import naive_generate
-from graphpar.serve import LLM, SamplingParams
+from graphpar.serving.llm import LLM, SamplingParams
+from graphpar.serving.naive import naive_generate
 
 ALPACA = (19.31, 58.45, 0.8)  # mean input, mean output, log-space sigma
 CONTEXT = 256  # positions given to the tiny models (their presets have 32)

@@ -39,7 +39,7 @@ def decode_graphs(example: str):
     import torch
 
     from graphpar.models import get_model
-    from graphpar.serving_compile import compile_decoder
+    from graphpar.serving.compile import compile_decoder
 
     name, _, preset = example.partition(":")
     torch.manual_seed(0)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                              if v.name.endswith("mlp.up.weight")),
         })
     seconds = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu}
-    from graphpar.serving_compile import DECODE_BASE
+    from graphpar.serving.compile import DECODE_BASE
 
     given = [k for k in ("bandwidth", "flops") if getattr(args, k) is not None]
     note = f" (given, not measured: {', '.join(given)})" if given else ""

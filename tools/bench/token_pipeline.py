@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 from graphpar.capture import Adam
+from graphpar.compiler.pipelined import compile_pipeline
+from graphpar.compiler.token_pipelined import token_pipeline
 from graphpar.cost.cluster import get_cluster
 from graphpar.models import get_model
 from graphpar.passes.pipeline.token_slicing import pipeline_seconds, transformer_latency
-from graphpar.pipelined import compile_pipeline
-from graphpar.token_pipelined import token_pipeline
 
 
 def measure(tokens, schedule: str, repeat: int, processes: bool) -> dict:

@@ -1,7 +1,7 @@
 """Tensor-parallel plans for a decoder's serving programs: vLLM's layout, with the ILP's choices.
 
 A serving engine runs a decode and a prefill program, each fitted over symbolic sizes (tokens
-``T``, sequences ``N``; see :mod:`graphpar.runtime.graph_template`), on ``tp`` ranks. One plan
+``T``, sequences ``N``; see :mod:`graphpar.ir.graph_template`), on ``tp`` ranks. One plan
 has to hold at every size, and both programs have to agree on the weights and the KV cache, so
 the auto-sharder solves each program's base graph under these constraints:
 

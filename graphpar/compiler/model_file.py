@@ -1,0 +1,159 @@
+"""Loads a user's model file by graphpar's convention.
+
+A model file defines `build()`, returning the module and a tuple of example inputs:
+
+    def build():
+        return MyModel(), (torch.randn(8, 16),)
+
+For `--mode train` it also defines `loss(output, *targets)` and `targets()` (a tuple of
+tensors). `build()` may instead return a `graphpar.models.ExampleModel`-like object with
+`module`, `inputs`, `loss_fn` and `targets` attributes.
+
+As when it runs as `python model.py`, a model file may import modules next to it
+(`from my_layers import Block`): its folder is on `sys.path` while it loads and builds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from graphpar.compiler.driver import ModelSpec
+from graphpar.errors import GraphparError, UsageError
+from graphpar.models.memory import allocating
+
+CONVENTION = ("a model file defines build() -> (module, example_inputs); for --mode train also "
+              "loss(output, *targets) and targets() (see README, 'Model files')")
+
+BUILD_ON_META = ("compiling needs no weights: build the module under `with "
+                 "torch.device('meta'):` and graphpar makes real ones only to run it")
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if Path(f.filename).resolve() == path.resolve()]
+    if frames:
+        return f"{path}:{frames[-1].lineno}: "
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f"{path}:{exc.lineno}: "
+    return f"{path}: "
+
+
+def _failed_import(exc: BaseException, path: Path) -> str:
+    """For an import that found no module: which import it was, and in which file."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    importer = next((f for f in reversed(frames) if not f.filename.startswith("<frozen")),
+                    None)
+    where = f"{importer.filename}:{importer.lineno}" if importer else str(path)
+    return (f" (the import of {exc.name!r} at {where} found no module; a model file can "
+            f"import modules in its own folder, {path.resolve().parent})")
+
+
+@contextmanager
+def _own_folder_importable(path: Path) -> Iterator[None]:
+    """The model file's folder first on sys.path, as `python model.py` would have it; on the
+    way out the folder leaves sys.path and the neighbours imported from it leave
+    sys.modules, so a second model file with a neighbour of the same name gets its own."""
+    folder = str(path.resolve().parent)
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        sys.path.remove(folder)
+        for name in set(sys.modules) - before - {_module_name(path)}:
+            file = getattr(sys.modules[name], "__file__", None) or ""
+            if file and Path(file).resolve().is_relative_to(folder):
+                del sys.modules[name]
+
+
+def load_model_file(path: str | Path, mode: str = "infer") -> ModelSpec:
+    """The model a file's build() returns; targets() is called only for mode "train"."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{path}: no such file; {CONVENTION}")
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory, not a model file; {CONVENTION}")
+    if path.suffix != ".py":
+        raise UsageError(f"{path}: not a Python file; {CONVENTION}")
+    with _own_folder_importable(path):
+        module = _import(path)
+        build = getattr(module, "build", None)
+        if not callable(build):
+            raise UsageError(f"{path}: no build() function found; {CONVENTION}")
+        try:
+            with allocating(f"{path}: build()", how_to_avoid=BUILD_ON_META):
+                built = build()
+        except GraphparError:
+            raise
+        except Exception as exc:
+            raise UsageError(f"{_where(exc, path)}build() failed: {type(exc).__name__}: {exc}"
+                             f"{_failed_import(exc, path)}") from None
+        return _spec_from(built, module, path, mode)
+
+
+def _module_name(path: Path) -> str:
+    return f"graphpar_user_model_{abs(hash(str(path.resolve())))}"
+
+
+def _import(path: Path):
+    name = _module_name(path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (GraphparError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # SystemExit too: a model file that exits is the user's
+        raise UsageError(f"{_where(exc, path)}importing the model file failed: "
+                         f"{type(exc).__name__}: {exc}{_failed_import(exc, path)}") from None
+    return module
+
+
+def _spec_from(built, module, path: Path, mode: str) -> ModelSpec:
+    if hasattr(built, "module") and hasattr(built, "inputs"):
+        model, inputs = built.module, built.inputs
+        loss_fn = getattr(built, "loss_fn", None)
+        targets = getattr(built, "targets", ()) if mode == "train" else ()
+    elif isinstance(built, tuple) and len(built) == 2:
+        model, inputs = built
+        loss_fn, targets = getattr(module, "loss", None), ()
+        if mode == "train" and callable(getattr(module, "targets", None)):
+            targets = _call_targets(module.targets, path)
+    else:
+        raise UsageError(f"{path}: build() returned {type(built).__name__}; {CONVENTION}")
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{path}: build() returned {type(model).__name__} as the model, not a "
+                         f"torch.nn.Module; {CONVENTION}")
+    return ModelSpec(path.stem, model, _tensors(inputs, "build()'s example inputs", path),
+                     loss_fn, _tensors(targets, "targets()", path), str(path))
+
+
+def _call_targets(targets, path: Path):
+    try:
+        return targets()
+    except GraphparError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"{_where(exc, path)}targets() failed: {type(exc).__name__}: {exc}"
+                         ) from None
+
+
+def _tensors(value, what: str, path: Path) -> tuple[torch.Tensor, ...]:
+    """A tensor, or a tuple or list of tensors, as a tuple; anything else is a UsageError."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if not isinstance(value, (tuple, list)) or not all(isinstance(t, torch.Tensor)
+                                                       for t in value):
+        raise UsageError(f"{path}: {what} must be a tuple of tensors, got "
+                         f"{type(value).__name__}; {CONVENTION}")
+    return tuple(value)

@@ -1,0 +1,192 @@
+"""A hypothesis state machine over the real engine, scheduler and block manager (the model is a
+fake that reads its context through the block tables): tiny pools, parallel samples and beams,
+swap and recompute, prefixes registered and unregistered mid-run. After every step the block
+manager is consistent and no step raised or stalled; every request finishes, alone with an error
+only when it can never fit, and its tokens equal a cache-free reference.
+
+The default profile takes a few seconds; ``-m slow`` runs a long one. Planted bugs of the kinds
+this machine exists for (issue 10) must be found by the default profile.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_fakes import EOS, VOCAB, FakeLM, FakeModel, patch_engine
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from serve_testutil import eager_beam_search, eager_greedy
+
+from graphpar.errors import GraphparError
+from graphpar.serving.kv_cache_manager import BlockManager, Pool
+from graphpar.serving.llm import LLM
+from graphpar.serving.sampling import SamplingParams
+
+MAX_MODEL_LEN = 24
+# The errors a request may end with: it can never be served (checked when it arrives).
+USER_ERRORS = ("KV cache too small", "do not fit in a step", "too long for the model's context")
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.llm: LLM | None = None
+        self.expected: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.prefixes: dict[str, list[int]] = {}
+        self.steps_since_progress = 0
+
+    @initialize(block_size=st.integers(2, 4), num_blocks=st.integers(4, 10),
+                swap_blocks=st.integers(0, 6), max_num_seqs=st.integers(3, 6),
+                mode=st.sampled_from([None, "swap", "recompute"]))
+    def start(self, block_size, num_blocks, swap_blocks, max_num_seqs, mode):
+        self.llm = LLM(FakeModel(MAX_MODEL_LEN), block_size=block_size, num_blocks=num_blocks,
+                       swap_blocks=swap_blocks, max_num_seqs=max_num_seqs, watermark=0.0,
+                       preemption_mode=mode)
+
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    @rule(count=st.integers(1, 4), data=st.data())
+    def add_requests(self, count, data):
+        for _ in range(count):
+            self.add_request(data)
+
+    def add_request(self, data) -> None:
+        prompt = data.draw(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=8),
+                           label="prompt")
+        prefix = None
+        if self.prefixes and data.draw(st.booleans(), label="on_prefix"):
+            prefix = data.draw(st.sampled_from(sorted(self.prefixes)), label="prefix")
+            prompt = self.prefixes[prefix] + prompt
+        n = data.draw(st.integers(1, 3), label="n")
+        width = data.draw(st.integers(n, 3), label="beam_width") if data.draw(
+            st.booleans(), label="beams") else 0
+        params = SamplingParams(max_tokens=data.draw(st.integers(1, 12), label="max_tokens"),
+                                n=n, beam_width=width,
+                                ignore_eos=data.draw(st.booleans(), label="ignore_eos"))
+        request_id = self.engine.add_request(prompt, params, prefix=prefix)
+        self.expected[request_id] = (prompt, params)
+
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=7))
+    def register_prefix(self, tokens):
+        try:
+            prefix = self.llm.register_prefix(tokens)
+        except GraphparError as exc:  # no room now, or in-flight work would starve
+            assert "no room" in str(exc) or "too little KV memory" in str(exc) or \
+                any(e in str(exc) for e in USER_ERRORS), exc
+            return
+        self.prefixes[prefix] = tokens
+
+    @precondition(lambda self: self.prefixes)
+    @rule(data=st.data())
+    def unregister_prefix(self, data):
+        prefix = data.draw(st.sampled_from(sorted(self.prefixes)))
+        self.engine.unregister_prefix(prefix)
+        del self.prefixes[prefix]
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            if not self.engine.has_unfinished_requests():
+                return
+            self.check_outputs(self.engine.step())
+
+    def check_outputs(self, outputs) -> None:
+        module = FakeLM()
+        for out in outputs:
+            prompt, params = self.expected.pop(out.request_id)
+            if out.error is not None:  # only a request that could never be served fails
+                assert any(e in out.error for e in USER_ERRORS), out.error
+                assert "no longer hold" not in out.error and "engine bug" not in out.error
+                continue
+            got = [c.token_ids for c in out.outputs]
+            if params.use_beam_search:
+                eos = () if params.ignore_eos else (EOS,)
+                want = eager_beam_search(module, prompt, params.beam_width, params.max_tokens,
+                                         eos=eos)[:params.n]
+            else:
+                want = [greedy_until_stop(module, prompt, params)] * params.n
+            assert got == want, (out.request_id, prompt, params)
+
+    @invariant()
+    def consistent(self):
+        if self.llm is None:
+            return
+        self.engine.block_manager.check_invariants()
+        assert self.engine.stats.stalled == 0
+
+    def teardown(self):
+        if self.llm is None:
+            return
+        for _ in range(2000):  # every request finishes: nothing wedges
+            if not self.engine.has_unfinished_requests():
+                break
+            self.check_outputs(self.engine.step())
+        assert not self.engine.has_unfinished_requests(), "the engine stopped making progress"
+        assert not self.expected
+        for prefix in list(self.prefixes):
+            self.engine.unregister_prefix(prefix)
+        bm = self.engine.block_manager
+        assert bm.num_free_blocks() == bm.num_device_blocks
+        assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
+
+
+def greedy_until_stop(module, prompt, params) -> list[int]:
+    limit = min(params.max_tokens, MAX_MODEL_LEN - len(prompt))
+    tokens = eager_greedy(module, prompt, limit)
+    if not params.ignore_eos and EOS in tokens:
+        tokens = tokens[:tokens.index(EOS) + 1]
+    return tokens
+
+
+FAST = settings(max_examples=60, stateful_step_count=25, deadline=None,
+                suppress_health_check=list(HealthCheck), derandomize=True)
+LONG = settings(max_examples=2000, stateful_step_count=60, deadline=None,
+                suppress_health_check=list(HealthCheck))
+
+
+def test_engine_state_machine(monkeypatch):
+    patch_engine(monkeypatch)
+    run_state_machine_as_test(EngineMachine, settings=FAST)
+
+
+@pytest.mark.slow
+def test_engine_state_machine_long(monkeypatch):
+    patch_engine(monkeypatch)
+    run_state_machine_as_test(EngineMachine, settings=LONG)
+
+
+def _swap_in_counts_one_block_per_sequence(monkeypatch):
+    original = BlockManager.blocks_to_swap_in
+    monkeypatch.setattr(BlockManager, "blocks_to_swap_in",
+                        lambda self, g: original(self, g) + len(self.seqs_in_group(g)))
+
+
+def _recompute_unshares_the_group(monkeypatch):
+    for name in ("blocks_to_resume", "can_resume", "resume"):
+        original = getattr(BlockManager, name)
+        monkeypatch.setattr(BlockManager, name,
+                            lambda self, g, shared_tokens=0, f=original: f(self, g))
+
+
+def _admission_ignores_reserved_prefixes(monkeypatch):
+    monkeypatch.setattr(BlockManager, "num_reserved_blocks", property(lambda self: 0))
+
+
+@pytest.mark.parametrize("plant", [_swap_in_counts_one_block_per_sequence,
+                                   _recompute_unshares_the_group,
+                                   _admission_ignores_reserved_prefixes])
+def test_the_state_machine_finds_planted_bugs(plant, monkeypatch):
+    patch_engine(monkeypatch)
+    plant(monkeypatch)
+    no_shrinking = settings(FAST, phases=[Phase.explicit, Phase.generate])
+    with pytest.raises(BaseException):  # noqa: B017 (an assertion or an engine error)
+        run_state_machine_as_test(EngineMachine, settings=no_shrinking)

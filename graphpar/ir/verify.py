@@ -32,7 +32,6 @@ def check_structure(graph: Graph) -> None:
 
     A graph declared on no mesh runs whole on one device: its layouts must be fully
     replicated and it has no SPMD op (collective, local step, send or receive)."""
-    mesh = graph.mesh  # declared: graph @g(...) on @mesh
     local = bool(graph.attrs.get("spmd"))  # per-device shapes: sharded dims are already split
     for v in graph.inputs:
         problem = v.layout is not None and _layout_problem(v, graph, local)
@@ -57,7 +56,7 @@ def _no_mesh(graph: Graph) -> str:
 
 
 def _layout_problem(value: Value, graph: Graph, local: bool) -> str | None:
-    layout, type_, mesh = value.layout, value.type, graph.mesh
+    layout, type_, mesh = value.layout, value.type, graph.mesh  # declared: graph @g(...) on @mesh
     if mesh is None:
         if not layout.is_replicated:
             return (f"layout {layout} is not fully replicated but {_no_mesh(graph)}, or make "

@@ -2,7 +2,7 @@
 
 The same listing the CPU executor runs (`cpu_executor`), over two device allocations (the
 state region and the arena) at the planned offsets. CuPy is imported only here, when a
-listing first runs on a GPU; it is an optional dependency (`pip install graphpar[gpu]`).
+listing first runs on a GPU; it is an optional dependency (`pip install 'graphpar[cuda]'`).
 
 NCCL communicators, one per mesh-axis group the listing names (`comm=axes1`) and one for the
 world (send/recv between stages), are made by `nccl_communicators`, which exchanges each
@@ -39,7 +39,7 @@ def _cupy():
         import cupy
     except ImportError as exc:
         raise BackendError("running a listing on a GPU needs CuPy (pip install "
-                           "'graphpar[gpu]', or cupy-cuda12x)") from exc
+                           "'graphpar[cuda]', or cupy-cuda12x)") from exc
     return cupy
 
 

@@ -6,9 +6,8 @@ from collections.abc import Callable
 
 from graphpar.errors import GraphparError, ShardingError, VerificationError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
-from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import get_op
-from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS
+from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS, SPMD_OPS
 
 _PROGRESS_NODES = 1 << 16
 
@@ -29,26 +28,40 @@ def describe(node: Node, graph: Graph | None = None, index: int | None = None) -
 
 def check_structure(graph: Graph) -> None:
     """Layouts against their value's rank and the graph's mesh, and the mesh axes of
-    collectives: what can be checked without type inference (the parser always does)."""
-    mesh = graph.mesh  # declared: graph @g(...) on @mesh
+    collectives: what can be checked without type inference (the parser always does).
+
+    A graph declared on no mesh runs whole on one device: its layouts must be fully
+    replicated and it has no SPMD op (collective, local step, send or receive)."""
     local = bool(graph.attrs.get("spmd"))  # per-device shapes: sharded dims are already split
     for v in graph.inputs:
-        problem = v.layout is not None and _layout_problem(v, mesh, local)
+        problem = v.layout is not None and _layout_problem(v, graph, local)
         if problem:
             raise VerificationError(f"graph @{graph.name}: input %{v.name}: {problem}", v)
     for index, node in enumerate(graph):
         for i, out in enumerate(node.outputs):
-            problem = out.layout is not None and _layout_problem(out, mesh, local)
+            problem = out.layout is not None and _layout_problem(out, graph, local)
             if problem:
                 raise VerificationError(f"graph @{graph.name}, {describe(node, graph, index)}: "
                                         f"result {i}: {problem}", node)
-        if node.op in GROUP_OPS or node.op in LOCAL_OPS:
-            _check_axes(node, mesh, f"graph @{graph.name}, {describe(node, graph, index)}")
+        if node.op in SPMD_OPS:
+            problem = _spmd_problem(node, graph)
+            if problem:
+                raise VerificationError(f"graph @{graph.name}, {describe(node, graph, index)}: "
+                                        f"{problem}", node)
 
 
-def _layout_problem(value: Value, mesh: Mesh | None, local: bool) -> str | None:
-    layout, type_ = value.layout, value.type
-    if mesh is not None and layout.mesh_ndim != mesh.ndim:
+def _no_mesh(graph: Graph) -> str:
+    return (f"graph @{graph.name} is declared on no mesh; declare the mesh it runs on "
+            f"(`mesh @mesh = <[2, 2]>` and `graph @{graph.name}(...) on @mesh`)")
+
+
+def _layout_problem(value: Value, graph: Graph, local: bool) -> str | None:
+    layout, type_, mesh = value.layout, value.type, graph.mesh  # declared: graph @g(...) on @mesh
+    if mesh is None:
+        if not layout.is_replicated:
+            return (f"layout {layout} is not fully replicated but {_no_mesh(graph)}, or make "
+                    "the layout replicated ({R})")
+    elif layout.mesh_ndim != mesh.ndim:
         return (f"layout {layout} has {layout.mesh_ndim} placement(s) but the graph's mesh "
                 f"{mesh} has {mesh.ndim} axes; give one placement per mesh axis")
     too_high = [d for d in layout.sharded_dims if d >= type_.rank]
@@ -62,15 +75,24 @@ def _layout_problem(value: Value, mesh: Mesh | None, local: bool) -> str | None:
     return None
 
 
-def _check_axes(node: Node, mesh: Mesh | None, where: str) -> None:
+def _spmd_problem(node: Node, graph: Graph) -> str | None:
+    """An SPMD op on a graph with no mesh, or a collective along axes its mesh lacks."""
+    mesh = graph.mesh
+    if mesh is None:
+        return f"{node.op} runs across the devices of a mesh but {_no_mesh(graph)}"
+    if node.op not in GROUP_OPS and node.op not in LOCAL_OPS:
+        return None  # send / recv name global ranks, not mesh axes
     axes = node.attrs.get("axes")
-    axes = (axes,) if isinstance(axes, int) else axes
-    if mesh is None or not isinstance(axes, tuple):
-        return  # nothing to check against; the op's type rule names a malformed attribute
-    bad = [a for a in axes if not isinstance(a, int) or not 0 <= a < mesh.ndim]
+    axes = (axes,) if isinstance(axes, int) and not isinstance(axes, bool) else axes
+    if not isinstance(axes, (tuple, list)):
+        return None  # the op's type rule names a malformed attribute
+    bad = [a for a in axes if not isinstance(a, int) or isinstance(a, bool)
+           or not 0 <= a < mesh.ndim]
     if bad:
-        raise VerificationError(f"{where}: mesh axis {bad[0]} does not exist: the graph's mesh "
-                                f"{mesh} has axes 0..{mesh.ndim - 1}", node)
+        return (f"mesh axis {bad[0]} does not exist: the graph's mesh {mesh} has axes "
+                f"0..{mesh.ndim - 1}; name axes of that mesh (or declare the graph on a "
+                "mesh that has them)")
+    return None
 
 
 def verify(graph: Graph, check_types: bool = True,

@@ -125,6 +125,27 @@ def test_corrupt_ir_file_names_line_and_column(tmp_path, capsys):
     assert f"{path}:4:12: %y is used before it is defined" in err
 
 
+@pytest.mark.parametrize("layout, op_line, says", [
+    ("{S(0),R,R}", "", "2:5: graph @g: input %x: layout {S(0),R,R} is not fully replicated "
+     "but graph @g is declared on no mesh; declare the mesh it runs on"),
+    ("", "  %1 = all_gather(%0) {axes=[7], n=2, dim=0} : f32[8,16]\n",
+     "5:3: graph @g, node 1 (all_gather): all_gather runs across the devices of a mesh but "
+     "graph @g is declared on no mesh; declare the mesh it runs on"),
+])
+def test_dump_rejects_sharding_in_a_graph_without_a_mesh(tmp_path, capsys, layout, op_line,
+                                                          says):
+    path = tmp_path / "nomesh.gpir"
+    result = "%1" if op_line else "%0"
+    path.write_text(f"graph @g(\n    %x: f32[4,16] {layout} input,\n) {{\n"
+                    f"  %0 = relu(%x) : f32[4,16]\n{op_line}  return {result} output\n}}\n")
+    code, out, err = run_cli(capsys, "dump", path)
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith(f"graphpar: error: {path}:{says}")
+    # one error line; the rest quote the offending source line and point at it
+    assert len(lines) == 3 and lines[2].strip() == "^"
+
+
 def test_console_script_exits_nonzero_without_traceback(tmp_path):
     result = subprocess.run([sys.executable, "-m", "graphpar.cli", "compile", "missing.py"],
                             capture_output=True, text=True)

@@ -42,7 +42,7 @@ def _ids(case):
 
 
 def _one_op(op: str, local_shape, attrs: dict, mesh: Mesh) -> Graph:
-    g = Graph("t", attrs={"mesh": str(mesh)})
+    g = Graph("t", mesh=mesh)
     x = g.add_input("x", TensorType(tuple(local_shape), torch.float32))
     g.add_output(g.create(op, [x], attrs).output)
     verify(g)
@@ -186,7 +186,7 @@ def test_resharding_plans_run_exactly_with_predicted_bytes(shape, tensor, src, d
     src, dst = Layout.parse(src), Layout.parse(dst)
     x = _global(5, tensor)
     cost = resharding_cost(tensor, 4, src, dst, mesh)
-    g = Graph("edge", attrs={"mesh": str(mesh)})
+    g = Graph("edge", mesh=mesh)
     v = g.add_input("x", TensorType(src.local_shape(tensor, mesh), torch.float32))
     for step in cost.steps:
         v = emit_step(g, step, v)
@@ -269,7 +269,8 @@ def test_a_device_program_counts_flops_of_its_compute_only():
     ("local_slice(%x) {axes=[0], dim=0} : f32[2,8]", "group size"),
 ])
 def test_bad_attributes_fail_verification(line, message):
-    g = parse(f"graph @g(%x: f32[4,8] input) {{\n  %0 = {line}\n  return %0 output\n}}\n")
+    g = parse(f"mesh @m = <[2, 2]>\ngraph @g(%x: f32[4,8] input) on @m {{\n  %0 = {line}\n"
+              "  return %0 output\n}\n")
     with pytest.raises(VerificationError, match=message):
         verify(g)
 

@@ -2,18 +2,24 @@
 
 The same listing the CPU executor runs (`cpu_executor`), over two device allocations (the
 state region and the arena) at the planned offsets. CuPy is imported only here, when a
-listing first runs on a GPU; it is an optional dependency (`pip install graphpar[gpu]`).
+listing first runs on a GPU; it is an optional dependency (`pip install 'graphpar[cuda]'`).
 
 NCCL communicators, one per mesh-axis group the listing names (`comm=axes1`) and one for the
 world (send/recv between stages), are made by `nccl_communicators`, which exchanges each
 group's unique id through a key-value store (torch.distributed's `TCPStore`, as torchrun
 gives every rank).
+
+NumPy, and so CuPy, has no bfloat16: device memory of a bf16 tensor is viewed as its raw
+16-bit pattern (int16) and reinterpreted as torch.bfloat16 on the way out (`array_dtype`,
+`host_array`, `from_storage`); cuBLAS and NCCL are given their own bf16 type. These helpers,
+the NCCL type and reduction choices and the bf16 division of an average's fallback, need no
+CuPy: the CPU tests check them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,8 +30,20 @@ from graphpar.backends.cuda.cpu_executor import run_paged_call
 from graphpar.errors import BackendError
 from graphpar.ir.cuda_listing import Addr, Call, Listing
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.registry import dtype as torch_dtype
+from graphpar.ir.types import DTYPE_NAMES
 
-__all__ = ["GpuListingExecutor", "nccl_communicators"]
+__all__ = [
+    "GpuListingExecutor",
+    "array_dtype",
+    "cuda_data_type",
+    "divide_in_place",
+    "from_storage",
+    "host_array",
+    "nccl_communicators",
+    "nccl_datatype",
+    "nccl_reduce_op",
+]
 
 
 class KeyValueStore(Protocol):
@@ -39,8 +57,118 @@ def _cupy():
         import cupy
     except ImportError as exc:
         raise BackendError("running a listing on a GPU needs CuPy (pip install "
-                           "'graphpar[gpu]', or cupy-cuda12x)") from exc
+                           "'graphpar[cuda]', or cupy-cuda12x)") from exc
     return cupy
+
+
+# ------------------------------------------------------------------------- dtypes (no CuPy)
+
+_ARRAY_DTYPES: dict[str, type] = {
+    "f32": np.float32, "f64": np.float64, "f16": np.float16,
+    "bf16": np.int16,  # no bfloat16 in NumPy / CuPy: its bit pattern
+    "i64": np.int64, "i32": np.int32, "i16": np.int16, "i8": np.int8, "u8": np.uint8,
+    "bool": np.bool_, "c64": np.complex64,
+}
+_BIT_PATTERN = {"bf16": torch.int16}  # IR dtype -> the torch dtype of its array dtype
+
+
+def array_dtype(name: str) -> np.dtype:
+    """The NumPy / CuPy dtype that device memory of IR dtype `name` is viewed as (bf16: int16,
+    its raw bits)."""
+    try:
+        return np.dtype(_ARRAY_DTYPES[name])
+    except KeyError:
+        raise BackendError(f"the GPU executor has no array type for dtype {name!r}; dtypes: "
+                           f"{', '.join(_ARRAY_DTYPES)}") from None
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """`t` as a contiguous NumPy array on the host, of the array dtype of its IR dtype (a bf16
+    tensor: the same bits as int16)."""
+    t = t.detach().cpu().contiguous()
+    bits = _BIT_PATTERN.get(DTYPE_NAMES.get(t.dtype, ""))
+    return (t.view(bits) if bits is not None else t).numpy()
+
+
+def from_storage(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A tensor read as `array_dtype(name)` (from NumPy or DLPack) as IR dtype `name`: the
+    same memory, a bf16 tensor from its int16 bits."""
+    if name in _BIT_PATTERN:
+        return t.view(torch_dtype(name))
+    return t
+
+
+# cudaDataType values (library_types.h): CuPy's runtime module names some of them (not bf16)
+_CUDA_DATA_TYPES = {"f32": ("CUDA_R_32F", 0), "f64": ("CUDA_R_64F", 1),
+                    "f16": ("CUDA_R_16F", 2), "bf16": ("CUDA_R_16BF", 14)}
+
+
+def cuda_data_type(runtime: Any, name: str) -> int:
+    """cuBLAS's cudaDataType for IR dtype `name`: `runtime`'s constant (cupy.cuda.runtime),
+    else the value from CUDA's headers (CuPy has no CUDA_R_16BF)."""
+    try:
+        constant, value = _CUDA_DATA_TYPES[name]
+    except KeyError:
+        raise BackendError(f"cuBLAS GEMMs take {', '.join(_CUDA_DATA_TYPES)}, not {name}"
+                           ) from None
+    return getattr(runtime, constant, value)
+
+
+_NCCL_TYPES = {"f32": "NCCL_FLOAT32", "f64": "NCCL_FLOAT64", "f16": "NCCL_FLOAT16",
+               "bf16": "NCCL_BFLOAT16", "i64": "NCCL_INT64", "i32": "NCCL_INT32",
+               "i8": "NCCL_INT8", "u8": "NCCL_UINT8", "bool": "NCCL_UINT8"}
+_NCCL_OPS = {"sum": "NCCL_SUM", "max": "NCCL_MAX", "min": "NCCL_MIN", "avg": "NCCL_AVG"}
+_NCCL_AVG_VERSION = 21000  # ncclAvg: NCCL 2.10
+
+
+def nccl_datatype(nccl: Any, name: str, reduce_op: str | None = None) -> tuple[int, int]:
+    """(NCCL datatype, NCCL elements per element) for `name` elements that NCCL moves
+    (`reduce_op` None: all-gather, send, receive) or reduces with `reduce_op`. What NCCL (or
+    this CuPy's `nccl` module) has no type for is moved as its bytes; c64 sums as float32
+    pairs; other reductions of it are an error that says so."""
+    constant = getattr(nccl, _NCCL_TYPES[name], None) if name in _NCCL_TYPES else None
+    if constant is not None:
+        return constant, 1
+    if name == "c64" and reduce_op in ("sum", "avg"):  # (re, im) pairs add componentwise
+        return nccl.NCCL_FLOAT32, 2
+    if reduce_op is None:
+        return nccl.NCCL_UINT8, array_dtype(name).itemsize
+    raise BackendError(f"NCCL cannot {reduce_op}-reduce {name} tensors here"
+                       + (" (this CuPy's cupy.cuda.nccl has no NCCL_BFLOAT16: install a newer "
+                          "CuPy, or compute the reduction in f32)" if name == "bf16" else
+                          "; compute the reduction in a type NCCL has (f32, f64, i32, i64)"))
+
+
+def nccl_reduce_op(nccl: Any, op: str) -> tuple[int, bool]:
+    """(NCCL reduction, whether the result must then be divided by the group size). An
+    average is NCCL_AVG where NCCL has it (2.10 and later, and CuPy names it), else a sum
+    that the caller divides."""
+    if op not in _NCCL_OPS:
+        raise BackendError(f"NCCL reductions are {', '.join(_NCCL_OPS)}, not {op!r}")
+    constant = getattr(nccl, _NCCL_OPS[op], None)
+    if op == "avg":
+        version = getattr(nccl, "get_version", None)
+        if constant is None or (version is not None and version() < _NCCL_AVG_VERSION):
+            return nccl.NCCL_SUM, True
+    if constant is None:
+        raise BackendError(f"this CuPy's cupy.cuda.nccl has no {_NCCL_OPS[op]}")
+    return constant, False
+
+
+def divide_in_place(xp: Any, x: Any, n: int, name: str) -> None:
+    """`x /= n` for an array of IR dtype `name` viewed as `array_dtype(name)`, with `xp` the
+    array module (CuPy on the GPU, NumPy in tests). bf16 (int16 bits) is divided in float32
+    and rounded to nearest even, as torch rounds float32 to bfloat16."""
+    if name == "bf16":
+        wide = x.view(xp.uint16).astype(xp.uint32) << 16
+        quotient = wide.view(xp.float32) / xp.float32(n)
+        bits = quotient.view(xp.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        x[...] = xp.where(xp.isnan(quotient), 0x7FC0, rounded).astype(xp.uint16).view(xp.int16)
+    elif name in ("f32", "f64", "f16", "c64"):
+        x /= n
+    else:
+        raise BackendError(f"an average of {name} tensors: only floating-point ones have one")
 
 
 def nccl_communicators(listing: Listing, mesh: Mesh, rank: int, store: KeyValueStore
@@ -89,6 +217,17 @@ class GpuListingExecutor:
                                      options=("-std=c++17",)) if names else None
         self.kernels = {name: self.module.get_function(name) for name in names}
         self.handle = cupy.cuda.device.get_cublas_handle()
+        self._nccl_module: Any = None  # cupy.cuda.nccl, imported by the first NCCL call
+        self._grouped = False  # between nccl.groupStart and nccl.groupEnd
+        self._after_group: list[Callable[[], None]] = []
+
+    @property
+    def nccl(self) -> Any:
+        if self._nccl_module is None:
+            from cupy.cuda import nccl
+
+            self._nccl_module = nccl
+        return self._nccl_module
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -96,9 +235,8 @@ class GpuListingExecutor:
         return self.regions[addr.region].data.ptr + addr.offset
 
     def _view(self, addr: Addr, dtype: str, shape: Sequence[int], strides: Sequence[int]):
-        from graphpar.ir.registry import dtype as torch_dtype
-
-        dt = torch.empty((), dtype=torch_dtype(dtype)).numpy().dtype
+        """A CuPy view of device memory, of `array_dtype(dtype)` (bf16: its int16 bits)."""
+        dt = array_dtype(dtype)
         flat = self.regions[addr.region][addr.offset:].view(dt)  # regions: 256-byte multiples
         return self.cupy.lib.stride_tricks.as_strided(
             flat, tuple(shape), tuple(s * dt.itemsize for s in strides))
@@ -109,9 +247,8 @@ class GpuListingExecutor:
         if not isinstance(inputs, Mapping):
             inputs = {ref.name: t for ref, t in zip(listing.inputs, inputs)}
         for ref in listing.inputs:
-            host = inputs[ref.name].detach().cpu().contiguous()
             self._view(ref.addr, ref.dtype, ref.shape, ref.strides)[...] = cupy.asarray(
-                host.numpy())
+                host_array(inputs[ref.name]))
         for index, call in enumerate(listing.calls):
             try:
                 self.execute(call)
@@ -119,7 +256,8 @@ class GpuListingExecutor:
                 raise BackendError(f"listing @{listing.name} rank {listing.rank}, call {index} "
                                    f"{call.kind} ({call.note}): {exc}") from exc
         self.stream.synchronize()
-        return [torch.from_numpy(cupy.asnumpy(self._view(r.addr, r.dtype, r.shape, r.strides)))
+        return [from_storage(torch.from_numpy(cupy.asnumpy(
+                    self._view(r.addr, r.dtype, r.shape, r.strides))), r.dtype)
                 for r in listing.outputs]
 
     # --- calls -------------------------------------------------------------------------------
@@ -153,18 +291,17 @@ class GpuListingExecutor:
     def tensor(self, addr: Addr, dtype: str, shape: Sequence[int], strides: Sequence[int]
                ) -> torch.Tensor:
         """A torch view of device memory (for the paged-attention kernels' wrapper)."""
-        return torch.from_dlpack(self._view(addr, dtype, shape, strides))
-
-    _DATA = {"f32": "CUDA_R_32F", "f64": "CUDA_R_64F", "f16": "CUDA_R_16F",
-             "bf16": "CUDA_R_16BF"}
+        return from_storage(torch.from_dlpack(self._view(addr, dtype, shape, strides)), dtype)
 
     def _gemm(self, c: Call, batched: bool) -> None:
         cublas, runtime = self.cublas, self.cupy.cuda.runtime
-        compute = getattr(cublas, c["computeType"])
+        compute = getattr(cublas, c["computeType"], None)
+        if compute is None:
+            compute = _CUBLAS_COMPUTE[c["computeType"]]
         scalar = np.float64 if c["computeType"] == "CUBLAS_COMPUTE_64F" else np.float32
         alpha, beta = np.array(c["alpha"], dtype=scalar), np.array(c["beta"], dtype=scalar)
         op = {"N": cublas.CUBLAS_OP_N, "T": cublas.CUBLAS_OP_T}
-        types = [getattr(runtime, self._DATA[c[k]]) for k in ("Atype", "Btype", "Ctype")]
+        types = [cuda_data_type(runtime, c[k]) for k in ("Atype", "Btype", "Ctype")]
         cublas.setStream(self.handle, self.stream.ptr)
         head = (self.handle, op[c["transa"]], op[c["transb"]], c["m"], c["n"], c["k"],
                 alpha.ctypes.data)
@@ -180,37 +317,57 @@ class GpuListingExecutor:
                           c["ldc"], compute, cublas.CUBLAS_GEMM_DEFAULT)
 
     def _nccl(self, c: Call) -> None:
-        from cupy.cuda import nccl
-
-        kind = c.kind
+        nccl, kind = self.nccl, c.kind
         if kind == "nccl.groupStart":
             nccl.groupStart()
+            self._grouped = True
             return
         if kind == "nccl.groupEnd":
             nccl.groupEnd()
+            self._grouped = False
+            pending, self._after_group = self._after_group, []
+            for step in pending:  # after the group's calls, which run at its end
+                step()
             return
         comm = self.comms.get(c["comm"])
         if comm is None:
             raise BackendError(f"{kind} needs the NCCL communicator {c['comm']!r} "
                                "(see nccl_communicators)")
-        dtype = {"f32": nccl.NCCL_FLOAT32, "f64": nccl.NCCL_FLOAT64, "f16": nccl.NCCL_FLOAT16,
-                 "i64": nccl.NCCL_INT64, "i32": nccl.NCCL_INT32, "u8": nccl.NCCL_UINT8,
-                 "bool": nccl.NCCL_UINT8}[c["datatype"]]
-        ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN,
-               "avg": getattr(nccl, "NCCL_AVG", None)}
         stream = self.stream.ptr
-        if kind == "nccl.allReduce":
-            comm.allReduce(self.ptr(c["sendbuff"]), self.ptr(c["recvbuff"]), c["count"], dtype,
-                           ops[c["op"]], stream)
-        elif kind == "nccl.allGather":
-            comm.allGather(self.ptr(c["sendbuff"]), self.ptr(c["recvbuff"]), c["sendcount"],
-                           dtype, stream)
-        elif kind == "nccl.reduceScatter":
-            comm.reduceScatter(self.ptr(c["sendbuff"]), self.ptr(c["recvbuff"]),
-                               c["recvcount"], dtype, ops[c["op"]], stream)
+        if kind in ("nccl.allReduce", "nccl.reduceScatter"):
+            op, divide = nccl_reduce_op(nccl, c["op"])
+            dtype, per = nccl_datatype(nccl, c["datatype"], c["op"])
+            count = c["count" if kind == "nccl.allReduce" else "recvcount"]
+            send, recv = self.ptr(c["sendbuff"]), self.ptr(c["recvbuff"])
+            if kind == "nccl.allReduce":
+                comm.allReduce(send, recv, count * per, dtype, op, stream)
+            else:
+                comm.reduceScatter(send, recv, count * per, dtype, op, stream)
+            if divide:  # no NCCL_AVG: the sum, divided by the group size
+                self._then(lambda: self._divide(c["recvbuff"], c["datatype"], count,
+                                                comm.size()))
+            return
+        dtype, per = nccl_datatype(nccl, c["datatype"])
+        if kind == "nccl.allGather":
+            comm.allGather(self.ptr(c["sendbuff"]), self.ptr(c["recvbuff"]),
+                           c["sendcount"] * per, dtype, stream)
         elif kind == "nccl.send":
-            comm.send(self.ptr(c["sendbuff"]), c["count"], dtype, c["peer"], stream)
+            comm.send(self.ptr(c["sendbuff"]), c["count"] * per, dtype, c["peer"], stream)
         elif kind == "nccl.recv":
-            comm.recv(self.ptr(c["recvbuff"]), c["count"], dtype, c["peer"], stream)
+            comm.recv(self.ptr(c["recvbuff"]), c["count"] * per, dtype, c["peer"], stream)
         else:
             raise BackendError(f"the GPU executor has no NCCL call {kind!r}")
+
+    def _then(self, step: Callable[[], None]) -> None:
+        """Run `step` after the NCCL call just issued: now, or after its group's end."""
+        if self._grouped:
+            self._after_group.append(step)
+        else:
+            step()
+
+    def _divide(self, addr: Addr, dtype: str, count: int, n: int) -> None:
+        with self.stream:  # ordered after the collective on the executor's stream
+            divide_in_place(self.cupy, self._view(addr, dtype, (count,), (1,)), n, dtype)
+
+
+_CUBLAS_COMPUTE = {"CUBLAS_COMPUTE_32F": 68, "CUBLAS_COMPUTE_64F": 70}  # cublas_api.h

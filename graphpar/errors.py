@@ -65,6 +65,11 @@ class MemoryLimitError(ShardingError):
     """No plan fits the per-device memory limit; says what the best plan needs."""
 
 
+class TimeLimitError(ShardingError):
+    """The sharding ILP's time limit ran out before it had any plan; says which limit to
+    raise."""
+
+
 class ClusterSpecError(UsageError):
     """A malformed cluster description file or an unknown cluster preset."""
 

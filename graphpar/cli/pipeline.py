@@ -224,6 +224,7 @@ def pipeline_report(plan, pipe, schedule: str) -> dict:
         "bubble_fraction_estimated": timeline.bubble_fraction,
         "search_seconds_measured": plan.dp_seconds,
         "ilp_solves": plan.ilp_solves,
+        "layer_solves": plan.layer_solves.as_dict(),  # the same solves, counted by outcome
         "bytes_between_stages_predicted": pipe.predicted_bytes,
     }
 
@@ -299,6 +300,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
 def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
     from graphpar.cli.common import bytes_sent_text, step_time_line
     from graphpar.ir.printer import format_count
+    from graphpar.passes.pipeline.plan import OUTCOMES
 
     p = s["pipeline"]
     print(f"graphpar compile: {s['model']} (train, pipelined) from {s['source']}")
@@ -318,8 +320,13 @@ def print_pipeline_report(s: dict, ir_path: Path, report_path: Path) -> None:
               f"{st['logical_mesh']}: {st['seconds_per_microbatch_estimated'] * 1e3:.3f} ms/"
               f"microbatch, {st['memory_bytes_per_device_estimated'] / 2**20:.1f} MiB/device "
               "(estimated)")
-    print(f"  search     {p['search_seconds_measured']:.2f} s (measured), {p['ilp_solves']} "
-          "ILP solves")
+    solves = p["layer_solves"]
+    counted = ", ".join(f"{solves[k]} {OUTCOMES[k]}" for k in OUTCOMES if solves[k])
+    print(f"  search     {p['search_seconds_measured']:.2f} s (measured), {solves['counted']} "
+          f"ILP solves (counted): {counted or 'none'}")
+    if solves["warning"]:
+        print(f"  warning    {solves['warning']} (examples: {report_path}, "
+              "pipeline.layer_solves)")
     if "token_slicing" in p:
         t = p["token_slicing"]
         print(f"  tokens     {len(t['token_slices'])} slices {t['token_slices']} per sequence, "

@@ -88,3 +88,58 @@ def test_without_microbatches_a_step_is_cut_into_4_or_the_most_that_divide_the_b
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["pipeline"]["microbatches"] == 2
+    # every layer ILP solve of the stage search counted, and here all proven optimal
+    solves = report["pipeline"]["layer_solves"]
+    assert solves["counted"] == solves["optimal"] == report["pipeline"]["ilp_solves"] > 0
+    assert solves["warning"] is None and solves["examples"] == []
+    assert f"ILP solves (counted): {solves['counted']} optimal" in out
+    assert "warning" not in out
+
+
+def test_layer_solves_that_hit_the_time_limit_are_reported_with_one_warning_line(
+        tmp_path, capsys, monkeypatch):
+    from graphpar.errors import TimeLimitError
+    from graphpar.passes.autoshard.ilp import Reduced
+
+    # On mesh 2 the layers are solved on logical meshes 1x1, 2x1 and 1x2: on 2x1 every solve
+    # stops at the time limit with a plan not proven optimal, on 1x2 before any plan.
+    original, seen = Reduced.solve, []
+
+    def solve(self, memory_limit=None, time_limit=30.0, *args, **kwargs):
+        shape = tuple(self.problem.mesh.shape)
+        seen.append((shape, time_limit))
+        if shape == (1, 2):
+            raise TimeLimitError(f"the sharding ILP found no plan (UNKNOWN) within the "
+                                 f"{time_limit:.3g} s it had")
+        plan = original(self, memory_limit, time_limit, *args, **kwargs)
+        if shape == (2, 1):
+            plan.stats.update(status="FEASIBLE", optimality_gap=0.5)
+        return plan
+
+    monkeypatch.setattr(Reduced, "solve", solve)
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
+                             "--microbatches", "2", "--time-limit", "0.5",
+                             "--out", tmp_path / "out")
+    assert code == 0, err
+    assert {t for _, t in seen} == {0.5}  # --time-limit is each layer solve's
+    shapes = [shape for shape, _ in seen]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    solves = report["pipeline"]["layer_solves"]
+    assert {k: solves[k] for k in ("counted", "optimal", "time_limit_not_proven_optimal",
+                                   "time_limit_no_plan", "infeasible", "failed")} == {
+        "counted": len(shapes), "optimal": shapes.count((1, 1)),
+        "time_limit_not_proven_optimal": shapes.count((2, 1)),
+        "time_limit_no_plan": shapes.count((1, 2)), "infeasible": 0, "failed": 0}
+    assert solves["counted"] == report["pipeline"]["ilp_solves"]
+    assert solves["no_plan_on"] == ["1x2"]
+    example = next(e for e in solves["examples"] if e["outcome"] == "time_limit_no_plan")
+    assert example["logical_mesh"] == example["submesh"] == "1x2" and example["modules"]
+    assert "within the 0.5 s it had" in example["message"]
+    warnings = [line for line in out.splitlines() if "warning" in line]
+    assert warnings == [
+        f"  warning    stage search: {shapes.count((2, 1))} hit the time limit with a plan "
+        f"not proven optimal (kept), {shapes.count((1, 2))} hit the time limit before any "
+        f"plan, of {len(shapes)} layer ILP solves (counted); logical mesh 1x2 left out of "
+        f"every layering with those layers (examples: {tmp_path / 'out' / 'report.json'}, "
+        "pipeline.layer_solves)"]

@@ -5,7 +5,7 @@ import pytest
 from graphpar.capture import capture_inference
 from graphpar.cost.cluster import mesh_for
 from graphpar.cost.compute import Roofline
-from graphpar.errors import MemoryLimitError, ShardingError
+from graphpar.errors import MemoryLimitError, TimeLimitError
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
 from graphpar.ir.verify import verify
@@ -115,9 +115,9 @@ def test_time_limit_bounds_building_the_problem_too():
     """A limit that building the problem alone exceeds is an error naming the option, raised
     before the solver starts, not a solver run after the limit has passed."""
     graph = gpt_graph(batch=8, layers=1)
-    with pytest.raises(ShardingError, match=r"time limit of 0.001 s while (enumerating|building)"
-                                            r".*before the ILP solver started; raise "
-                                            r"--time-limit"):
+    with pytest.raises(TimeLimitError, match=r"time limit of 0.001 s while (enumerating|"
+                                             r"building).*before the ILP solver started; "
+                                             r"raise --time-limit"):
         shard(graph, "mesh=2x2x2,time_limit=0.001")
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from graphpar.cost.communication import resharding_cost_matrix
 from graphpar.cost.compute import Roofline
-from graphpar.errors import MemoryLimitError, ShardingError
+from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
@@ -102,7 +102,7 @@ class Deadline:
         if self.left() <= 0:
             if done is not None:
                 doing += f" ({done} of {total} done)"
-            raise ShardingError(
+            raise TimeLimitError(
                 f"auto-shard ran out of its time limit of {self.seconds:g} s while {doing}, "
                 "before the ILP solver started; raise --time-limit (auto-shard{time_limit=...}), "
                 "or use a mesh with fewer axes (each axis multiplies the layouts and strategies "
@@ -536,9 +536,12 @@ class Reduced:
         if result.status not in ("OPTIMAL", "FEASIBLE"):
             if memory_limit is not None and result.status == "INFEASIBLE":
                 raise _memory_error(self, inst, memory_limit)
-            raise ShardingError(f"the sharding ILP found no plan ({result.status}) within "
-                                f"the {time_limit:.3g} s it had; raise the time limit "
-                                "(--time-limit, auto-shard{time_limit=...})")
+            # UNKNOWN: the solver stopped at its limit with no plan (CP-SAT's name for it, and
+            # the MIP backends' for any status but optimal, feasible and infeasible)
+            error = TimeLimitError if result.status == "UNKNOWN" else ShardingError
+            raise error(f"the sharding ILP found no plan ({result.status}) within the "
+                        f"{time_limit:.3g} s it had; raise the time limit "
+                        "(--time-limit, auto-shard{time_limit=...})")
         picks_by_class = [int(k[j]) for k, j in zip(inst.keep, result.picks)]
         plan = self.problem.plan(self.item_picks(picks_by_class), name)
         objective = inst.cost(result.picks)

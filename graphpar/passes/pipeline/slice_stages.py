@@ -37,7 +37,7 @@ import numpy as np
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.communication import resharding_cost
 from graphpar.cost.compute import Roofline
-from graphpar.errors import MemoryLimitError, PassError, ShardingError
+from graphpar.errors import MemoryLimitError, PassError, ShardingError, TimeLimitError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
@@ -59,7 +59,7 @@ from graphpar.passes.pipeline.partition import (
     forward_backward_optimizer,
     stage_subgraph,
 )
-from graphpar.passes.pipeline.plan import PipelineStage, StagePlan
+from graphpar.passes.pipeline.plan import LayerSolve, LayerSolves, PipelineStage, StagePlan
 from graphpar.passes.pipeline.stage_dp import (
     StageCosts,
     StageSolution,
@@ -102,6 +102,7 @@ class _Layer:
     nodes: list[Node]  # forward, backward and update nodes, in `canonical_order`
     forward: list[Node]
     signature: str
+    layering: str = ""  # the candidate clustering it is a layer of (for reports)
 
 
 @dataclass
@@ -139,7 +140,7 @@ class _Clustered:
         layer_of = follow_forward(graph, {forward[k]: i for i, (a, b) in enumerate(bounds)
                                           for k in range(a, b + 1)})
         return cls(name, list(bounds), layer_of,
-                   _units(graph, layer_of, len(bounds), forward_set))
+                   _units(graph, layer_of, len(bounds), forward_set, name))
 
     @property
     def kinds(self) -> set[str]:
@@ -306,14 +307,15 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         stages=tuple(result),
         stage_of=MappingProxyType({n: stage_of_layer[layer_of[n]] for n in graph.nodes}),
         microbatches=microbatches, est_step_seconds=solution.seconds,
-        dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves)
+        dp_seconds=time.perf_counter() - started, ilp_solves=solver.solves,
+        layer_solves=solver.outcomes)
     steps = {"clustering": clustered - started, "layer_costs": costing, "dp": searching}
     return StageSearch(plan, costs, tuple(families_used), list(forward_layers), steps,
                        best.name)
 
 
-def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Node]
-           ) -> list[_Layer]:
+def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Node],
+           layering: str = "") -> list[_Layer]:
     """The layers as units to cost. Two layers share an ILP solve when their signatures are
     equal; a layer that returns a value of the graph (the model's output) is told apart from
     an identical one that only passes it on, since the returned value's layout is priced."""
@@ -327,7 +329,8 @@ def _units(graph: Graph, layer_of: dict[Node, int], count: int, forward: set[Nod
     for i, nodes in enumerate(members):
         marks = [(k, o.index) for k, n in enumerate(nodes) for o in n.outputs if o in returned]
         signature = layer_signature(nodes) + (f" returns {marks}" if marks else "")
-        units.append(_Layer(i, nodes, [n for n in nodes if n in forward], signature))
+        units.append(_Layer(i, nodes, [n for n in nodes if n in forward], signature,
+                            layering))
     return units
 
 
@@ -396,7 +399,7 @@ class _StageOptions:
             send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
                              if j < count - 1 else 0.0 for j in range(count)])
             for g, (lshape, family) in enumerate(choices[m]):
-                table = _range_costs(units, solver, mesh_for(lshape, cluster), family)
+                table = _range_costs(units, solver, mesh_for(lshape, cluster), family, shape)
                 if table is not None:
                     seconds[:, :, m, g] = table[0] + send[None, :]
                     persistent[:, :, m, g], stashed[:, :, m, g] = table[1], table[2]
@@ -418,7 +421,10 @@ class _StageOptions:
 
 
 class _LayerCosts:
-    """The ILP cost of each layer on each logical mesh, one solve per (layer structure, mesh)."""
+    """The ILP cost of each layer on each logical mesh, one solve per (layer structure, mesh);
+    `outcomes` counts the solves by outcome (optimal, time limit, no plan), so a layer whose
+    solve gave no plan, and so ruled its logical mesh out of the DP, is reported, not
+    silently dropped."""
 
     def __init__(self, graph: Graph, cluster: Cluster, dtype: str, time_limit: float,
                  microbatches: int, forward: set[Node], optimizer: set[Node],
@@ -429,15 +435,29 @@ class _LayerCosts:
         # a training step keeps each weight's gradient beside it; an inference graph does not
         self.gradients = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self.solves = 0
+        self.outcomes = LayerSolves()  # this object's solves (not those found in `cache`)
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
 
-    def cost(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
+    def cost(self, layer: _Layer, mesh: Mesh, family: str | None,
+             submesh: tuple[int, int] | None = None) -> LayerCost | None:
+        """The layer's cost on `mesh` (a logical mesh of `submesh`, which only names it in
+        reports), or None when its solve gave no plan."""
         key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, family)
         if key not in self._found:
-            self._found[key] = self._solve(layer, mesh, family)
+            self._found[key] = self._solve(layer, mesh, family, submesh)
         return self._found[key]
 
-    def _solve(self, layer: _Layer, mesh: Mesh, family: str | None) -> LayerCost | None:
+    def _count(self, outcome: str, layer: _Layer, mesh: Mesh, family: str | None,
+               submesh: tuple[int, int] | None, message: str = "") -> None:
+        example = None
+        if outcome != "optimal":
+            modules = tuple(dict.fromkeys(n.module for n in layer.forward if n.module))
+            example = LayerSolve(outcome, layer.index, layer.layering, modules, submesh,
+                                 tuple(mesh.shape), family, message)
+        self.outcomes = self.outcomes.add(outcome, example)
+
+    def _solve(self, layer: _Layer, mesh: Mesh, family: str | None,
+               submesh: tuple[int, int] | None = None) -> LayerCost | None:
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}", keep_order=True)
         costed = _without_boundary_outputs(sub)
         self.solves += 1
@@ -450,8 +470,20 @@ class _LayerCosts:
                 except NotApplicable:  # e.g. no Megatron linears in this layer: the ILP plans it
                     pass
             plan = plan or reduced.solve(None, self.time_limit)
-        except ShardingError:
+        except ShardingError as error:
+            outcome = ("time_limit_no_plan" if isinstance(error, TimeLimitError) else
+                       "infeasible" if isinstance(error, MemoryLimitError) else "failed")
+            self._count(outcome, layer, mesh, family, submesh, str(error))
             return None
+        status = plan.stats.get("status")
+        if status == "OPTIMAL":
+            self._count("optimal", layer, mesh, family, submesh)
+        else:  # FEASIBLE: the solver stopped at its time limit before proving the plan
+            gap = plan.stats.get("optimality_gap", float("nan"))
+            gap = f"{gap:.1%}" if gap == gap else "unknown"
+            self._count("time_limit_not_proven_optimal", layer, mesh, family, submesh,
+                        f"solver status {status}, optimality gap {gap} when the "
+                        f"{self.time_limit:g} s time limit ran out")
         nodes = list(costed.nodes)
         update = sum(plan.node_strategy[n].compute_seconds
                      for n, orig in zip(nodes, layer.nodes) if orig in self.optimizer)
@@ -482,12 +514,14 @@ def _without_boundary_outputs(sub: Graph) -> Graph:
     return costed
 
 
-def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: str | None):
-    """(seconds, persistent bytes, stashed bytes) of every layer range i..j on `mesh`, as
-    [L, L] arrays, or None when some layer has no plan on it. The seconds include resharding
-    between the layers' plans inside the range."""
+def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: str | None,
+                 submesh: tuple[int, int] | None = None):
+    """(seconds, persistent bytes, stashed bytes) of every layer range i..j on `mesh` (a
+    logical mesh of `submesh`), as [L, L] arrays, or None when some layer has no plan on it
+    (`solver.outcomes` counts why). The seconds include resharding between the layers' plans
+    inside the range."""
     count = len(units)
-    per = [solver.cost(u, mesh, family) for u in units]
+    per = [solver.cost(u, mesh, family, submesh) for u in units]
     if any(c is None for c in per):
         return None
     pair = _reshard_between(units, per, mesh)  # pair[p, c]: from layer p's plan to layer c's

@@ -9,11 +9,17 @@ import pytest
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.compute import Roofline
-from graphpar.errors import MemoryLimitError, PassError, UsageError
+from graphpar.errors import (
+    MemoryLimitError,
+    PassError,
+    ShardingError,
+    TimeLimitError,
+    UsageError,
+)
 from graphpar.ir.graph import OutputRole, Role
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
-from graphpar.passes.autoshard.ilp import solve
+from graphpar.passes.autoshard.ilp import Reduced, solve
 from graphpar.passes.pipeline.layers import (
     equal_ranges,
     regular_bounds,
@@ -93,6 +99,108 @@ def test_a_memory_limit_no_pipeline_meets_says_what_the_best_needs(mlp_step):
     assert max(s.mem_bytes for s in plan.stages) <= need * 1.01
     with pytest.raises(MemoryLimitError):
         run_pass(mlp_step, f"mesh=1x2,memory_limit={int(need * 0.97)}")  # and no less
+
+
+def test_a_normal_run_counts_every_layer_solve_optimal(mlp_step):
+    plan = slice_stages(mlp_step, "1x2").plan
+    solves = plan.layer_solves
+    assert solves.counted == solves.counts["optimal"] == plan.ilp_solves > 0
+    assert solves.all_optimal and solves.examples == () and solves.no_plan_on == ()
+    assert solves.warning() is None
+    text = plan.describe()
+    assert f"{plan.ilp_solves} ILP solves (counted): {plan.ilp_solves} optimal" in text
+    assert "warning" not in text
+
+
+def _forced_solves(monkeypatch, by_mesh):
+    """Reduced.solve as `by_mesh[shape](solve, time_limit)` on the logical meshes of those
+    shapes, where `solve(memory_limit)` is the real solve (by default with the memory limit it
+    was given); returns the mesh shape of every solve, in order."""
+    original, seen = Reduced.solve, []
+
+    def solve(self, memory_limit=None, time_limit=30.0, *args, **kwargs):
+        shape = tuple(self.problem.mesh.shape)
+        seen.append(shape)
+
+        def real(limit=memory_limit):
+            return original(self, limit, time_limit, *args, **kwargs)
+
+        return by_mesh[shape](real, time_limit) if shape in by_mesh else real()
+
+    monkeypatch.setattr(Reduced, "solve", solve)
+    return seen
+
+
+def test_time_limit_hits_are_counted_and_reported(monkeypatch, mlp_step):
+    # On 1x2 the layers are solved on logical meshes 1x1, 2x1 and 1x2. On 2x1 every solve
+    # stops at its time limit with a plan not proven optimal (kept, used by the DP); on 1x2
+    # before any plan (the mesh is left out).
+    def not_proven(solve, time_limit):
+        plan = solve()
+        plan.stats.update(status="FEASIBLE", optimality_gap=0.25)
+        return plan
+
+    def no_plan(solve, time_limit):
+        raise TimeLimitError(f"the sharding ILP found no plan (UNKNOWN) within the "
+                             f"{time_limit:.3g} s it had")
+
+    seen = _forced_solves(monkeypatch, {(2, 1): not_proven, (1, 2): no_plan})
+    plan = slice_stages(mlp_step, "1x2", time_limit=0.5).plan
+    solves = plan.layer_solves
+    assert dict(solves.counts) == {
+        "optimal": seen.count((1, 1)), "time_limit_not_proven_optimal": seen.count((2, 1)),
+        "time_limit_no_plan": seen.count((1, 2)), "infeasible": 0, "failed": 0}
+    assert solves.counted == plan.ilp_solves == len(seen)
+    assert seen.count((2, 1)) > 0 and seen.count((1, 2)) > 0
+    assert solves.no_plan_on == ("1x2",)
+    assert all(s.logical_mesh != (1, 2) for s in plan.stages)
+    # three examples of each outcome but optimal: where, and why
+    assert [e.outcome for e in solves.examples] == (
+        ["time_limit_not_proven_optimal"] * 3 + ["time_limit_no_plan"] * 3)
+    late = solves.examples[-1]
+    assert late.submesh == (1, 2) and late.logical_mesh == (1, 2) and late.layering == "eq6"
+    assert late.modules and "within the 0.5 s it had" in late.message
+    assert ("optimality gap 25.0% when the 0.5 s time limit ran out"
+            in solves.examples[0].message)
+    warning = solves.warning()
+    assert warning == (
+        f"stage search: {seen.count((2, 1))} hit the time limit with a plan not proven "
+        f"optimal (kept), {seen.count((1, 2))} hit the time limit before any plan, of "
+        f"{len(seen)} layer ILP solves (counted); logical mesh 1x2 left out of every layering "
+        "with those layers")
+    text = plan.describe()
+    assert f"warning: {warning}" in text
+    assert "on logical mesh 1x2 of sub-mesh 1x2: hit the time limit before any plan" in text
+
+
+def test_infeasible_and_failed_solves_are_counted_and_reported(monkeypatch, mlp_step):
+    # On 1x2: a memory limit of 1 byte on logical mesh 1x2 (each solve there is infeasible:
+    # the ILP's own MemoryLimitError), and another ShardingError on 2x1. Sub-mesh 1x2 is left
+    # with no option, so the plan runs on 1x1 sub-meshes.
+    def tiny_memory(solve, time_limit):
+        return solve(1)
+
+    def fails(solve, time_limit):
+        raise ShardingError("no allowed choice for %3")
+
+    seen = _forced_solves(monkeypatch, {(1, 2): tiny_memory, (2, 1): fails})
+    plan = slice_stages(mlp_step, "1x2").plan
+    solves = plan.layer_solves
+    assert dict(solves.counts) == {
+        "optimal": seen.count((1, 1)), "time_limit_not_proven_optimal": 0,
+        "time_limit_no_plan": 0, "infeasible": seen.count((1, 2)),
+        "failed": seen.count((2, 1))}
+    assert solves.counted == plan.ilp_solves == len(seen) and not solves.all_optimal
+    assert seen.count((2, 1)) > 0 and seen.count((1, 2)) > 0
+    assert all(s.submesh == (1, 1) for s in plan.stages)
+    assert set(solves.no_plan_on) == {"2x1", "1x2"}
+    infeasible = next(e for e in solves.examples if e.outcome == "infeasible")
+    assert infeasible.logical_mesh == (1, 2) and "per device" in infeasible.message
+    failed = next(e for e in solves.examples if e.outcome == "failed")
+    assert failed.logical_mesh == (2, 1) and failed.message == "no allowed choice for %3"
+    assert (f"{seen.count((1, 2))} infeasible (no plan fits the memory limit), "
+            f"{seen.count((2, 1))} failed (no plan), of {len(seen)} layer ILP solves "
+            "(counted)") in solves.warning()
 
 
 def test_max_after_is_eq_5_with_the_1f1b_in_flight_count():

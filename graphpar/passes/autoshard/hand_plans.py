@@ -10,7 +10,8 @@ the auto-sharder solves (`Reduced.solve(allow=...)`):
 - a *tensor* axis shards parameters as Megatron-LM does (QKV and MLP-up column-parallel, the
   attention and MLP-down projections row-parallel, the LM head by vocabulary, the rest
   replicated; optimizer state like its parameter) and shards a non-batch factor of every heavy
-  op (attention: its heads).
+  op (attention: its heads), reading each weight it shards where it lies (a weight is never
+  gathered or moved to run a linear another way).
 
 Everything else — elementwise ops, reshapes, norms, where to all-reduce or reduce-scatter — is
 left to the solver, so a hand plan is the best plan of its family under the cost model, and it
@@ -205,6 +206,32 @@ class _Filter:
         for a in self.rules.tensor_axes:
             f = strategy.axis_factors[a]
             if f in batch or (f is None and possible[a]):
+                return False
+        if self.rules.tensor_axes and self._keeps_weights(node, None) \
+                and not self._keeps_weights(node, strategy):
+            return False
+        return True
+
+    def _keeps_weights(self, node: Node, strategy: Strategy | None) -> bool:
+        """Whether `strategy` reads each parameter operand Megatron shards in its Megatron
+        layout on the tensor axes, so that weights stay where they are (column- and
+        row-parallel linears, not weights gathered each step); for `strategy` None, whether
+        some strategy of `node` does (else the rule is relaxed)."""
+        if strategy is None:
+            choices = self.problem.choices[self.problem.index[node]]
+            key = ("keeps", id(choices), *map(id, node.inputs))
+            if key not in self._required:
+                self._required[key] = any(self._keeps_weights(node, s) for s in choices)
+            return self._required[key]
+        for k, v in enumerate(node.inputs):
+            if not isinstance(v, Value) or v.role is not Role.PARAM or v in self.tables:
+                continue
+            name = v.name or ""
+            dim = megatron_dim(name, v.type.rank, param_name(name) in self.in_out)
+            if dim is None:
+                continue
+            layout = strategy.inputs[k] if k < len(strategy.inputs) else None
+            if layout is None or any(layout[a] != Shard(dim) for a in self.rules.tensor_axes):
                 return False
         return True
 

@@ -1,12 +1,15 @@
 """Hugging Face causal LMs, family by family: built from tiny configs with random weights (no
-downloads), captured, run on the CPU reference and sharded on 2 CPU ranks over gloo, each equal
-to eager PyTorch. Mixture-of-experts families also run with their experts split across ranks.
+downloads), captured and run on the CPU reference, then split with Megatron-LM's tensor
+parallelism on 2 CPU ranks (weights sharded column- then row-parallel, heads split, partial sums
+reduced): inference over gloo and a training step with Adam, each equal to eager PyTorch.
+Mixture-of-experts families also run with their experts split across ranks.
 
-Most families take seconds to capture, so their rows are slow-marked; Mixtral, which exercises
-the MoE ops (grouped_mm, histc), runs in the default suite."""
+Each family takes seconds, so most rows are slow-marked; four (DEFAULT) run in the default
+suite."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -21,10 +24,13 @@ import pytest
 import torch
 from test_hf_models import assert_training_gradients_match_eager
 
-import graphpar
+from graphpar.calibration.plan_runs import PlanCase, solve_plan
 from graphpar.capture import Captured, capture_inference
-from graphpar.compiler.api import lower
+from graphpar.compiler.api import Compiled, lower
+from graphpar.compiler.driver import ModelSpec, capture
 from graphpar.cost.cluster import mesh_for
+from graphpar.cost.communication import node_comm_cost
+from graphpar.ir.graph import OutputRole, Role, Value
 from graphpar.ir.layout import Partial, Shard
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -130,7 +136,11 @@ FAMILIES = {
                                q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                v_head_dim=16), moe=True),  # latent attention, MoE from layer 1
 }
-DEFAULT = {"mixtral"}  # in the default suite; the other rows are slow-marked
+# In the default suite; the other rows are slow-marked. GPT-2: Conv1D weights stored [in, out],
+# a fused QKV with biases, LayerNorm, a tied LM head. Llama: grouped-query attention, RoPE,
+# RMSNorm, SwiGLU. Mixtral: mixture of experts. BLOOM: ALiBi in eager attention (heads split
+# through batched matmuls), a fused head-major query_key_value.
+DEFAULT = {"gpt2", "llama", "mixtral", "bloom"}
 TRAINED = ["mixtral", "gpt_neox", "falcon", "gemma", "qwen2_moe"]
 
 
@@ -149,15 +159,19 @@ def token_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache  # tiny models: every test of a family shares one
 def captured_family(name: str) -> tuple[torch.nn.Module, torch.Tensor, Captured]:
     """The family's module, token ids and inference capture (kept: capturing takes seconds)."""
     module, ids = FAMILIES[name].build(), token_ids()
     return module, ids, capture_inference(module, (ids,), name=name)
 
 
-def rows(names, default=frozenset()):
-    return [pytest.param(n, marks=() if n in default else pytest.mark.slow) for n in names]
+def rows(names, default=frozenset(), skip=None):
+    """One row per name: slow-marked unless in `default`; skipped where `skip` says why."""
+    skip = skip or {}
+    return [pytest.param(n, marks=[*(() if n in default else [pytest.mark.slow]),
+                                   *([pytest.mark.skip(reason=skip[n])] if n in skip else [])])
+            for n in names]
 
 
 def loss_fn(out):
@@ -176,13 +190,84 @@ def test_family_inference_matches_eager(name):
         assert captured.graph.find("grouped_mm") and captured.graph.find("histc")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_sharded_on_two_ranks_matches_eager(name):
-    module, ids = FAMILIES[name].build(), token_ids()
-    compiled = graphpar.compile(module, (ids,), mesh="2", cluster="cpu")
+def tensor_parallel(name: str, mode: str) -> Compiled:
+    """The family's inference ("infer") or training step ("train": loss and gradients) under
+    Megatron-LM's tensor parallelism on 2 CPU ranks: the `megatron` hand plan, forced, since
+    for models this small the ILP only splits the batch."""
+    if mode == "infer":
+        module, ids, whole = captured_family(name)
+        spec = ModelSpec(name, module, (ids,))
+        captured = Captured(whole.graph.copy(), whole.state)
+    else:
+        spec = ModelSpec(name, FAMILIES[name].build(), (token_ids(),), loss_fn)
+        captured = capture(spec, mode)
+    run_pipeline(captured.graph, "cleanup")
+    _, compiled = solve_plan(PlanCase(name, mode, captured, spec.inputs), mesh_for("2", "cpu"),
+                             "megatron")
+    return dataclasses.replace(compiled, spec=spec)
+
+
+def assert_tensor_parallel(compiled: Compiled) -> None:
+    """Weights split as Megatron-LM splits them, partial sums reduced across the ranks, and no
+    weight gathered or moved to run a step (but embedding tables, an LM head tied to one
+    among them, whose layout the plan leaves to the solver)."""
+    params = compiled.graph.inputs_with_role(Role.PARAM)
+    assert any(isinstance(v.layout.placements[0], Shard) for v in params), "nothing sharded"
+    for node in compiled.graph.find("attention"):  # each rank computes half the heads
+        if node.inputs[1].type.shape[1] % 2 == 0:  # (with one K/V head, multi-query
+            # attention stays whole: `attention` splits query heads only with K/V heads)
+            assert node.outputs[0].layout.placements == (Shard(1),), node.outputs[0].layout
+    ops = [n.op for n in compiled.spmd.nodes]
+    assert "all_reduce" in ops or "reduce_scatter" in ops, sorted(set(ops))
+    tables = {unresharded(n.inputs[0]).name for n in compiled.graph.find("embedding")}
+    moved = [f"{n.op}({v.name})" for n in compiled.spmd.nodes if node_comm_cost(n, compiled.mesh)
+             for v in n.input_values if v.role is Role.PARAM and v.name not in tables]
+    assert not moved, moved
+
+
+def unresharded(value: Value) -> Value:
+    """The value a chain of `reshard` nodes starts from."""
+    while value.producer is not None and value.producer.op == "reshard":
+        value = value.producer.inputs[0]
+    return value
+
+
+@pytest.mark.parametrize("name", rows(FAMILIES, DEFAULT))
+def test_family_tensor_parallel_on_two_ranks_matches_eager(name):
+    compiled = tensor_parallel(name, "infer")
+    assert_tensor_parallel(compiled)
     check = compiled.check(processes=True)
-    assert check.errors["outputs"].max_abs_error <= 1e-5
+    assert check.within_tolerance, check.lines()
+
+
+# Families whose training step does not capture yet, and why.
+NOT_TRAINED = {"deepseek_v3": "its training step captures aten.new_empty_strided, which has "
+                              "no IR op"}
+
+
+@pytest.mark.parametrize("name", rows(FAMILIES, DEFAULT, skip=NOT_TRAINED))
+def test_family_tensor_parallel_training_step_matches_eager(name):
+    """The loss and every gradient equal eager autograd's within 1e-5, as in the single-device
+    training tests; the 2 ranks run in lockstep in this process (the same device program;
+    gloo's worker start-up would double the test's time). Not `Compiled.check`: its rounding
+    tolerance scales with each tensor's largest element, and a gradient that is zero in exact
+    arithmetic (a key bias's: softmax ignores a shift of all scores) is rounding noise that
+    two summation orders make differ by more than itself (OPT's, with an optimizer's state)."""
+    compiled = tensor_parallel(name, "train")
+    assert_tensor_parallel(compiled)
+    module, ids = compiled.spec.module, compiled.spec.inputs[0]
+    outputs = compiled.run(ids)
+    module.zero_grad()
+    loss = loss_fn(module(ids))
+    loss.backward()
+    params = dict(module.named_parameters(remove_duplicate=False))
+    seen = set()
+    for out, tensor in zip(compiled.spmd.outputs, outputs, strict=True):
+        expected = loss.detach() if out.role is OutputRole.LOSS else params[out.target].grad
+        torch.testing.assert_close(tensor, expected, atol=1e-5, rtol=1e-5)
+        seen.add(out.target)
+    tied = dict(compiled.graph.attrs.get("tied", ()))
+    assert seen - {None} == {tied.get(n, n) for n, p in params.items() if p.grad is not None}
 
 
 @pytest.mark.slow

@@ -12,11 +12,19 @@ from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError
 from graphpar.ir.graph import Role
 from graphpar.ir.layout import Layout
+from graphpar.ir.parser import parse
 from graphpar.ir.verify import verify
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
-from graphpar.passes.autoshard.hand_plans import HAND_PLANS, batch_factors, hand_plan, hand_plans
+from graphpar.passes.autoshard.hand_plans import (
+    HAND_PLANS,
+    batch_factors,
+    hand_plan,
+    hand_plans,
+    megatron_dim,
+    weights_stored_in_out,
+)
 from graphpar.passes.autoshard.ilp import Problem, Reduced
 from graphpar.passes.autoshard.layers import layer_key, repeated_layers
 from graphpar.passes.autoshard.strategies import node_signature
@@ -124,6 +132,26 @@ def test_hand_plans_are_valid_and_never_better_than_the_ilp(small_gpt):
     zero = plans["zero"]
     state = next(v for v in small_gpt.inputs if v.name == "blocks.0.mlp.up.weight.exp_avg")
     assert zero.input_layout[state].is_sharded and zero.memory_bytes < data.memory_bytes
+
+
+def test_megatron_dims_follow_how_a_weight_is_stored():
+    """nn.Linear stores [out, in] and is read by `linear`; GPT-2's Conv1D stores [in, out] and
+    is read by `matmul(x, w)`: column-parallel splits the output features either way."""
+    graph = parse("""graph @g(%h.0.attn.c_attn.weight: f32[8,24] param,
+    %h.0.attn.o_proj.weight: f32[8,24] param, %x: f32[4,8] input) {
+  %0 = matmul(%x, %h.0.attn.c_attn.weight) : f32[4,24]
+  %1 = linear(%0, %h.0.attn.o_proj.weight, none) : f32[4,8]
+  return %1 output
+}""")
+    assert weights_stored_in_out(graph) == {"h.0.attn.c_attn.weight"}
+    assert megatron_dim("h.0.attn.c_attn.weight", 2) == 0  # [out, in]
+    assert megatron_dim("h.0.attn.c_attn.weight", 2, in_out=True) == 1  # [in, out]
+    assert megatron_dim("h.0.attn.c_attn.bias", 1, in_out=True) == 0
+    assert megatron_dim("h.0.mlp.c_proj.weight", 2) == 1
+    assert megatron_dim("h.0.mlp.c_proj.weight.exp_avg", 2, in_out=True) == 0
+    assert megatron_dim("h.0.mlp.dense_h_to_4h.weight", 2) == 0  # BLOOM, Falcon, GPT-NeoX
+    assert megatron_dim("h.0.mlp.dense_4h_to_h.weight", 2) == 1
+    assert megatron_dim("h.0.ln_1.weight", 1) is None
 
 
 def _forward(graph) -> list:

@@ -10,7 +10,8 @@ the auto-sharder solves (`Reduced.solve(allow=...)`):
 - a *tensor* axis shards parameters as Megatron-LM does (QKV and MLP-up column-parallel, the
   attention and MLP-down projections row-parallel, the LM head by vocabulary, the rest
   replicated; optimizer state like its parameter) and shards a non-batch factor of every heavy
-  op (attention: its heads).
+  op (attention: its heads), reading each weight it shards where it lies (a weight is never
+  gathered or moved to run a linear another way).
 
 Everything else — elementwise ops, reshapes, norms, where to all-reduce or reduce-scatter — is
 left to the solver, so a hand plan is the best plan of its family under the cost model, and it
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphpar.errors import MemoryLimitError, ShardingError
-from graphpar.ir.graph import Node, Role, Value
+from graphpar.ir.graph import Graph, Node, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
 from graphpar.passes.autoshard.factors import factor_spec
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
@@ -31,10 +32,15 @@ from graphpar.passes.autoshard.strategies import Strategy, is_follower
 HAND_PLANS = ("data", "zero", "zero-3", "megatron", "data+megatron")
 
 # Megatron-LM's layouts by module name: column-parallel linears split their output features
-# (weight dim 0 of nn.Linear's [out, in]; bias too), row-parallel ones their input features.
+# (weight dim 0 of nn.Linear's [out, in], dim 1 of GPT-2's Conv1D [in, out]; bias too),
+# row-parallel ones their input features. Fused projections (query_key_value, qkv_proj, Wqkv,
+# gate_up_proj) are split in halves of their output, which need not fall between heads.
 _COLUMN = {"qkv", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "query", "key", "value",
-           "c_attn", "up", "up_proj", "gate", "gate_proj", "fc1", "c_fc", "w1", "w3", "lm_head"}
-_ROW = {"proj", "wo", "o_proj", "out_proj", "c_proj", "down", "down_proj", "fc2", "w2", "dense"}
+           "c_attn", "query_key_value", "qkv_proj", "Wqkv", "up", "up_proj", "gate",
+           "gate_proj", "gate_up_proj", "fc1", "fc_in", "c_fc", "dense_h_to_4h", "w1", "w3",
+           "lm_head"}
+_ROW = {"proj", "wo", "o_proj", "out_proj", "c_proj", "down", "down_proj", "fc2", "fc_out",
+        "dense_4h_to_h", "w2", "dense"}
 # Batched expert weights [E, in, out] (graphpar.models.moe): w_in is column-, w_out row-parallel.
 _EXPERT = {"w_in": -1, "w_out": -2}
 _STATE_SUFFIXES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
@@ -52,12 +58,18 @@ class _Rules:
     shard_params: bool = False  # ZeRO-3: parameters too
 
 
-def megatron_dim(name: str, rank: int) -> int | None:
-    """The dim Megatron-LM shards a parameter (or its optimizer state) along, None to
-    replicate it."""
+def param_name(name: str) -> str:
+    """The parameter an optimizer-state tensor belongs to (`name` itself for a parameter)."""
     parts = name.split(".")
     while parts and parts[-1] in _STATE_SUFFIXES:
         parts = parts[:-1]
+    return ".".join(parts)
+
+
+def megatron_dim(name: str, rank: int, in_out: bool = False) -> int | None:
+    """The dim Megatron-LM shards a parameter (or its optimizer state) along, None to
+    replicate it. `in_out`: a weight stored [in, out] (GPT-2's Conv1D), not [out, in]."""
+    parts = param_name(name).split(".") if name else []
     if not parts:
         return None
     if parts[-1] in _EXPERT:
@@ -65,11 +77,28 @@ def megatron_dim(name: str, rank: int) -> int | None:
     if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
         return None
     module = parts[-2]
+    weight = parts[-1] == "weight" and rank == 2
     if module in _COLUMN:
-        return 0
-    if module in _ROW and parts[-1] == "weight" and rank == 2:
-        return 1
+        return 1 if weight and in_out else 0
+    if module in _ROW and weight:
+        return 0 if in_out else 1
     return None
+
+
+def weights_stored_in_out(graph: Graph) -> set[str]:
+    """The 2-D parameters stored [in, out], as GPT-2's Conv1D stores them: the first op that
+    reads one is a `matmul` taking it on the right (nn.Linear's [out, in] weights go to
+    `linear` first; a training step's backward matmuls come after it)."""
+    found: set[str] = set()
+    seen: set[Value] = set()
+    for node in graph.nodes:
+        for k, v in enumerate(node.inputs):
+            if isinstance(v, Value) and v.role is Role.PARAM and v.type.rank == 2 \
+                    and v not in seen:
+                seen.add(v)
+                if node.op == "matmul" and k == 1:
+                    found.add(v.name)
+    return found
 
 
 def batch_factors(problem) -> dict[Node, set[int]]:
@@ -126,6 +155,7 @@ class _Filter:
                   if n.op == "embedding" and isinstance(n.inputs[0], Value)}
         self.tables = {v for v in self.problem.graph.inputs if v.name in tables or any(
             (v.name or "").startswith(t + ".") for t in tables)}
+        self.in_out = weights_stored_in_out(self.problem.graph)
 
     def __call__(self, item, choice) -> bool | None:
         if isinstance(item, Value):
@@ -149,7 +179,8 @@ class _Filter:
         for a in rules.tensor_axes:
             if value in self.tables:
                 continue
-            dim = megatron_dim(value.name or "", value.type.rank)
+            name = value.name or ""
+            dim = megatron_dim(name, value.type.rank, param_name(name) in self.in_out)
             want = Replicate() if dim is None else Shard(dim)
             if layout[a] != want:
                 return False
@@ -176,6 +207,32 @@ class _Filter:
             f = strategy.axis_factors[a]
             if f in batch or (f is None and possible[a]):
                 return False
+        if self.rules.tensor_axes and self._keeps_weights(node, None) \
+                and not self._keeps_weights(node, strategy):
+            return False
+        return True
+
+    def _keeps_weights(self, node: Node, strategy: Strategy | None) -> bool:
+        """Whether `strategy` reads each parameter operand Megatron shards in its Megatron
+        layout on the tensor axes, so that weights stay where they are (column- and
+        row-parallel linears, not weights gathered each step); for `strategy` None, whether
+        some strategy of `node` does (else the rule is relaxed)."""
+        if strategy is None:
+            choices = self.problem.choices[self.problem.index[node]]
+            key = ("keeps", id(choices), *map(id, node.inputs))
+            if key not in self._required:
+                self._required[key] = any(self._keeps_weights(node, s) for s in choices)
+            return self._required[key]
+        for k, v in enumerate(node.inputs):
+            if not isinstance(v, Value) or v.role is not Role.PARAM or v in self.tables:
+                continue
+            name = v.name or ""
+            dim = megatron_dim(name, v.type.rank, param_name(name) in self.in_out)
+            if dim is None:
+                continue
+            layout = strategy.inputs[k] if k < len(strategy.inputs) else None
+            if layout is None or any(layout[a] != Shard(dim) for a in self.rules.tensor_axes):
+                return False
         return True
 
     def _possible(self, node: Node, batch: set[int]) -> dict[int, bool]:
@@ -195,6 +252,7 @@ class _Filter:
 def _check_megatron(reduced: Reduced, rules: _Rules) -> None:
     if not rules.tensor_axes:
         return
+    # read as nn.Linear's [out, in]: dim 1 is a row-parallel weight whichever way it is stored
     dims = {megatron_dim(v.name or "", v.type.rank) for v in reduced.problem.graph.inputs
             if v.role is Role.PARAM}
     if dims <= {None, 0}:

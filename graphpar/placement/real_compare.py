@@ -5,8 +5,9 @@ service times as the processes delivered them (each model's mean over the part, 
 process's speed around each request, the part's spread: `speed_around`, `spread_draws`) and,
 beside it, with the part's means held fixed, the probes' means, the one-process-at-a-time
 calibration and each request's own computes; `breakdown` splits a pipelined request's latency
-into where it went. Pure functions of the recorded arrays: the tests feed them hand-made
-timestamps."""
+into where it went; `errors` sums up the simulator's error per profile, the predictive ones
+(probes, each process alone) apart from the consistency checks. Pure functions of the recorded
+arrays: the tests feed them hand-made timestamps."""
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ MODES = ("simple", "pipeline")
 DRAWS = 16  # simulations per part with service times drawn from the part's, averaged
 SPEED_WINDOW = 0.5  # s either side: the machine's speed changes within seconds
 SLO_SCALES = (1.5, 2.0, 3.0, 5.0)  # attainment is also reported at these (x alone service)
+
+# What the simulator was given, by name, and the prefix of `compare`'s keys for it. The first
+# two are predictions (a profile taken apart from the requests checked), the rest consistency
+# checks of the simulator's queueing given what the run's processes delivered.
+PROFILES = {
+    "probes": "simulated_probed",
+    "alone": "simulated_alone",
+    "replay": "simulated",
+    "fixed": "simulated_fixed",
+    "per_request": "simulated_per_request",
+}
+PROFILE_NOTES = {
+    "probes": "predictive: the mean service times of probes (traces of their own at the same "
+              "rate) served in the seconds before and after each part, not the requests checked",
+    "alone": "predictive: each process's service times calibrated alone, one at a time, "
+             "before the run (what profiling each model before a deployment gives)",
+    "replay": "consistency check, not a prediction: the service times the run's processes "
+              "delivered, each request's from its neighbours within SPEED_WINDOW s, with the "
+              "part's spread (the check of the simulator's queueing)",
+    "fixed": "consistency check: each part's own mean service times, held fixed",
+    "per_request": "consistency check: each request's own compute times",
+}
 
 
 def part_of(w: Workload, start: float, end: float) -> Workload:
@@ -278,3 +301,29 @@ def attainment(latency: np.ndarray, w: Workload, slo: dict, counted: np.ndarray)
     its mean over several simulations)."""
     limit = np.array([slo[m] for m in w.models])[w.model_ids]
     return float((latency[..., counted] <= limit[counted]).mean())
+
+
+def errors(run: dict, profiles: dict[str, str] | None = None) -> dict:
+    """Per profile (`PROFILES`, or `profiles`: name -> key prefix, for JSON kept by earlier
+    versions of the check) and placement, the simulator's error against the measurement:
+    mean latency in percent (simulated / measured - 1) and the largest gap in SLO attainment
+    in points over the SLO scales the run kept for it (its headline scale alone where it kept
+    no others; None where it kept no attainment). A profile the run did not keep is left
+    out."""
+    out: dict = {}
+    for name, key in (profiles or PROFILES).items():
+        for mode in MODES:
+            m = run.get(mode, {})
+            if f"{key}_mean_s" not in m:
+                continue
+            scales = {s: a for s, a in m.get("attainment_by_slo_scale", {}).items() if key in a}
+            gaps = ([a[key] - a["measured"] for a in scales.values()] if scales
+                    else [m[f"{key}_attainment"] - m["measured_attainment"]]
+                    if f"{key}_attainment" in m else [])
+            out.setdefault(name, {})[mode] = {
+                "mean_latency_error_pct": round((m[f"{key}_mean_s"] / m["measured_mean_s"] - 1)
+                                                * 100, 2),
+                "slo_points": round(max(abs(g) for g in gaps) * 100, 2) if gaps else None,
+                "slo_scales": [float(s) for s in scales] or ("headline" if gaps else []),
+            }
+    return out

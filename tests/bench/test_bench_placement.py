@@ -19,3 +19,26 @@ def test_placement_bench_writes_section_3_1_and_fig10(load_bench, tmp_path, caps
     assert [r["u"] for r in result["fig10"]][0] == 0.01
     assert result["simulator"]["requests_per_cpu_second"] > 0
     assert "Fig. 10" in capsys.readouterr().out
+
+
+def test_placement_real_bench_sums_up_a_kept_json_s_errors_by_profile(load_bench, tmp_path,
+                                                                     capsys):
+    """--errors runs nothing: it adds each run's errors by profile to a kept JSON, by the
+    profiles that JSON names (an earlier check's keys), and prints the predictions first."""
+    bench = load_bench("placement_real")
+    kept = tmp_path / "placement_real.json"
+    kept.write_text(json.dumps({"profiles": {
+        "probes": {"key": "simulated", "what": "the probes"},
+        "replay": {"key": "simulated_window", "what": "the run's own"}},
+        "runs": [{"seed": 0, "simple": {"measured_mean_s": 0.04, "measured_attainment": 0.9,
+                                        "simulated_mean_s": 0.05, "simulated_attainment": 1.0,
+                                        "simulated_window_mean_s": 0.04,
+                                        "simulated_window_attainment": 0.9}}]}))
+    assert bench.main(["--errors", str(kept)]) == 0
+    [run] = json.loads(kept.read_text())["runs"]
+    assert list(run["errors"]) == ["probes", "replay"]
+    assert run["errors"]["probes"]["simple"]["mean_latency_error_pct"] == pytest.approx(25.0)
+    assert run["errors"]["probes"]["simple"]["slo_points"] == pytest.approx(10.0)
+    assert run["errors"]["replay"]["simple"]["mean_latency_error_pct"] == 0.0
+    out = capsys.readouterr().out
+    assert out.index("probes") < out.index("replay")

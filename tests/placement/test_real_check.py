@@ -2,12 +2,16 @@
 times plus the fixed costs of a request), and both placements serving every request of the
 trace on two worker processes."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from graphpar.placement.real_compare import (
     breakdown,
     compare,
+    errors,
     finish_times,
     part_of,
     per_request,
@@ -75,6 +79,24 @@ def test_each_part_is_simulated_with_its_own_service_times_and_with_the_probes_a
     assert out["attainment_by_slo_scale"]["0.5"] == {
         "measured": 0.5, "simulated": 0.5, "simulated_fixed": 0.5, "simulated_probed": 0.5,
         "simulated_alone": 0.5, "simulated_per_request": 0.5}
+
+
+def test_errors_are_kept_by_profile_the_predictions_apart_from_the_replay():
+    run = {"simple": {"measured_mean_s": 0.5, "measured_attainment": 1.0,
+                      "simulated_mean_s": 0.5, "simulated_attainment": 1.0,
+                      "simulated_probed_mean_s": 0.625, "simulated_probed_attainment": 0.75,
+                      "attainment_by_slo_scale": {
+                          "5.0": {"measured": 1.0, "simulated": 1.0, "simulated_probed": 0.75},
+                          "1.5": {"measured": 0.5, "simulated": 0.25,
+                                  "simulated_probed": 0.25}}}}
+    e = errors(run)
+    assert list(e) == ["probes", "replay"]  # what the run kept, predictions first
+    assert e["probes"]["simple"] == {"mean_latency_error_pct": 25.0, "slo_points": 25.0,
+                                     "slo_scales": [5.0, 1.5]}
+    assert e["replay"]["simple"]["mean_latency_error_pct"] == 0.0
+    assert e["replay"]["simple"]["slo_points"] == 25.0  # the largest gap over the scales
+    # a JSON of an earlier check names its own keys
+    assert errors(run, {"alone": "simulated"})["alone"]["simple"]["slo_scales"] == [5.0, 1.5]
 
 
 def test_the_check_draws_each_request_s_compute_from_the_part_s_leaving_fixed_costs_alone():
@@ -148,6 +170,40 @@ def test_both_placements_serve_the_trace_on_two_processes(tmp_path):
              "second_compute")
     assert sum(b[k] for k in parts) == pytest.approx(r["pipeline"]["measured_mean_s"])
     assert r["service_s"]["receive"] > 0
+
+
+BENCH = Path(__file__).parents[2] / "tools" / "bench"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kept", ["placement_real.json", "placement_real.seg6.json"])
+def test_the_simulator_predicts_mean_latency_within_25_percent_from_probes(kept):
+    """The predictive error, not the replay's: the simulator given the mean service times of
+    probes served in the seconds around each part (not the requests it is checked on) against
+    the measured mean latency, in the idle-machine runs the bench kept (2 cores of an AMD
+    EPYC, utilisation 0.4, 60 s per run; `tools/bench/placement_real.py`).
+
+    Why 25 %: over the 8 idle runs of docs/placement.md (16 placements) the probes' error
+    ranged from -20.5 % (a pipeline whose machine slowed inside a part) to +11.3 %, 12 of 16
+    within 10 %; 25 % bounds all of them with a margin for a new run's drift. SLO attainment
+    was off by up to 9.3 points: bounded by 10. The kept runs are 4 of the 8 (-7.7 to
+    +11.3 %); the others' JSON was rewritten (their timestamps were re-simulated for the
+    table). Slow-marked: it tests kept measurements, which a rerun of the bench on a busy
+    machine replaces (under load, each process's profile alone was 14-48 % short:
+    placement_real.load.json), not the code; a rerun that breaks it means the docs' predictive
+    figures must change."""
+    results = json.loads((BENCH / kept).read_text())
+    profiles = {name: p["key"] for name, p in results["profiles"].items()}
+    assert results["runs"]
+    for run in results["runs"]:
+        e = errors(run, profiles)
+        assert run["errors"] == e  # the JSON's summary is its numbers'
+        for mode in ("simple", "pipeline"):
+            assert abs(e["probes"][mode]["mean_latency_error_pct"]) <= 25.0, (run["seed"], mode)
+            assert e["probes"][mode]["slo_points"] <= 10.0, (run["seed"], mode)
+            # a profile of each process alone, before the run, is short: the models ran
+            # slower in the run than alone (docs/placement.md: 8-42 % over the 8 runs)
+            assert -45.0 <= e["alone"][mode]["mean_latency_error_pct"] < 0.0
 
 
 @pytest.mark.parametrize("bad", [dict(segments=0), dict(probe=0.0), dict(duration=0.0)])

@@ -4,13 +4,17 @@ graphpar's worker group; measured (wall clock) against simulated mean latency an
 attainment (at the SLO scale given and at 1.5, 2 and 3x). The simulator gets fixed costs
 calibrated on the same processes first and the service times as the processes delivered
 them: per part of the trace, each model's mean, the speed of the process around each
-request, and the spread (graphpar.placement.real_check). Beside it: the part's means held
-fixed, the means of probes served around each part, each process calibrated alone, and each
-request's own computes. Each run is repeated with another trace seed.
+request, and the spread (graphpar.placement.real_check). That is a consistency check of the
+simulator's queueing, not a prediction. The predictions are beside it: the simulator given the
+means of probes served around each part, and each process calibrated alone before the run.
+Also beside it: the part's means held fixed, and each request's own computes. Each run is
+repeated with another trace seed. Each run in the JSON keeps its errors by profile
+(`errors`, predictive first; what each profile is: `profiles`).
 
     python tools/bench/placement_real.py                 # 2 runs of 60 s: the idle check
     python tools/bench/placement_real.py --quick         # 1 run of 20 s in 2 parts (a smoke check)
     python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
+    python tools/bench/placement_real.py --errors tools/bench/placement_real.json  # kept runs
 
 Two worker processes and this one (asleep while they serve): no more processes than two
 cores. Report CPU load beside the numbers: on a shared machine the run measures its
@@ -27,8 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from graphpar.calibration import cpu_model
 from graphpar.errors import GraphparError
 from graphpar.placement.real_check import MODELS, real_check
+from graphpar.placement.real_compare import PROFILE_NOTES, PROFILES, errors
 
 
 def _row(mode: str, m: dict, key: str = "simulated") -> str:
@@ -37,6 +43,30 @@ def _row(mode: str, m: dict, key: str = "simulated") -> str:
     return (f"  {mode:10s} {measured * 1e3:11.1f} ms {sim * 1e3:12.1f} ms "
             f"{(sim / measured - 1) * 100:+6.1f}% {m['measured_attainment'] * 100:12.1f}% "
             f"{m[f'{key}_attainment'] * 100:13.1f}% {points:+7.1f}")
+
+
+def print_errors(run: dict) -> None:
+    """The run's errors by profile: the predictions first, then the consistency checks."""
+    print(f"  {'simulator given':14s} {'placement':10s} {'mean latency':>12s} {'SLO points':>11s}")
+    for name, by_mode in run["errors"].items():
+        for mode, e in by_mode.items():
+            points = "-" if e["slo_points"] is None else f"{e['slo_points']:.1f}"
+            print(f"  {name:14s} {mode:10s} {e['mean_latency_error_pct']:+11.1f}% {points:>11s}")
+
+
+def kept_errors(path: Path) -> int:
+    """Add `errors` to every run of a kept JSON (from the numbers it kept, by its `profiles`:
+    name -> key prefix, as the check of the time named them) and print them."""
+    results = json.loads(path.read_text())
+    profiles = results.get("profiles", {name: {"key": key, "what": PROFILE_NOTES[name]}
+                                        for name, key in PROFILES.items()})
+    results["profiles"] = profiles
+    for r in results["runs"]:
+        r["errors"] = errors(r, {name: p["key"] for name, p in profiles.items()})
+        print(f"{path.name}, seed {r['seed']}: simulated against measured")
+        print_errors(r)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,11 +88,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="write every replay's per-request timestamps to KEEP<seed>.npz")
     parser.add_argument("--out", default=None,
                         help="JSON (default: placement_real.json beside this script)")
+    parser.add_argument("--errors", default=None, metavar="JSON",
+                        help="run nothing: add the errors by profile to a kept JSON's runs "
+                             "(from the numbers it kept) and print them")
     args = parser.parse_args(argv)
+    if args.errors:
+        return kept_errors(Path(args.errors))
     duration, runs, segments = ((20.0, 1, 2) if args.quick
                                 else (args.duration, args.runs, args.segments))
     out = Path(args.out or Path(__file__).with_suffix(".json"))
-    results = {"machine": platform.node(), "cpus": os.cpu_count(), "runs": []}
+    results = {"machine": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+               "profiles": {name: {"key": key, "what": PROFILE_NOTES[name]}
+                            for name, key in PROFILES.items()},
+               "runs": []}
     for seed in range(runs):
         load = os.getloadavg()[0]
         cpu, wall = time.process_time(), time.perf_counter()
@@ -76,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         r |= {"seed": seed, "load_average_1min_before": load,
               "load_average_1min_after": os.getloadavg()[0],
               "wall_s": time.perf_counter() - wall, "cpu_s_main": time.process_time() - cpu}
+        r["errors"] = errors(r)
         results["runs"].append(r)
         s = r["service_s"]
         print(f"run {seed}: {r['requests']} requests at {r['rate']:.3g} req/s over {duration:g} s "
@@ -101,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
               + "; compute CV per rank: " + ", ".join(
                   f"{mode} " + "/".join(f"{c:.2f}" for c in r[mode]["service_cv_in_run"])
                   for mode in ("simple", "pipeline")))
+        print("  the simulator's error, predictions (probes, alone) first, then the "
+              "consistency checks (replay: the service times the run delivered):")
+        print_errors(r)
         print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} {'error':>7s} "
               f"{'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
         for mode in ("simple", "pipeline"):

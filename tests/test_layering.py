@@ -25,9 +25,9 @@ MAY_IMPORT = {
     "graphpar.models": (),
     "graphpar.viz": ("graphpar.ir", "graphpar.cost"),
     # the wings: the floors below, and of another wing only its public face
-    "graphpar.compiler.driver": BELOW_THE_WINGS,
+    "graphpar.compiler": BELOW_THE_WINGS,
     "graphpar.serving": BELOW_THE_WINGS,
-    "graphpar.calibration.calibrate": BELOW_THE_WINGS + ("graphpar.compiler.api",),
+    "graphpar.calibration": BELOW_THE_WINGS + ("graphpar.compiler.api",),
     "graphpar.placement": BELOW_THE_WINGS + ("graphpar.compiler.model_file",),
 }
 # modules of a wing that its engine-side code must not import: serving's engine, scheduler,

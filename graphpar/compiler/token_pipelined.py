@@ -6,7 +6,7 @@ causal LM's step slice by slice along the sequence, equal to eager PyTorch + tor
 `slice-tokens` pass records them), captures each slice's step with explicit keys and values
 (`capture.token_slice`, once per (length, offset): shapes are static), cuts it into the
 pipeline's stages (`passes.pipeline.token_programs`) and schedules the (microbatch, slice)
-items (`runtime.schedules.token_schedule`).
+items (`passes.pipeline.schedules.token_schedule`).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def measure_cli(model: str, mesh: str, settings: dict) -> dict:
 def run_row(model: str, mesh: str, settings: dict) -> dict:
     """`measure_row` in a fresh process (its peak memory is the row's alone), or the command
     itself (`via` "cli"); with the row's settings, CPU and load average."""
-    from graphpar.calibration import cpu_model
+    from graphpar.calibration.calibrate import cpu_model
 
     load = os.getloadavg()[0]
     if settings["via"] == "cli":

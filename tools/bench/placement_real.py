@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from graphpar.calibration import cpu_model
+from graphpar.calibration.calibrate import cpu_model
 from graphpar.errors import GraphparError
 from graphpar.placement.real_check import MODELS, real_check
 from graphpar.placement.real_compare import PROFILE_NOTES, PROFILES, errors

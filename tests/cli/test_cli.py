@@ -164,20 +164,22 @@ def test_viz_writes_a_self_contained_page(tmp_path, capsys):
 
 
 def test_compile_on_a_mesh_runs_the_plan_on_cpu_ranks(tmp_path, capsys):
-    code, out, _ = run_cli(capsys, "compile", "--example", "mlp:tiny", "--mesh", "2",
-                           "--cluster", "cpu", "--run-cpu", "2", "--out", tmp_path)
+    code, out, _ = run_cli(capsys, "compile", "--example", "mlp:tiny", "--mode", "train",
+                           "--mesh", "2", "--cluster", "cpu", "--run-cpu", "2", "--out", tmp_path)
     assert code == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["plan"]["mesh"] == "2" and report["plan"]["solver"]["status"] == "OPTIMAL"
     assert report["plan"]["compute_model"] == "roofline, cpu fp32"
     assert "compute as a roofline, cpu fp32" in out
-    assert report["run_cpu"]["max_abs_error"] < 1e-5
+    assert report["run_cpu"]["within_tolerance"] and report["run_cpu"]["checked_steps"] == 3
+    assert "verdict    PASS: 3 steps" in out
     assert report["run_cpu"]["bytes_logical"] == pytest.approx(
         report["run_cpu"]["bytes_predicted"])
-    # the payloads handed to gloo, beside the plan's definition (this plan sends nothing)
-    assert report["run_cpu"]["bytes_counted"] == report["run_cpu"]["bytes_logical"] == 0
+    # the payloads handed to gloo, beside the plan's definition: the gradients' all-reduce on
+    # 2 ranks, an all-gather of (2-1)·B against the plan's 2·(2-1)/2·B
+    assert report["run_cpu"]["bytes_counted"] == report["run_cpu"]["bytes_logical"] > 0
     assert "bytes sent per rank: " in out and " counted (gloo payloads), " in out
-    assert "{" in (tmp_path / "mlp_tiny.gpir").read_text()  # layouts in the IR dump
+    assert "{" in (tmp_path / "mlp_tiny_train.gpir").read_text()  # layouts in the IR dump
     assert "run-cpu    2 ranks" in out
     # the measured step time beside the program's estimate (its nodes priced: at most the
     # objective the plan was chosen by), and their ratio

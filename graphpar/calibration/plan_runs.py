@@ -22,6 +22,7 @@ from graphpar.capture import Adam, Captured, capture_inference, capture_training
 from graphpar.compiler.api import Compiled, lower
 from graphpar.cost.communication import node_comm_cost
 from graphpar.cost.compute import Roofline, node_seconds, op_class, result_bytes
+from graphpar.ir.spmd_ops import LOCAL_OPS
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.apply import shard_graph
 from graphpar.passes.autoshard.auto_shard import ShardingPlans
@@ -141,6 +142,8 @@ def node_rows(compiled: Compiled, times=None, roofline: Roofline | None = None
         if comm is not None:
             rows.append(NodeRow(node.op, comm.kind.value, True, comm.group_size,
                                 int(comm.nbytes), comm.seconds, measured))
+        elif node.op in LOCAL_OPS:  # a reshard's free local step, as the plan priced it
+            rows.append(NodeRow(node.op, "free", False, 1, 0, 0.0, measured))
         else:
             operands = [getattr(v, "type", v) for v in node.inputs]
             rows.append(NodeRow(node.op, op_class(node.op, operands), False, 1, 0,

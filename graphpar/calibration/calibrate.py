@@ -7,7 +7,7 @@ the cluster the compiler takes (`docs/calibration.md`).
 
 Compute: every op class at fp32 (full shape list), fp16 and bf16 (the three smallest shapes of
 each class: half precision on a CPU runs far slower) in this process, fitted to the roofline
-(`graphpar.cost.fit.fit_roofline`), each class's overhead the per-call time of a tiny call of
+(`graphpar.calibration.fit.fit_roofline`), each class's overhead the per-call time of a tiny call of
 it through the interpreter (`measure_overheads`). Collectives: `ranks` worker
 processes, fitted per kind to the alpha-beta formulas of `graphpar.cost.communication`, and
 once over every kind together for the cluster's intra-node link (what collectives without a
@@ -31,6 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from graphpar.calibration.fit import (
+    AlphaBetaFit,
+    InStepFit,
+    RooflineFit,
+    fit_alpha_beta,
+    fit_in_step,
+    fit_roofline,
+)
 from graphpar.calibration.in_step import PROGRAMS, QUICK_PROGRAMS, ProgramProfile, profile_programs
 from graphpar.calibration.measure import (
     MEASURED_COLLECTIVES,
@@ -43,14 +51,6 @@ from graphpar.calibration.measure import (
     measure_overheads,
 )
 from graphpar.cost.cluster import PRESETS, Cluster
-from graphpar.cost.fit import (
-    AlphaBetaFit,
-    InStepFit,
-    RooflineFit,
-    fit_alpha_beta,
-    fit_in_step,
-    fit_roofline,
-)
 from graphpar.errors import UsageError
 from graphpar.ir.cluster import COLLECTIVE_KINDS, COMPUTE_CLASSES, normalize_dtype
 from graphpar.runtime.workers import worker_threads

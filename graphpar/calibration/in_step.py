@@ -15,7 +15,7 @@ parallel: gradient all-reduces; Megatron: activation all-reduces; ZeRO-3: all-ga
 reduce-scatters) and decode steps of a model whose weights (118 MB) no cache holds, so that its
 skinny matmuls stream them from memory with every rank doing the same at once. Each runs a few
 steps with every node timed (`Compiled.time_steps(profile=True)`);
-`graphpar.cost.fit.fit_in_step` turns the nodes into one factor per op class and collective
+`graphpar.calibration.fit.fit_in_step` turns the nodes into one factor per op class and collective
 kind and a dispatch time per node and per byte of results (the small training step, the same
 nodes on tensors 36x smaller, tells the two apart).
 """

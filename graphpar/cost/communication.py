@@ -132,7 +132,7 @@ def _terms(kind: StepKind, n: int, latency: float) -> tuple[float, float]:
 def collective_terms(kind: StepKind | str, n: int) -> tuple[float, float]:
     """(latency steps, bandwidth factor) of a `kind` collective over `n` ranks: it takes
     `steps * latency + factor * nbytes / bandwidth` seconds (the table above). What
-    `graphpar.cost.fit` fits measured times to."""
+    `graphpar.calibration.fit` fits measured times to."""
     return _terms(StepKind(kind), n, 1.0)
 
 

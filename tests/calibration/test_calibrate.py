@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphpar.calibration.calibrate as calibration
+from graphpar.calibration.fit import roofline_seconds
 from graphpar.calibration.in_step import ProgramProfile
 from graphpar.calibration.measure import (
     CACHE_BYTES,
@@ -27,7 +28,6 @@ from graphpar.calibration.plan_runs import NodeRow
 from graphpar.cli import main
 from graphpar.cost.cluster import ClusterFallbackWarning, get_cluster, load_cluster
 from graphpar.cost.communication import collective_time
-from graphpar.cost.fit import roofline_seconds
 from graphpar.ir.cluster import COMPUTE_CLASSES
 from graphpar.ir.registry import get_op
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
+from graphpar.calibration.fit import fit_alpha_beta, fit_roofline, nnls, roofline_seconds
 from graphpar.cost.communication import collective_time
-from graphpar.cost.fit import fit_alpha_beta, fit_roofline, nnls, roofline_seconds
 from graphpar.errors import ClusterSpecError
 
 # (M, K, N) matmuls: skinny ones below the ridge (memory-bound), square ones above it
@@ -131,7 +131,7 @@ def test_in_step_factors_are_ratios_of_sums_and_dispatch_the_rest():
     """Each class's factor is its nodes' measured time over their estimate, summed (so its
     share of a step comes out right); the step's time outside priced nodes, spread over them,
     is the dispatch; the corrected estimate of each program is then its step exactly."""
-    from graphpar.cost.fit import fit_in_step
+    from graphpar.calibration.fit import fit_in_step
 
     train = [("gemm", 1e-3, 1.5e-3), ("gemm", 3e-3, 4.5e-3), ("elementwise", 1e-4, 3e-4),
              ("all_reduce", 2e-3, 5e-3), ("free", 0.0, 2e-5)]
@@ -154,7 +154,7 @@ def test_in_step_factors_are_ratios_of_sums_and_dispatch_the_rest():
 def test_in_step_collectives_split_latency_from_bandwidth():
     """In a step a small collective pays most for waking its peer: the fit gives each kind a
     latency factor and a bandwidth factor, from its nodes' two terms, exactly on exact data."""
-    from graphpar.cost.fit import fit_in_step
+    from graphpar.calibration.fit import fit_in_step
 
     nodes = [("all_reduce", a + b, 3.0 * a + 1.2 * b, (a, b))
              for a, b in ((2e-4, 1e-4), (2e-4, 1e-3), (2e-4, 8e-3), (4e-4, 2e-3))]
@@ -171,7 +171,7 @@ def test_in_step_dispatch_splits_into_time_per_node_and_per_result_byte():
     """Two programs of the same nodes, one on tensors 16x larger: the time between nodes
     grows with the bytes of their results (fresh memory), and the fit tells that from a time
     per node exactly on exact data; one program alone puts it all per node."""
-    from graphpar.cost.fit import fit_in_step
+    from graphpar.calibration.fit import fit_in_step
 
     per_node, per_byte = 5e-6, 4e-11
     programs = []

@@ -19,9 +19,10 @@ import numpy as np
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.printer import node_numbers
+from graphpar.ir.structure import node_signature
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
 from graphpar.passes.autoshard.layers import layer_key
-from graphpar.passes.autoshard.strategies import Strategy, node_signature
+from graphpar.passes.autoshard.strategies import Strategy
 
 DEFAULT_TOP = 10
 DEFAULT_TRIES = 3  # alternatives re-solved per node, the cheapest with the rest of the plan kept

@@ -26,8 +26,8 @@ from graphpar.passes.autoshard.hand_plans import (
     megatron_dim,
     weights_stored_in_out,
 )
+from graphpar.passes.autoshard.identical_layers import layer_key, repeated_layers
 from graphpar.passes.autoshard.ilp import Problem, Reduced
-from graphpar.passes.autoshard.layers import layer_key, repeated_layers
 
 CLUSTER = get_cluster("dgx-a100")
 ROOF = Roofline.of(CLUSTER, "fp32")  # the roofline auto-shard prices compute by

@@ -41,7 +41,7 @@ from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.ir.structure import node_signature
-from graphpar.passes.autoshard.layers import input_key, layer_key
+from graphpar.passes.autoshard.identical_layers import input_key, layer_key
 from graphpar.passes.autoshard.strategies import (
     Strategy,
     dominant_operand,

@@ -45,7 +45,7 @@ from graphpar.ir.structure import canonical_order, layer_signature
 from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
 from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
-from graphpar.passes.pipeline.layers import (
+from graphpar.passes.pipeline.clustering import (
     DEFAULT_DELTA,
     cluster_bounds,
     default_layer_count,

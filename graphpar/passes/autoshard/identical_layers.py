@@ -1,10 +1,11 @@
-"""Repeated layers: which nodes of a graph are the same place of identical layers.
+"""Identical layers: which nodes of a graph are the same place of identical layers.
 
 A model's layers are found by their module paths: `blocks.7.attn` is in layer `blocks.7` of the
-stack `blocks.*` (the first numbered component of the path; graph inputs by their names,
-`blocks.7.attn.qkv.weight`). Two layers of a stack are identical when their nodes, in graph
-order, have equal signatures (op, attributes, operand and result types) and equal module paths
-up to the layer number, and their inputs equal names (up to the number), types and roles.
+stack `blocks.*` (the first numbered component of the path, `graphpar.ir.structure.layer_of`;
+graph inputs by their names, `blocks.7.attn.qkv.weight`). Two layers of a stack are identical
+when their nodes, in graph order, have equal `node_signature`s (op, attributes, operand and
+result types) and equal module paths up to the layer number, and their inputs equal names (up
+to the number), types and roles.
 
 The auto-shard ILP gives the nodes in the same place of identical layers one set of variables
 (`layer_key`, `input_key`), so a 96-layer model costs what one layer does to solve; the

@@ -11,7 +11,7 @@ from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Role
 from graphpar.ir.structure import layer_signature
 from graphpar.ir.types import TensorType
-from graphpar.passes.pipeline.layers import (
+from graphpar.passes.pipeline.clustering import (
     Chain,
     cluster_bounds,
     default_layer_count,

@@ -19,7 +19,7 @@ from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.registry import get_op
 from graphpar.ir.structure import layer_of
-from graphpar.passes.autoshard.layers import repeated_layers
+from graphpar.passes.autoshard.identical_layers import repeated_layers
 
 DEFAULT_DELTA = 0.6  # Alpa's default slack on FLOPs per layer
 

@@ -16,7 +16,6 @@ Only weightless (meta) captures repeat: their state is shapes, which the copies'
 from __future__ import annotations
 
 import heapq
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from graphpar.ir.graph import Graph, Node, OutputRole, Value
+from graphpar.ir.structure import layer_of, node_signature, relayered
 
 # Layers traced: 0 and 4 are the ends (they differ: the embedding, the head), 1 and 3 are the
 # template's neighbours, which a copy's operands are read from, and 2 is the template.
@@ -60,7 +60,7 @@ def find_layer_stack(module: torch.nn.Module) -> LayerStack | None:
             continue  # a list inside one layer (its experts): the layers are what repeats
         if best is not None and len(sub) <= best.depth:
             continue
-        signatures = {_layer_signature(layer) for layer in sub}
+        signatures = {_module_signature(layer) for layer in sub}
         if len(signatures) != 1:
             continue
         if any(owners[id(t)] > 1 for layer in sub for t in _tensors(layer)):
@@ -76,7 +76,7 @@ def _tensors(layer: torch.nn.Module) -> Iterator[torch.Tensor]:
         yield tensor
 
 
-def _layer_signature(layer: torch.nn.Module) -> tuple:
+def _module_signature(layer: torch.nn.Module) -> tuple:
     tensors = [*layer.named_parameters(remove_duplicate=False),
                *layer.named_buffers(remove_duplicate=False)]
     return (type(layer), tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
@@ -135,9 +135,7 @@ class _Expansion:
     """One expansion: the traced graph's nodes by layer, the checks, the expanded graph."""
 
     def __init__(self, graph: Graph, prefix: str, depth: int):
-        self.graph, self.depth = graph, depth
-        self.pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?=\.|$)")
-        self.prefix = prefix
+        self.graph, self.depth, self.prefix = graph, depth, prefix
         self.position = {n: i for i, n in enumerate(graph.nodes)}
         self.label = self._labels()
         self.layers: dict[int, list[Node]] = {k: [] for k in range(TRACED_LAYERS)}
@@ -155,10 +153,10 @@ class _Expansion:
 
     # Which layer each node and input belongs to.
     def _layer_of_name(self, name: str | None) -> int:
-        m = self.pattern.match(name or "")
-        if m is None:
+        where = layer_of(name, self.prefix)
+        if where is None:
             return SHARED
-        k = int(m.group(1))
+        k = where[1]
         if k >= TRACED_LAYERS:
             raise _NotRepeating("a layer index beyond the traced layers")
         return k
@@ -202,13 +200,16 @@ class _Expansion:
         return ("node", k - layer, self.index_in_layer[v.producer], v.index)
 
     def _unlayered(self, name: str | None) -> str | None:
-        return None if name is None else self.pattern.sub(self.prefix + ".*", name)
+        return relayered(name, "*", self.prefix)
 
     def _signature(self, node: Node, layer: int, reads: set[int]) -> tuple:
-        operands = tuple(key if key[0] not in ("node", "param") or key[1] in reads else "other"
-                         for key in (self._operand_key(v, layer) for v in node.inputs))
-        return (node.op, tuple(sorted(node.attrs.items())), tuple(o.type for o in node.outputs),
-                self._unlayered(node.module), operands)
+        """The node with its operands relative to `layer`, those in layers outside `reads`
+        only as "other", and its module up to the layer number."""
+        def operand(v) -> tuple | str:
+            key = self._operand_key(v, layer)
+            return key if key[0] not in ("node", "param") or key[1] in reads else "other"
+
+        return node_signature(node, operand), self._unlayered(node.module)
 
     def _check_repeats(self) -> None:
         """The template, layer 2, reads only layers 1 to 3 and the shared values; its nodes
@@ -236,9 +237,7 @@ class _Expansion:
                     raise _NotRepeating(f"{node.op} in {node.module} reads the template layer")
 
     def rename(self, name: str | None, layer: int) -> str | None:
-        if name is None:
-            return None
-        return self.pattern.sub(f"{self.prefix}.{layer}", name, count=1)
+        return relayered(name, layer, self.prefix)
 
     # Building the expanded graph.
     def instances(self, node: Node) -> list[int]:

@@ -458,19 +458,33 @@ class Graph:
             fresh.layout = v.layout
             new.inputs.append(fresh)
             mapping[v] = fresh
-        for node in self.nodes:
-            operands = [mapping[v] if isinstance(v, Value) else map_constant(v)
-                        for v in node.inputs]
-            attrs = {k: map_constant(a) for k, a in node.attrs.items()}
-            copy = Node(node.op, operands, [map_type(o.type) for o in node.outputs], attrs,
-                        node.module, node.loc)
-            new.add_node(copy)
-            for old, fresh in zip(node.outputs, copy.outputs):
-                fresh.layout = old.layout
-                mapping[old] = fresh
+        copy_nodes(self.nodes, new, mapping, map_type, map_constant)
         for out in self.outputs:
             new.add_output(mapping[out.value], out.role, out.target)
         return new
+
+
+def copy_nodes(nodes: Iterable[Node], into: Graph, mapping: dict[Value, Value],
+               map_type: Callable[[TensorType], TensorType] | None = None,
+               map_constant: Callable[[Any], Any] | None = None) -> None:
+    """Append a copy of each of `nodes`, in order, to `into`: op, attributes, module, source
+    line, result types and layouts. A copy reads `mapping[v]` for each value `v` its node reads
+    (the values from outside `nodes` must be there), and each result is added to `mapping`.
+
+    `map_type` rewrites the results' types and `map_constant` the inline operands and attribute
+    values, per node in that order: operands, attributes, result types (as `Graph.copy` says).
+    """
+    map_type, map_constant = map_type or _unchanged, map_constant or _unchanged
+    for node in nodes:
+        operands = [mapping[v] if isinstance(v, Value) else map_constant(v)
+                    for v in node.inputs]
+        attrs = {k: map_constant(a) for k, a in node.attrs.items()}
+        copy = Node(node.op, operands, [map_type(o.type) for o in node.outputs], attrs,
+                    node.module, node.loc)
+        into.add_node(copy)
+        for old, fresh in zip(node.outputs, copy.outputs):
+            fresh.layout = old.layout
+            mapping[old] = fresh
 
 
 def _unchanged(x: Any) -> Any:

@@ -2,7 +2,7 @@
 §4.1, inference only, no data parallelism inside a group):
 
 1. capture the model's forward pass at the serving dtype (weightless, on meta) and cluster its
-   ops into layers with the pipeline pass's clustering (`passes.pipeline.layers`);
+   ops into layers with the pipeline pass's clustering (`passes.pipeline.clustering`);
 2. cost every layer range as one stage on a k-device sub-mesh with the auto-shard ILP, as
    `slice-stages` does (`passes.pipeline.slice_stages.ServingStages`): one ILP solve per
    (layer structure, logical mesh), shared between models of the same shape; a range costs
@@ -216,7 +216,11 @@ def profile_module(name: str, module, inputs, dtype: str = "fp16",
     from graphpar.cost.cluster import get_cluster, mesh_for
     from graphpar.cost.compute import Roofline, node_seconds
     from graphpar.ir.graph import Role
-    from graphpar.passes.pipeline.layers import cluster_bounds, default_layer_count, forward_chain
+    from graphpar.passes.pipeline.clustering import (
+        cluster_bounds,
+        default_layer_count,
+        forward_chain,
+    )
     from graphpar.passes.pipeline.slice_stages import ServingStages
 
     if dtype not in DTYPE_BYTES:

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from graphpar.ir.graph import Graph
+from graphpar.ir.graph import Graph, copy_nodes
 from graphpar.ir.types import TensorType
 from graphpar.passes import PassContext
 from graphpar.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination
@@ -122,3 +122,17 @@ def test_editing_a_big_graph_is_linear():
     seconds = time.perf_counter() - start
     assert ops(g) == ["neg"] * n
     assert seconds < 5.0, f"{seconds:.1f} s: node insert/erase is no longer O(1)"
+
+
+def test_copy_nodes_copies_a_run_of_nodes_into_another_graph():
+    g = chain(4)
+    g.nodes[1].module, g.nodes[2].attrs["note"] = "blocks.1", 0.5
+    sub = Graph("tail")
+    start = sub.add_input("h", T)
+    mapping = {g.nodes[0].output: start}  # the value the copied run reads from outside
+    copy_nodes(g.nodes[1:], sub, mapping)
+    assert [n.op for n in sub.nodes] == ["neg"] * 3
+    assert sub.nodes[0].inputs == (start,) and sub.nodes[0].module == "blocks.1"
+    assert sub.nodes[1].attrs == {"note": 0.5}
+    assert mapping[g.nodes[3].output] is sub.nodes[2].output
+    assert len(g.nodes) == 4 and g.nodes[1].inputs == (g.nodes[0].output,)  # g is untouched

@@ -13,6 +13,7 @@ from graphpar.errors import MemoryLimitError
 from graphpar.ir.graph import Role
 from graphpar.ir.layout import Layout
 from graphpar.ir.parser import parse
+from graphpar.ir.structure import node_signature
 from graphpar.ir.verify import verify
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
@@ -25,9 +26,8 @@ from graphpar.passes.autoshard.hand_plans import (
     megatron_dim,
     weights_stored_in_out,
 )
+from graphpar.passes.autoshard.identical_layers import layer_key, repeated_layers
 from graphpar.passes.autoshard.ilp import Problem, Reduced
-from graphpar.passes.autoshard.layers import layer_key, repeated_layers
-from graphpar.passes.autoshard.strategies import node_signature
 
 CLUSTER = get_cluster("dgx-a100")
 ROOF = Roofline.of(CLUSTER, "fp32")  # the roofline auto-shard prices compute by

@@ -47,7 +47,7 @@ from graphpar.errors import GraphparError
 from graphpar.ir.parser import parse_program
 from graphpar.ir.printer import print_graph
 from graphpar.models import example_batch, get_model
-from graphpar.passes.pipeline.layers import default_layer_count, equal_ranges, regular_bounds
+from graphpar.passes.pipeline.clustering import default_layer_count, equal_ranges, regular_bounds
 from graphpar.passes.pipeline.partition import forward_backward_optimizer
 from graphpar.passes.pipeline.slice_stages import logical_meshes, slice_stages
 from graphpar.passes.pipeline.stage_dp import submesh_shapes

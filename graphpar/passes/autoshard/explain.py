@@ -3,9 +3,9 @@ them to another strategy costs, found by solving the same reduced ILP again with
 fixed (`Reduced.solve(allow=...)`, as the hand plans restrict it).
 
 A node of a repeated layer shares one ILP variable with its copies in the identical layers
-(`layers.layer_key`): it is explained together with them (its costs summed over them), and
-forcing it forces them all, since the ILP cannot set them apart. A node that follows its
-operand (ilp.py, step 1) can take only the strategies its operand's group's choices give it.
+(`identical_layers.layer_key`): it is explained together with them (its costs summed over
+them), and forcing it forces them all, since the ILP cannot set them apart. A node that follows
+its operand (ilp.py, step 1) can take only the strategies its operand's group's choices give it.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import numpy as np
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.printer import node_numbers
+from graphpar.ir.structure import node_signature
+from graphpar.passes.autoshard.identical_layers import layer_key
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
-from graphpar.passes.autoshard.layers import layer_key
-from graphpar.passes.autoshard.strategies import Strategy, node_signature
+from graphpar.passes.autoshard.strategies import Strategy
 
 DEFAULT_TOP = 10
 DEFAULT_TRIES = 3  # alternatives re-solved per node, the cheapest with the rest of the plan kept

@@ -40,13 +40,13 @@ from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
-from graphpar.passes.autoshard.layers import input_key, layer_key
+from graphpar.ir.structure import node_signature
+from graphpar.passes.autoshard.identical_layers import input_key, layer_key
 from graphpar.passes.autoshard.strategies import (
     Strategy,
     dominant_operand,
     input_layouts,
     is_follower,
-    node_signature,
     node_strategies,
     replicated,
 )

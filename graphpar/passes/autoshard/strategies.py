@@ -15,6 +15,7 @@ from graphpar.ir.layout import Layout, Partial, Replicate, Shard
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.printer import node_flops
 from graphpar.ir.registry import Trait, get_op
+from graphpar.ir.structure import node_signature
 from graphpar.ir.types import TensorType
 from graphpar.passes.autoshard.factors import FactorSpec, factor_spec
 
@@ -33,20 +34,13 @@ def replicated(mesh: Mesh) -> Layout:
     return Layout(tuple(Replicate() for _ in mesh.shape))
 
 
-def node_signature(node: Node) -> tuple:
-    """What a node's strategies depend on: op, attributes, operand and result types. Nodes in
-    the same place of identical layers have equal signatures."""
-    return (node.op, tuple(sorted(node.attrs.items())),
-            tuple(v.type if isinstance(v, Value) else v is None for v in node.inputs),
-            tuple(o.type for o in node.outputs))
-
-
 _CACHE: dict[tuple, list[Strategy]] = {}
 
 
 def node_strategies(node: Node, mesh: Mesh, roofline: Roofline | float) -> list[Strategy]:
     """Every valid strategy, deduplicated; the all-replicated one is always first. Cached by
-    signature, so equal nodes share one (read-only) list. `roofline` prices compute
+    `node_signature` (op, attributes, operand and result types: all a node's strategies depend
+    on), so equal nodes share one (read-only) list. `roofline` prices compute
     (`graphpar.cost.compute`; a number is a peak FLOP/s with nothing else)."""
     roofline = Roofline.coerce(roofline)
     key = (node_signature(node), mesh, roofline)

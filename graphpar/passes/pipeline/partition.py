@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from graphpar.errors import PassError
-from graphpar.ir.graph import Graph, Node, Output, OutputRole, Role, Value
+from graphpar.ir.graph import Graph, Node, Output, OutputRole, Role, Value, copy_nodes
 from graphpar.ir.printer import node_flops
 
 __all__ = ["equal_flops_stages", "follow_forward", "forward_backward_optimizer",
@@ -245,14 +245,7 @@ def stage_subgraph(graph: Graph, nodes: Iterable[Node], name: str,
         for v in node.input_values:
             if v.producer not in members:
                 bring(v)
-    for node in order:
-        operands = [mapping[v] if isinstance(v, Value) else v for v in node.inputs]
-        copy = Node(node.op, operands, [o.type for o in node.outputs], dict(node.attrs),
-                    node.module, node.loc)
-        sub.add_node(copy)
-        for old, fresh in zip(node.outputs, copy.outputs):
-            fresh.layout = old.layout
-            mapping[old] = fresh
+    copy_nodes(order, sub, mapping)
     for out in graph.outputs:
         if out.value.producer in members or (out.value.is_input and out.value in mapping):
             if out.role in (OutputRole.GRAD, OutputRole.UPDATE):

@@ -41,17 +41,16 @@ from graphpar.errors import MemoryLimitError, PassError, ShardingError, TimeLimi
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
+from graphpar.ir.structure import canonical_order, layer_signature
 from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
 from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
-from graphpar.passes.pipeline.layers import (
+from graphpar.passes.pipeline.clustering import (
     DEFAULT_DELTA,
-    canonical_order,
     cluster_bounds,
     default_layer_count,
     equal_ranges,
     forward_chain,
-    layer_signature,
     regular_clusterings,
 )
 from graphpar.passes.pipeline.partition import (

@@ -20,7 +20,7 @@ from graphpar.ir.graph import OutputRole, Role
 from graphpar.models import example_batch, get_model
 from graphpar.passes import PassContext, PassManager, parse_pipeline
 from graphpar.passes.autoshard.ilp import Reduced, solve
-from graphpar.passes.pipeline.layers import (
+from graphpar.passes.pipeline.clustering import (
     equal_ranges,
     regular_bounds,
     regular_clusterings,

@@ -1,10 +1,11 @@
-"""Repeated layers: which nodes of a graph are the same place of identical layers.
+"""Identical layers: which nodes of a graph are the same place of identical layers.
 
 A model's layers are found by their module paths: `blocks.7.attn` is in layer `blocks.7` of the
-stack `blocks.*` (the first numbered component of the path; graph inputs by their names,
-`blocks.7.attn.qkv.weight`). Two layers of a stack are identical when their nodes, in graph
-order, have equal signatures (op, attributes, operand and result types) and equal module paths
-up to the layer number, and their inputs equal names (up to the number), types and roles.
+stack `blocks.*` (the first numbered component of the path, `graphpar.ir.structure.layer_of`;
+graph inputs by their names, `blocks.7.attn.qkv.weight`). Two layers of a stack are identical
+when their nodes, in graph order, have equal `node_signature`s (op, attributes, operand and
+result types) and equal module paths up to the layer number, and their inputs equal names (up
+to the number), types and roles.
 
 The auto-shard ILP gives the nodes in the same place of identical layers one set of variables
 (`layer_key`, `input_key`), so a 96-layer model costs what one layer does to solve; the
@@ -14,38 +15,25 @@ pipeline-stage DP can cost one layer of a group and reuse it for every member
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from graphpar.ir.graph import Graph, Node, Value
-from graphpar.passes.autoshard.strategies import node_signature
-
-_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
-_LAYER = re.compile(r"^(.*?)\.(\d+)(?=\.|$)")
-
-
-def layer_of(path: str | None) -> tuple[str, int] | None:
-    """`blocks.7.attn.qkv` -> ("blocks", 7): the stack and the layer a module path (or an input
-    name) is in, or None outside numbered layers."""
-    m = _LAYER.match(path or "")
-    return None if m is None else (m.group(1), int(m.group(2)))
+from graphpar.ir.structure import layer_of, node_signature, relayered
 
 
 def layer_key(node: Node, index_in_module: int) -> str | None:
     """`blocks.*.attn#3`: equal for the same node of two identical layers (`index_in_module`:
     the node's rank among the nodes of its module with its signature)."""
-    if not node.module or not _LAYER_INDEX.search(node.module):
+    if layer_of(node.module) is None:
         return None
-    return _LAYER_INDEX.sub(".*", node.module, count=1) + f"#{index_in_module}"
+    return f"{relayered(node.module, '*')}#{index_in_module}"
 
 
 def input_key(value: Value) -> str | None:
     """`blocks.*.attn.qkv.weight.exp_avg`: equal for the same input of two identical layers."""
-    if not value.name or not _LAYER_INDEX.search(value.name):
-        return None
-    return _LAYER_INDEX.sub(".*", value.name, count=1)
+    return None if layer_of(value.name) is None else relayered(value.name, "*")
 
 
 @dataclass(frozen=True)
@@ -102,7 +90,6 @@ def repeated_layers(graph: Graph, within: Collection[Node] | None = None) -> lis
 
 def _layer_shape(layer: Layer) -> tuple:
     """What must be equal for two layers to be identical (names without the layer number)."""
-    return (tuple((node_signature(n), _LAYER_INDEX.sub(".*", n.module, count=1))
-                  for n in layer.nodes),
+    return (tuple((node_signature(n), relayered(n.module, "*")) for n in layer.nodes),
             tuple((input_key(v), v.type, v.role) for v in layer.inputs))
 

@@ -9,14 +9,13 @@ import torch
 
 from graphpar.errors import ShardingError
 from graphpar.ir.graph import Graph, Role
+from graphpar.ir.structure import layer_signature
 from graphpar.ir.types import TensorType
-from graphpar.passes.pipeline.layers import (
+from graphpar.passes.pipeline.clustering import (
     Chain,
-    canonical_order,
     cluster_bounds,
     default_layer_count,
     forward_chain,
-    layer_signature,
     received_bytes,
     regular_bounds,
     regular_clusterings,
@@ -141,24 +140,6 @@ def test_clustering_with_allowed_starts_equals_brute_force():
     assert checked > 100
     with pytest.raises(ShardingError, match="begin at 2 allowed ops: give at most that many"):
         cluster_bounds(random_chain(rng, 6), 3, starts=[0, 3])
-
-
-def test_canonical_order_lists_the_same_layer_alike_whatever_its_order():
-    g = Graph("two")
-    x = g.add_input("x", TensorType((4, 8), torch.float32))
-    w = g.add_input("w", TensorType((8, 8), torch.float32), Role.PARAM)
-    a1 = g.create("relu", [x]).output
-    b1 = g.create("matmul", [x, w]).output
-    g.add_output(g.create("add", [a1, b1]).output)
-    b2 = g.create("matmul", [x, w]).output  # the same three ops, emitted in the other order
-    a2 = g.create("relu", [x]).output
-    g.add_output(g.create("add", [a2, b2]).output)
-    nodes = list(g.nodes)
-    first, second = nodes[:3], nodes[3:]
-    assert layer_signature(first) != layer_signature(second)
-    assert layer_signature(canonical_order(first)) == layer_signature(canonical_order(second))
-    assert [n.op for n in canonical_order(first)] == [n.op for n in canonical_order(second)]
-    assert canonical_order(first)[-1].op == "add"  # still topological
 
 
 @pytest.mark.parametrize("n_layers", [6, 12])

@@ -9,9 +9,6 @@ update always land in one stage.
 
 from __future__ import annotations
 
-import hashlib
-import heapq
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +16,10 @@ import numpy as np
 from numba import njit
 
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Graph, Node, Role, Value
+from graphpar.ir.graph import Graph, Node
 from graphpar.ir.registry import get_op
-from graphpar.passes.autoshard.layers import repeated_layers
+from graphpar.ir.structure import layer_of
+from graphpar.passes.autoshard.identical_layers import repeated_layers
 
 DEFAULT_DELTA = 0.6  # Alpa's default slack on FLOPs per layer
 
@@ -302,79 +300,11 @@ def equal_ranges(count: int, parts: int) -> list[tuple[int, int]]:
     return [(a, b - 1) for a, b in zip(edges, edges[1:])]
 
 
-_LAYER_INDEX = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
 def default_layer_count(forward: Sequence[Node]) -> int:
     """Layers to cluster into when not told: the model's repeated blocks (distinct
     `name.<index>` module prefixes, e.g. `blocks.0` ... `blocks.47`) plus one, at least 2 and
     at most the ops. With one more layer than blocks, the clustering of a transformer is
     regular (embedding + first attention, then MLP + next attention, ..., last MLP + head), so
     its layers come in 3 kinds whatever the depth; with two more it ends irregularly."""
-    blocks = {m.group(1) for n in forward if n.module for m in [_LAYER_INDEX.match(n.module)]
-              if m}
+    blocks = {layer_of(n.module) for n in forward} - {None}
     return max(1, min(len(forward), max(2, len(blocks) + 1)))
-
-
-def canonical_order(nodes: Sequence[Node]) -> list[Node]:
-    """`nodes` (a topological order) in an order fixed by their structure alone, so that two
-    layers doing the same ops wired the same way list them alike even where the capture
-    emitted them in another order (the backward of a model's last blocks often is). Kahn's
-    algorithm: of the nodes whose operands are listed, the one with the least structural
-    hash (op, attributes, types and its operands' hashes) comes next, ties in the given
-    order."""
-    members = {node: k for k, node in enumerate(nodes)}
-    shape: dict[Node, bytes] = {}
-    waiting = [0] * len(nodes)
-    users: list[list[int]] = [[] for _ in nodes]
-    for k, node in enumerate(nodes):
-        operands = []
-        for v in node.inputs:
-            if isinstance(v, Value) and v.producer in members:
-                operands.append((shape[v.producer], v.index))
-                waiting[k] += 1
-                users[members[v.producer]].append(k)
-            elif isinstance(v, Value):
-                operands.append(("in", str(v.type), v.role and v.role.value))
-            else:
-                operands.append(repr(v))
-        what = (node.op, sorted(node.attrs.items()), operands, [str(o.type) for o in node.outputs])
-        shape[node] = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
-    ready = [(shape[node], k) for k, node in enumerate(nodes) if not waiting[k]]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, k = heapq.heappop(ready)
-        order.append(nodes[k])
-        for u in users[k]:
-            waiting[u] -= 1
-            if not waiting[u]:
-                heapq.heappush(ready, (shape[nodes[u]], u))
-    return order
-
-
-def layer_signature(nodes: Sequence[Node]) -> str:
-    """A structural hash: equal for two node sets that do the same ops on the same types wired
-    the same way, so that identical layers share their cost. Values from outside are compared
-    by type and role only (an activation computed elsewhere counts as an input)."""
-    local: dict[Value, tuple[int, int]] = {}
-    outside: dict[Value, int] = {}
-    digest = hashlib.sha256()
-    for k, node in enumerate(nodes):
-        operands = []
-        for v in node.inputs:
-            if not isinstance(v, Value):
-                operands.append(repr(v))
-            elif v in local:
-                operands.append(local[v])
-            else:
-                if v not in outside:
-                    outside[v] = len(outside)
-                # An activation from another layer and a graph input are both just data in.
-                role = Role.INPUT if v.role is None else v.role
-                operands.append(("ext", outside[v], str(v.type), role.value))
-        digest.update(repr((node.op, sorted(node.attrs.items()), operands,
-                            [str(o.type) for o in node.outputs])).encode())
-        for out in node.outputs:
-            local[out] = (k, out.index)
-    return digest.hexdigest()[:16]

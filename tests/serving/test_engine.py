@@ -18,7 +18,7 @@ def tokens(outputs):
 
 
 def assert_all_free(llm):
-    bm = llm.engine.block_manager
+    bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_device_blocks
     assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks

@@ -120,7 +120,7 @@ class EngineMachine(RuleBasedStateMachine):
     def consistent(self):
         if self.llm is None:
             return
-        self.engine.block_manager.check_invariants()
+        self.engine.scheduler.block_manager.check_invariants()
         assert self.engine.stats.stalled == 0
 
     def teardown(self):
@@ -134,7 +134,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.expected
         for prefix in list(self.prefixes):
             self.engine.unregister_prefix(prefix)
-        bm = self.engine.block_manager
+        bm = self.engine.scheduler.block_manager
         assert bm.num_free_blocks() == bm.num_device_blocks
         assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
 

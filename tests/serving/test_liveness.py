@@ -30,7 +30,7 @@ def assert_served(module, llm, batch, params, outputs):
             assert got == expected_group(module, prompt, p)
         else:
             assert got == [eager_greedy(module, prompt, p.max_tokens)]
-    bm = llm.engine.block_manager
+    bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_device_blocks
     assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
@@ -50,6 +50,7 @@ def test_a_swapped_group_swaps_back_in(kind, models):
     outputs = llm.generate(batch, params)
     assert llm.stats.preemptions > 0 and llm.stats.swapped_blocks > 0
     assert_served(module, llm, batch, params, outputs)
+
 
 
 @pytest.mark.parametrize("kind", sorted(GROUPS))
@@ -74,7 +75,7 @@ def test_a_prefix_that_would_starve_admitted_work_is_refused(models):
     engine.step()
     with pytest.raises(GenerationError, match="in flight.*too little KV memory"):
         llm.register_prefix([5, 6, 7, 8, 9])
-    assert engine.block_manager.prefixes() == []
+    assert engine.scheduler.block_manager.prefixes() == []
     (out,) = engine.run()
     assert out.error is None and out.outputs[0].token_ids == eager_greedy(module, prompt, 12)
     prefix = llm.register_prefix([5, 6, 7, 8, 9])  # nothing in flight: it fits now
@@ -102,7 +103,7 @@ def test_a_prefix_registered_mid_flight_keeps_serving(models):
     for request_id, b in zip(on_prefix, batch):
         assert outputs[request_id].outputs[0].token_ids == eager_greedy(module, system + b, 5)
     assert engine.stats.stalled == 0
-    assert engine.block_manager.num_free_blocks() == 16
+    assert engine.scheduler.block_manager.num_free_blocks() == 16
 
 
 def test_generate_is_all_or_nothing(models):
@@ -140,7 +141,13 @@ def test_no_block_is_both_copied_from_and_into_in_one_step():
     freeing its hold on P. Preempting before any append, A then writes P in place and B's copy
     goes elsewhere; appending first, B's copy-on-write would take P as its destination."""
     from graphpar.serving.kv_cache_manager import BlockManager
-    from graphpar.serving.scheduler import Request, Scheduler, SchedulerConfig, Sequence
+    from graphpar.serving.scheduler import (
+        Request,
+        RequestStatus,
+        Scheduler,
+        SchedulerConfig,
+        SequenceState,
+    )
 
     bm = BlockManager(num_device_blocks=3, block_size=4, preemption_mode="recompute")
     bm.register_prefix("p", 2)
@@ -148,12 +155,12 @@ def test_no_block_is_both_copied_from_and_into_in_one_step():
     for name, tokens, prefix, n in (("a", [1, 2], "p", 1), ("b", [3, 4, 5], None, 2),
                                     ("z", [1, 2], "p", 1)):
         request = Request(name, tokens, SamplingParams(n=n), arrival_time=len(running),
-                          status="running")
+                          status=RequestStatus.RUNNING)
         bm.allocate(f"{name}.0", len(tokens), group=name, prefix=prefix)
-        request.seqs.append(Sequence(f"{name}.0", list(tokens), len(tokens)))
+        request.seqs.append(SequenceState(f"{name}.0", list(tokens), len(tokens)))
         for i in range(1, n):
             bm.fork(f"{name}.0", f"{name}.{i}")
-            request.seqs.append(Sequence(f"{name}.{i}", list(tokens), len(tokens)))
+            request.seqs.append(SequenceState(f"{name}.{i}", list(tokens), len(tokens)))
         running.append(request)
     bm.unregister_prefix("p")
     scheduler = Scheduler(SchedulerConfig(), bm)

@@ -108,9 +108,10 @@ class EngineMachine(RuleBasedStateMachine):
                 assert "no longer hold" not in out.error and "engine bug" not in out.error
                 continue
             got = [c.token_ids for c in out.outputs]
-            if params.use_beam_search:
+            if params.use_beam_search:  # beams, too, stop at the model's context
                 eos = () if params.ignore_eos else (EOS,)
-                want = eager_beam_search(module, prompt, params.beam_width, params.max_tokens,
+                limit = min(params.max_tokens, MAX_MODEL_LEN - len(prompt))
+                want = eager_beam_search(module, prompt, params.beam_width, limit,
                                          eos=eos)[:params.n]
             else:
                 want = [greedy_until_stop(module, prompt, params)] * params.n

@@ -310,6 +310,7 @@ class LLMEngine:
         self.model.swap_in(plan.swap_in)
         self.model.copy_blocks(plan.copies)
         self.stats.preemptions += len(plan.preempted)
+        self.stats.swap_preemptions += plan.num_swap_preemptions
         self.stats.swapped_blocks += len(plan.swap_out) + len(plan.swap_in)
         self.stats.cow_copies += len(plan.copies)
 

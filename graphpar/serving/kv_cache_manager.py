@@ -701,13 +701,18 @@ class BlockManager:
     # -------------------------------------------------------------- preemption
 
     def preemption_mode_for(self, group: GroupId) -> PreemptionMode:
-        """The policy hook: how :meth:`preempt` evicts ``group`` when no mode is given.
+        """The preemption policy: how :meth:`preempt` evicts ``group`` when no mode is given.
 
-        With ``preemption_mode="swap"`` or ``"recompute"`` that mode is used. In auto mode
-        (vLLM's rule) a single-sequence group is recomputed (no PCIe traffic, one prefill) and a
-        multi-sequence group is swapped (recompute would lose its block sharing). Swap falls back
-        to recompute when the CPU pool cannot hold the group. Override in a subclass for another
-        policy; the scheduler decides *which* group to preempt (vLLM: the latest arrived).
+        This is the one place a mode is chosen (the scheduler calls :meth:`preempt` without
+        one). With ``preemption_mode="swap"`` or ``"recompute"`` that mode is used, for every
+        group: under ``"recompute"`` nothing is ever swapped, samples and beams included (their
+        sequences re-prefill, the prompt's full blocks shared again; blocks they shared past the
+        prompt come back unshared, a cost the scheduler's admission check already counts). In
+        auto mode (vLLM's rule) a single-sequence group is recomputed (no PCIe traffic, one
+        prefill) and a multi-sequence group is swapped (keeping all its sharing). Swap falls
+        back to recompute when the CPU pool cannot hold the group. Override in a subclass for
+        another policy; the scheduler decides *which* group to preempt (vLLM: the latest
+        arrived).
         """
         g = self._running(group)
         mode = self.preemption_mode
@@ -723,8 +728,9 @@ class BlockManager:
         SWAP moves its blocks to the CPU pool (status SWAPPED). RECOMPUTE drops every block and
         keeps each sequence's token count (status RECOMPUTE): :meth:`resume` re-allocates and the
         engine re-prefills prompt + generated tokens in one pass. Sequences of a recomputed
-        group are re-allocated separately, so blocks they shared are no longer shared. An
-        explicit SWAP raises NoFreeBlocksError when the CPU pool cannot hold the group.
+        group are re-allocated separately, so blocks they shared are no longer shared, except
+        the leading tokens :meth:`resume` is told they share (``shared_tokens``). An explicit
+        SWAP raises NoFreeBlocksError when the CPU pool cannot hold the group.
         """
         mode = self.preemption_mode_for(group) if mode is None else PreemptionMode(mode)
         if mode is PreemptionMode.SWAP:

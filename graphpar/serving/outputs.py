@@ -68,6 +68,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    swap_preemptions: int = 0  # preemptions by swapping to CPU blocks (the others recompute)
     swapped_blocks: int = 0
     cow_copies: int = 0
     finished: int = 0

@@ -13,9 +13,11 @@ of different requests share one step). Policy, as vLLM's (PagedAttention §4.5):
   step that had to preempt.
 * A step that cannot get a block for every running sequence preempts the latest arrived
   request (all its sequences at once): by swapping its blocks to CPU memory or by dropping them
-  for a later re-prefill (the block manager's policy: recompute a single sequence, swap a group).
-  A step decides all its preemptions before it reserves any decode slot, so a block a step
-  copies from (copy-on-write) is never freed and reused as a destination in the same step.
+  for a later re-prefill. The mode is the block manager's one policy
+  (:meth:`BlockManager.preemption_mode_for`: the configured mode; in auto mode, recompute a
+  single sequence and swap a group). A step decides all its preemptions before it reserves any
+  decode slot, so a block a step copies from (copy-on-write) is never freed and reused as a
+  destination in the same step.
 * Liveness: when nothing runs, any preempted request that fits may resume (not only the
   oldest), and a request that no longer fits even alone (the pool shrank under it: a prefix was
   registered) is failed by itself with the reason (``StepPlan.failed``), never the whole engine.
@@ -152,6 +154,11 @@ class StepPlan:
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[tuple[Request, PreemptionMode]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)  # dropped from every queue
+
+    @property
+    def num_swap_preemptions(self) -> int:
+        """Requests this step preempted by swapping (the others by recompute)."""
+        return sum(mode is PreemptionMode.SWAP for _, mode in self.preempted)
 
     @property
     def kind(self) -> str:
@@ -487,15 +494,9 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        group, bm = request.request_id, self.block_manager
-        mode = bm.preemption_mode_for(group)
-        if len(request.seqs) > 1 and bm.can_swap_out(group):
-            # Samples and beams share blocks; a recompute would re-prefill each on its own
-            # and could need more blocks than the pool (vLLM swaps such groups too).
-            mode = PreemptionMode.SWAP
-        if mode is PreemptionMode.SWAP and not bm.can_swap_out(group):
-            mode = PreemptionMode.RECOMPUTE
-        preemption = bm.preempt(group, mode)
+        """Evict a running request, by the block manager's policy (the only one: the mode
+        configured, or auto), and queue it to come back."""
+        preemption = self.block_manager.preempt(request.request_id)
         plan.preempted.append((request, preemption.mode))
         if preemption.mode is PreemptionMode.SWAP:
             plan.swap_out.update(preemption.mapping)

@@ -290,6 +290,26 @@ def test_auto_preemption_policy():
     assert swap_only.preempt("x").mode is PreemptionMode.SWAP
 
 
+def test_recompute_mode_recomputes_groups_too():
+    """The configured mode is the one policy: samples and beams are recomputed under
+    "recompute" even with room to swap, keeping the prompt's full blocks shared on resume."""
+    m = BlockManager(num_device_blocks=8, num_cpu_blocks=8, block_size=4,
+                     preemption_mode="recompute")
+    m.allocate("s1", 6, group="pair")
+    m.fork("s1", "s2")
+    m.append_slot("s1")  # copy-on-write of the shared last block
+    m.append_slot("s2")
+    assert m.can_swap_out("pair")
+    assert m.preemption_mode_for("pair") is PreemptionMode.RECOMPUTE
+    p = m.preempt("pair")
+    assert p.mode is PreemptionMode.RECOMPUTE and p.mapping == {}
+    assert p.recompute_tokens == {"s1": 7, "s2": 7}
+    assert m.num_free_blocks(Pool.CPU) == 8 and m.num_free_blocks() == 8
+    r = m.resume("pair", shared_tokens=6)
+    assert [a.num_cached_tokens for a in r.allocations] == [0, 4]
+    assert m.get_block_table("s1").blocks[0] == m.get_block_table("s2").blocks[0]
+    m.check_invariants()
+
 
 def test_group_is_preempted_and_resumed_all_or_nothing():
     m = BlockManager(num_device_blocks=8, num_cpu_blocks=8, block_size=2)

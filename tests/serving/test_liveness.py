@@ -6,7 +6,7 @@ import pytest
 from serve_testutil import eager_beam_search, eager_greedy, prompts
 
 from graphpar.errors import GenerationError
-from graphpar.serving.kv_cache_manager import Pool
+from graphpar.serving.kv_cache_manager import Pool, PreemptionMode
 from graphpar.serving.llm import LLM, SamplingParams
 
 GROUPS = {  # the second request of each situation: 3 samples or 3 beams of one prompt
@@ -49,8 +49,32 @@ def test_a_swapped_group_swaps_back_in(kind, models):
     llm = LLM(module, block_size=4, num_blocks=6, max_num_seqs=8)
     outputs = llm.generate(batch, params)
     assert llm.stats.preemptions > 0 and llm.stats.swapped_blocks > 0
+    assert llm.stats.swap_preemptions > 0
     assert_served(module, llm, batch, params, outputs)
 
+
+@pytest.mark.parametrize("kind", sorted(GROUPS))
+def test_recompute_mode_never_swaps(kind, models, monkeypatch):
+    """preemption_mode="recompute" holds for samples and beams too: the situation above, where
+    auto mode swaps the group of 3 out, recomputes it instead (with swap space to spare)."""
+    module = models("gpt")
+    batch = [list(range(10, 16)), [1, 2, 3, 4]]
+    params = [SamplingParams(max_tokens=10), GROUPS[kind]]
+    llm = LLM(module, block_size=4, num_blocks=6, max_num_seqs=8, preemption_mode="recompute")
+    bm = llm.engine.scheduler.block_manager
+    preempted = []
+    preempt = bm.preempt
+
+    def spy(group, mode=None):
+        preempted.append(preempt(group, mode))
+        return preempted[-1]
+    monkeypatch.setattr(bm, "preempt", spy)
+    outputs = llm.generate(batch, params)
+    assert any(len(p.recompute_tokens) == 3 for p in preempted)  # the group was preempted
+    assert all(p.mode is PreemptionMode.RECOMPUTE for p in preempted)
+    assert llm.stats.preemptions == len(preempted)
+    assert llm.stats.swap_preemptions == 0 and llm.stats.swapped_blocks == 0
+    assert_served(module, llm, batch, params, outputs)
 
 
 @pytest.mark.parametrize("kind", sorted(GROUPS))

@@ -36,8 +36,8 @@ SERVING_COMPILE = ("graphpar.serving.compile", "graphpar.serving.llm", "graphpar
                    "graphpar.passes")
 SERVING_ENGINE = ("graphpar.serving.engine", "graphpar.serving.scheduler",
                   "graphpar.serving.kv_cache_manager", "graphpar.serving.sampling",
-                  "graphpar.serving.paged_model", "graphpar.serving.model_rank",
-                  "graphpar.serving.tensor_parallel")
+                  "graphpar.serving.outputs", "graphpar.serving.paged_model",
+                  "graphpar.serving.model_rank", "graphpar.serving.tensor_parallel")
 
 
 def _modules() -> dict[str, Path]:
@@ -133,6 +133,16 @@ def test_servings_engine_never_imports_its_compile():
     wrong = [(a, b) for a, b in graph.edges
              if a.startswith(SERVING_ENGINE) and b.startswith(SERVING_COMPILE)]
     assert not wrong, f"serving's engine side imports its compile: {wrong}"
+
+
+def test_only_the_scheduler_imports_the_kv_cache_manager():
+    """vLLM v1's split: the scheduler owns the KV block manager and hands the engine each
+    step's blocks; the engine (and anything else in graphpar) never imports the manager."""
+    graph = import_graph()
+    importers = set(graph.predecessors("graphpar.serving.kv_cache_manager"))
+    assert "graphpar.serving.engine" not in importers
+    assert importers == {"graphpar.serving.scheduler"}, \
+        f"{sorted(importers)} import the KV cache manager: only the scheduler may"
 
 
 def test_the_placement_simulator_and_workloads_use_no_compiler():

@@ -328,7 +328,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
         print(f"graphpar: serving {spec.name} ({info.family}: {info.num_layers} layers, "
               f"{info.num_heads} heads / {info.num_kv_heads} kv heads of {info.head_size}, "
               f"context {info.max_model_len}) on {_where(engine)}; KV cache "
-              f"{engine.block_manager.num_device_blocks} blocks of {config.block_size} tokens "
+              f"{engine.scheduler.num_device_blocks} blocks of {config.block_size} tokens "
               f"({engine.model.kv_bytes / 2**20:.1f} MiB); setup "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         if config.tensor_parallel > 1:

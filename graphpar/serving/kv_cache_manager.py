@@ -2,7 +2,9 @@
 
 The manager hands out *block ids*; it never touches tensors. A KV block holds the keys and values
 of ``block_size`` consecutive tokens of one sequence (for every layer and head: the runtime's
-cache tensors are indexed by the same block id). The runtime reads what the manager decided:
+cache tensors are indexed by the same block id). In the serving engine the scheduler
+(:mod:`graphpar.serving.scheduler`) owns the manager and is its only caller (vLLM v1's split);
+the engine runs what the scheduler's step plan says, built from what the manager decided:
 
 * :meth:`BlockManager.slot_mapping` / :meth:`BlockManager.slot_index`: where each new token's KV
   is written (flat slot ``block_id * block_size + offset``);
@@ -49,12 +51,12 @@ __all__ = [
     "BlockCopy",
     "BlockManager",
     "BlockTable",
-    "GroupStatus",
     "KVCacheStateError",
     "NoFreeBlocksError",
     "Pool",
     "Preemption",
     "PreemptionMode",
+    "RequestStatus",
     "Resumption",
     "Slot",
     "AppendResult",
@@ -89,12 +91,19 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = "recompute"  # drop its blocks; re-prefill prompt + generated tokens later
 
 
-class GroupStatus(enum.Enum):
-    """Where a sequence group's KV lives."""
+class RequestStatus(enum.Enum):
+    """Where a request (a sequence group) is: the scheduler's queue and where its KV lives.
 
+    One enum for the scheduler's requests and the block manager's groups. The manager holds a
+    group only from its allocation to its last free, so its groups are RUNNING, SWAPPED or
+    RECOMPUTE; WAITING and FINISHED are the scheduler's (no blocks before, none after).
+    """
+
+    WAITING = "waiting"  # queued, not admitted yet: no blocks
     RUNNING = "running"  # all blocks on the device; may be scheduled
     SWAPPED = "swapped"  # preempted by swap: private blocks in the CPU pool
     RECOMPUTE = "recompute"  # preempted by recompute: no blocks; needs a re-prefill
+    FINISHED = "finished"  # done, failed or aborted: every block freed
 
 
 @dataclass(frozen=True)
@@ -288,7 +297,7 @@ class _Group:
 
     def __init__(self) -> None:
         self.seqs: list[SeqId] = []
-        self.status = GroupStatus.RUNNING
+        self.status = RequestStatus.RUNNING
 
 
 class _Prefix:
@@ -385,7 +394,7 @@ class BlockManager:
     def seqs_in_group(self, group: GroupId) -> list[SeqId]:
         return list(self._group(group).seqs)
 
-    def group_status(self, group: GroupId) -> GroupStatus:
+    def group_status(self, group: GroupId) -> RequestStatus:
         return self._group(group).status
 
     def num_tokens(self, seq: SeqId) -> int:
@@ -517,7 +526,7 @@ class BlockManager:
             self._check_prefix_use(prefix, prompt_len)
         group = seq if group is None else group
         g = self._groups.get(group)
-        if g is not None and g.status is not GroupStatus.RUNNING:
+        if g is not None and g.status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"group {group!r} is {g.status.value}; cannot add {seq!r}")
         needed = self._blocks_to_allocate(prompt_len, prefix)
         self._check_fits(prompt_len, needed, prefix, what="prompt")
@@ -541,7 +550,7 @@ class BlockManager:
         shared last block copies it (see :meth:`append_slot`).
         """
         p = self._seq(parent)
-        if self._groups[p.group].status is not GroupStatus.RUNNING:
+        if self._groups[p.group].status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"cannot fork {parent!r}: its group is not running")
         if child in self._seqs:
             raise KVCacheStateError(f"sequence {child!r} already exists")
@@ -581,7 +590,7 @@ class BlockManager:
         the group survives the swap, so its CPU reference counts are the ones it will have).
         """
         g = self._group(group)
-        if g.status is GroupStatus.RECOMPUTE:
+        if g.status is RequestStatus.RECOMPUTE:
             raise KVCacheStateError(f"group {group!r} is recompute, not running or swapped")
         if len(g.seqs) == 1:  # the common case, kept cheap for the scheduler's inner loop
             s = self._seqs[g.seqs[0]]
@@ -617,7 +626,7 @@ class BlockManager:
         table now points at dst. Raises NoFreeBlocksError if a block is needed and none is free.
         """
         s = self._seq(seq)
-        if self._groups[s.group].status is not GroupStatus.RUNNING:
+        if self._groups[s.group].status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"sequence {seq!r} is not running (its group is preempted)")
         pos = s.num_tokens
         offset = pos % self.block_size
@@ -662,13 +671,13 @@ class BlockManager:
                 f"{self._cpu.num_free} are free"
             )
         mapping = self._move(g, refs, self._device, self._cpu, to_cpu=True)
-        g.status = GroupStatus.SWAPPED
+        g.status = RequestStatus.SWAPPED
         return mapping
 
     def blocks_to_swap_in(self, group: GroupId) -> int:
         """Device blocks :meth:`swap_in` would take."""
         g = self._group(group)
-        if g.status is not GroupStatus.SWAPPED:
+        if g.status is not RequestStatus.SWAPPED:
             raise KVCacheStateError(f"group {group!r} is {g.status.value}, not swapped")
         return len(self._cpu_blocks(g))
 
@@ -686,19 +695,24 @@ class BlockManager:
             )
         g = self._groups[group]
         mapping = self._move(g, self._cpu_blocks(g), self._cpu, self._device, to_cpu=False)
-        g.status = GroupStatus.RUNNING
+        g.status = RequestStatus.RUNNING
         return mapping
 
     # -------------------------------------------------------------- preemption
 
     def preemption_mode_for(self, group: GroupId) -> PreemptionMode:
-        """The policy hook: how :meth:`preempt` evicts ``group`` when no mode is given.
+        """The preemption policy: how :meth:`preempt` evicts ``group`` when no mode is given.
 
-        With ``preemption_mode="swap"`` or ``"recompute"`` that mode is used. In auto mode
-        (vLLM's rule) a single-sequence group is recomputed (no PCIe traffic, one prefill) and a
-        multi-sequence group is swapped (recompute would lose its block sharing). Swap falls back
-        to recompute when the CPU pool cannot hold the group. Override in a subclass for another
-        policy; the engine decides *which* group to preempt (vLLM: the latest arrived).
+        This is the one place a mode is chosen (the scheduler calls :meth:`preempt` without
+        one). With ``preemption_mode="swap"`` or ``"recompute"`` that mode is used, for every
+        group: under ``"recompute"`` nothing is ever swapped, samples and beams included (their
+        sequences re-prefill, the prompt's full blocks shared again; blocks they shared past the
+        prompt come back unshared, a cost the scheduler's admission check already counts). In
+        auto mode (vLLM's rule) a single-sequence group is recomputed (no PCIe traffic, one
+        prefill) and a multi-sequence group is swapped (keeping all its sharing). Swap falls
+        back to recompute when the CPU pool cannot hold the group. Override in a subclass for
+        another policy; the scheduler decides *which* group to preempt (vLLM: the latest
+        arrived).
         """
         g = self._running(group)
         mode = self.preemption_mode
@@ -714,8 +728,9 @@ class BlockManager:
         SWAP moves its blocks to the CPU pool (status SWAPPED). RECOMPUTE drops every block and
         keeps each sequence's token count (status RECOMPUTE): :meth:`resume` re-allocates and the
         engine re-prefills prompt + generated tokens in one pass. Sequences of a recomputed
-        group are re-allocated separately, so blocks they shared are no longer shared. An
-        explicit SWAP raises NoFreeBlocksError when the CPU pool cannot hold the group.
+        group are re-allocated separately, so blocks they shared are no longer shared, except
+        the leading tokens :meth:`resume` is told they share (``shared_tokens``). An explicit
+        SWAP raises NoFreeBlocksError when the CPU pool cannot hold the group.
         """
         mode = self.preemption_mode_for(group) if mode is None else PreemptionMode(mode)
         if mode is PreemptionMode.SWAP:
@@ -726,15 +741,15 @@ class BlockManager:
             s = self._seqs[seq]
             self._release(s)
             tokens[seq] = s.num_tokens
-        g.status = GroupStatus.RECOMPUTE
+        g.status = RequestStatus.RECOMPUTE
         return Preemption(group, mode, {}, tokens)
 
     def blocks_to_resume(self, group: GroupId, shared_tokens: int = 0) -> int:
         """Device blocks :meth:`resume` would take (``shared_tokens``: see :meth:`resume`)."""
         g = self._group(group)
-        if g.status is GroupStatus.SWAPPED:
+        if g.status is RequestStatus.SWAPPED:
             return len(self._cpu_blocks(g))
-        if g.status is GroupStatus.RECOMPUTE:
+        if g.status is RequestStatus.RECOMPUTE:
             return sum(self._recompute_blocks(g, shared_tokens))
         raise KVCacheStateError(f"group {group!r} is running, not preempted")
 
@@ -745,7 +760,7 @@ class BlockManager:
         """
         needed = self.blocks_to_resume(group, shared_tokens)
         g = self._groups[group]
-        if g.status is GroupStatus.RECOMPUTE:
+        if g.status is RequestStatus.RECOMPUTE:
             tokens = sum(self._seqs[seq].num_tokens for seq in g.seqs)
             self._check_fits(
                 tokens, needed, None, what=f"preempted group {group!r}", total_blocks=needed
@@ -761,7 +776,7 @@ class BlockManager:
         prefill in the same step), so the group keeps the sharing it had before preemption.
         """
         g = self._group(group)
-        if g.status is GroupStatus.SWAPPED:
+        if g.status is RequestStatus.SWAPPED:
             return Resumption(group, PreemptionMode.SWAP, self.swap_in(group), ())
         needed = self.blocks_to_resume(group, shared_tokens)
         if needed > self._device.num_free:
@@ -788,7 +803,7 @@ class BlockManager:
             allocations.append(
                 Allocation(seq, tuple(s.blocks), s.num_tokens, cached, tuple(copies))
             )
-        g.status = GroupStatus.RUNNING
+        g.status = RequestStatus.RUNNING
         return Resumption(group, PreemptionMode.RECOMPUTE, {}, tuple(allocations))
 
     # ------------------------------------------------------------ slot mapping
@@ -848,13 +863,13 @@ class BlockManager:
             status = self._groups[s.group].status
             if seq not in self._groups[s.group].seqs:
                 raise KVCacheStateError(f"sequence {seq!r} missing from its group")
-            want = 0 if status is GroupStatus.RECOMPUTE else self.blocks_for_tokens(s.num_tokens)
+            want = 0 if status is RequestStatus.RECOMPUTE else self.blocks_for_tokens(s.num_tokens)
             if len(s.blocks) != want or len(s.on_cpu) != want:
                 raise KVCacheStateError(
                     f"sequence {seq!r}: {len(s.blocks)} blocks for {s.num_tokens} tokens "
                     f"({status.value})"
                 )
-            if status is GroupStatus.RUNNING and any(s.on_cpu):
+            if status is RequestStatus.RUNNING and any(s.on_cpu):
                 raise KVCacheStateError(f"running sequence {seq!r} has CPU blocks")
             for b, cpu in zip(s.blocks, s.on_cpu):
                 expected[Pool.CPU if cpu else Pool.DEVICE][b] += 1
@@ -903,13 +918,13 @@ class BlockManager:
 
     def _running(self, group: GroupId) -> _Group:
         g = self._group(group)
-        if g.status is not GroupStatus.RUNNING:
+        if g.status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"group {group!r} is {g.status.value}, not running")
         return g
 
     def _resident(self, seq: SeqId) -> _Seq:
         s = self._seq(seq)
-        if self._groups[s.group].status is not GroupStatus.RUNNING:
+        if self._groups[s.group].status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"sequence {seq!r} is not on the device (group preempted)")
         return s
 

@@ -13,12 +13,20 @@ of different requests share one step). Policy, as vLLM's (PagedAttention §4.5):
   step that had to preempt.
 * A step that cannot get a block for every running sequence preempts the latest arrived
   request (all its sequences at once): by swapping its blocks to CPU memory or by dropping them
-  for a later re-prefill (the block manager's policy: recompute a single sequence, swap a group).
-  A step decides all its preemptions before it reserves any decode slot, so a block a step
-  copies from (copy-on-write) is never freed and reused as a destination in the same step.
+  for a later re-prefill. The mode is the block manager's one policy
+  (:meth:`BlockManager.preemption_mode_for`: the configured mode; in auto mode, recompute a
+  single sequence and swap a group). A step decides all its preemptions before it reserves any
+  decode slot, so a block a step copies from (copy-on-write) is never freed and reused as a
+  destination in the same step.
 * Liveness: when nothing runs, any preempted request that fits may resume (not only the
   oldest), and a request that no longer fits even alone (the pool shrank under it: a prefix was
   registered) is failed by itself with the reason (``StepPlan.failed``), never the whole engine.
+
+The scheduler owns the KV block manager and is the only one that changes KV state (vLLM v1's
+split): it allocates, appends, forks, frees, preempts and resumes, and registers shared
+prefixes. The engine gets, per step, a :class:`StepPlan` that says what to run with which
+blocks (block tables, slots, the block copies and swaps to do first), and asks the scheduler to
+:meth:`~Scheduler.fork` and :meth:`~Scheduler.free` sequences as sampling and beams go.
 """
 
 from __future__ import annotations
@@ -26,17 +34,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from graphpar.errors import KVCacheError
-from graphpar.serving.kv_cache_manager import BlockCopy, BlockManager, PreemptionMode
+from graphpar.errors import GenerationError, GraphparError, KVCacheError
+from graphpar.serving.kv_cache_manager import (
+    BlockCopy,
+    BlockManager,
+    PreemptionMode,
+    RequestStatus,
+)
 from graphpar.serving.sampling import SamplingParams
 
-__all__ = ["PrefillItem", "Request", "Scheduler", "SchedulerConfig", "Sequence", "StepPlan"]
+__all__ = ["CacheConfig", "PrefillItem", "PrefixBlocks", "Request", "RequestStatus", "Scheduler",
+           "SchedulerConfig", "SequenceState", "StepPlan"]
 
 
-class Sequence:
+class SequenceState:
     """One token stream of a request (a sample or a beam).
 
     Between steps, a running sequence's KV is in the cache for all tokens but the last one,
@@ -70,8 +85,9 @@ class Sequence:
         self.logprobs.append(logprob)
         self.cumulative_logprob += logprob
 
-    def fork(self, seq_id: str) -> Sequence:
-        child = Sequence(seq_id, list(self.tokens), self.prompt_len, self.generator)
+    def fork(self, seq_id: str) -> SequenceState:
+        """A copy of this stream's tokens and scores (its blocks: :meth:`Scheduler.fork`)."""
+        child = SequenceState(seq_id, list(self.tokens), self.prompt_len, self.generator)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
         return child
@@ -85,14 +101,14 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.perf_counter)
-    seqs: list[Sequence] = field(default_factory=list)  # running (not finished)
-    finished_seqs: list[Sequence] = field(default_factory=list)
-    hypotheses: list[tuple[float, Sequence]] = field(default_factory=list)  # beam search
+    seqs: list[SequenceState] = field(default_factory=list)  # running (not finished)
+    finished_seqs: list[SequenceState] = field(default_factory=list)
+    hypotheses: list[tuple[float, SequenceState]] = field(default_factory=list)  # beam search
     next_seq: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
-    status: str = "waiting"  # waiting | running | swapped | recompute | finished
+    status: RequestStatus = RequestStatus.WAITING
     prefix: str | None = None  # a registered shared prefix the prompt starts with
 
     def new_seq_id(self) -> str:
@@ -102,30 +118,37 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status == "finished"
+        return self.status is RequestStatus.FINISHED
 
 
 @dataclass
 class PrefillItem:
     """Compute token positions ``start .. end - 1`` of ``seq``; sample from the last one when
-    ``sample`` (a new prompt), not for a re-prefill after preemption."""
+    ``sample`` (a new prompt), not for a re-prefill after preemption. Their KV goes to
+    ``slot_mapping`` (one slot per position); attention reads ``block_table``."""
 
     request: Request
-    seq: Sequence
+    seq: SequenceState
     start: int
     end: int
     sample: bool
+    slot_mapping: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
 
 
 @dataclass
 class StepPlan:
     """What the engine does in one step, in this order: swap-out copies, swap-in copies,
     copy-on-write copies, then one forward over the ``decode`` requests' sequences (one token
-    each, at ``slots``) and the ``prefill`` items."""
+    each, written at ``slots``, reading ``block_tables``) and the ``prefill`` items.
+
+    Block tables are the physical block ids of each sequence, unpadded; the engine pads them to
+    the model's width. The engine reads the plan and never asks the block manager itself."""
 
     prefill: list[PrefillItem] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     slots: dict[str, int] = field(default_factory=dict)  # decode: seq_id -> slot of its token
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # decode: seq_id -> blocks
     swap_out: dict[int, int] = field(default_factory=dict)
     swap_in: dict[int, int] = field(default_factory=dict)
     copies: list[BlockCopy] = field(default_factory=list)
@@ -133,10 +156,23 @@ class StepPlan:
     failed: list[tuple[Request, str]] = field(default_factory=list)  # dropped from every queue
 
     @property
+    def num_swap_preemptions(self) -> int:
+        """Requests this step preempted by swapping (the others by recompute)."""
+        return sum(mode is PreemptionMode.SWAP for _, mode in self.preempted)
+
+    @property
     def kind(self) -> str:
         if self.prefill:
             return "mixed" if self.decode else "prefill"
         return "decode" if self.decode else "idle"
+
+
+class PrefixBlocks(NamedTuple):
+    """Where a registered prefix's prefill writes (``slot_mapping``) and reads
+    (``block_table``)."""
+
+    block_table: list[int]
+    slot_mapping: list[int]
 
 
 @dataclass
@@ -146,12 +182,32 @@ class SchedulerConfig:
     max_model_len: int = 2048
 
 
-class Scheduler:
-    """Waiting, running, swapped and recompute queues over one :class:`BlockManager`."""
+@dataclass
+class CacheConfig:
+    """The KV block manager the scheduler builds and owns (see :class:`BlockManager`)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    num_device_blocks: int
+    num_cpu_blocks: int = 0
+    block_size: int = 16
+    watermark_blocks: int = 0
+    preemption_mode: str | None = None  # None/"auto", "swap" or "recompute"
+
+
+class Scheduler:
+    """Waiting, running, swapped and recompute queues over the KV block manager it owns.
+
+    ``cache``: the settings of the block manager to build, or a manager already built (tests
+    that set up block state first); either way only the scheduler changes it afterwards.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig | BlockManager) -> None:
         self.config = config
-        self.bm = block_manager
+        if isinstance(cache, BlockManager):
+            self.block_manager = cache
+        else:
+            self.block_manager = BlockManager(
+                cache.num_device_blocks, cache.num_cpu_blocks, cache.block_size,
+                watermark_blocks=cache.watermark_blocks, preemption_mode=cache.preemption_mode)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -161,43 +217,58 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
-        request.status = "waiting"
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
         """Raise KVCacheError if the request could never be held, even alone."""
-        params = request.params
+        bm, params = self.block_manager, request.params
         prompt = len(request.prompt)
         total = min(prompt + params.max_tokens, self.config.max_model_len)
-        self.bm.check_request(prompt, total - prompt, prefix=request.prefix)
+        bm.check_request(prompt, total - prompt, prefix=request.prefix)
         seqs = params.num_seqs
         if seqs > 1:
-            b = self.bm.block_size
+            b = bm.block_size
             # The prompt's full blocks stay shared through a swap and a recompute alike (the
             # block manager re-maps them on resume); everything past them may be private.
             shared = prompt // b
             needed = shared + seqs * (-(-total // b) - shared)
             if request.prefix is not None:  # its full blocks are reserved already
-                needed -= self.bm.prefix_num_tokens(request.prefix) // b
-            if needed > self.bm.num_device_blocks - self.bm.num_reserved_blocks:
+                needed -= bm.prefix_num_tokens(request.prefix) // b
+            if needed > bm.num_device_blocks - bm.num_reserved_blocks:
                 what = "beams" if params.use_beam_search else "parallel samples"
                 raise KVCacheError(
                     f"KV cache too small for a request of {prompt} prompt tokens, up to "
                     f"{total - prompt} new tokens and {seqs} {what}: it may need {needed} blocks "
-                    f"of {b} tokens, the device pool has {self.bm.num_device_blocks}"
+                    f"of {b} tokens, the device pool has {bm.num_device_blocks}"
                     f"{self._reserved_text()}. Give the KV "
                     f"cache more memory, or lower max_tokens, n or beam_width.")
 
     def _reserved_text(self) -> str:
-        reserved = self.bm.num_reserved_blocks
+        reserved = self.block_manager.num_reserved_blocks
         return f" ({reserved} reserved by registered prefixes)" if reserved else ""
 
     @property
     def num_running_seqs(self) -> int:
         return sum(len(r.seqs) for r in self.running)
 
+    @property
+    def num_device_blocks(self) -> int:
+        """Blocks of the device KV pool."""
+        return self.block_manager.num_device_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks of the device KV pool now."""
+        return self.block_manager.num_free_blocks()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self.recompute)
+
+    def in_flight(self) -> list[Request]:
+        """Every queued request (waiting, running or preempted), in arrival order."""
+        queued = [*self.running, *self.swapped, *self.recompute, *self.waiting]
+        return sorted(queued, key=lambda r: r.arrival_time)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request from every queue and free its blocks."""
@@ -207,12 +278,64 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         for seq in request.seqs:
-            if self.bm.has_seq(seq.seq_id):
-                self.bm.free(seq.seq_id)
+            self.free(seq)
 
-    def free_seq(self, seq: Sequence) -> None:
-        if self.bm.has_seq(seq.seq_id):
-            self.bm.free(seq.seq_id)
+    def finish(self, request: Request) -> None:
+        """The request is done (served, failed or aborted): out of every queue, its running
+        sequences' blocks freed, in order."""
+        self.remove(request)
+        request.status = RequestStatus.FINISHED
+
+    # --- sequences (parallel samples and beams) ---------------------------------------------
+
+    def fork(self, parent: SequenceState, child: SequenceState) -> None:
+        """``child`` (a fork of ``parent``, same request) shares every block of ``parent``
+        (reference counts); its first write into the shared last block copies it."""
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+
+    def free(self, seq: SequenceState) -> None:
+        """Drop a finished or discarded sequence's blocks (shared blocks live on)."""
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
+
+    # --- shared prefixes --------------------------------------------------------------------
+
+    def check_prefix_room(self, num_tokens: int) -> None:
+        """Raise GenerationError if a prefix of ``num_tokens`` does not fit now (KVCacheError if
+        it never could)."""
+        bm = self.block_manager
+        if not bm.can_register_prefix(num_tokens):
+            raise GenerationError(f"no room for a prefix of {num_tokens} tokens: it needs "
+                                  f"{bm.blocks_for_tokens(num_tokens)} blocks, "
+                                  f"{bm.num_free_blocks()} are free")
+
+    def register_prefix(self, prefix_id: str, num_tokens: int) -> PrefixBlocks:
+        """Reserve blocks for a shared prefix; returns where its prefill writes and reads.
+
+        Takes the prefix back and raises GenerationError if its blocks would leave a request in
+        flight too little KV memory to finish even alone."""
+        self.check_prefix_room(num_tokens)
+        bm = self.block_manager
+        blocks = list(bm.register_prefix(prefix_id, num_tokens))
+        for request in self.in_flight():
+            try:
+                self.check_fits(request)
+            except GraphparError as exc:
+                bm.unregister_prefix(prefix_id)
+                raise GenerationError(
+                    f"cannot register the prefix now: its blocks would leave request "
+                    f"{request.request_id!r} (in flight) too little KV memory to finish ({exc}) "
+                    f"Register it when fewer requests run, or give the KV cache more memory."
+                ) from None
+        return PrefixBlocks(blocks, bm.prefix_slot_mapping(prefix_id))
+
+    def unregister_prefix(self, prefix_id: str) -> None:
+        """Release a prefix's blocks: running requests keep what they map; queued ones prefill
+        its tokens themselves."""
+        self.block_manager.unregister_prefix(prefix_id)
+        for request in self.in_flight():
+            if request.prefix == prefix_id:
+                request.prefix = None
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -222,27 +345,39 @@ class Scheduler:
         self._schedule_decode(plan)
         if not self.swapped and not plan.preempted:
             self._schedule_prefill(plan)
+        self._attach_blocks(plan)
         return plan
 
+    def _attach_blocks(self, plan: StepPlan) -> None:
+        """The step's block tables and prefill slots, once every block of the step is placed."""
+        bm = self.block_manager
+        for request in plan.decode:
+            for seq in request.seqs:
+                plan.block_tables[seq.seq_id] = bm.block_table(seq.seq_id)
+        for item in plan.prefill:
+            item.block_table = bm.block_table(item.seq.seq_id)
+            item.slot_mapping = bm.slot_mapping(item.seq.seq_id, item.start, item.end)
+
     def _schedule_prefill(self, plan: StepPlan) -> None:
+        bm = self.block_manager
         tokens_left = self.config.max_num_batched_tokens - len(plan.slots)
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
         busy = bool(plan.slots)
         for request in list(self.recompute):
             group, shared = request.request_id, len(request.prompt)
-            tokens = sum(self.bm.num_tokens(s.seq_id) for s in request.seqs)
+            tokens = sum(bm.num_tokens(s.seq_id) for s in request.seqs)
             if len(request.seqs) > seqs_left or (busy and tokens > tokens_left):
                 return
             try:
-                fits_now = self.bm.can_resume(group, shared)
+                fits_now = bm.can_resume(group, shared)
             except KVCacheError as exc:
                 self._fail(request, plan, str(exc))
                 continue
-            if not self._room(self.bm.blocks_to_resume(group, shared), fits_now):
+            if not self._room(bm.blocks_to_resume(group, shared), fits_now):
                 if self.running:
                     return
                 continue  # nothing runs: a later preempted request that fits may go first
-            resumed = self.bm.resume(group, shared)
+            resumed = bm.resume(group, shared)
             plan.copies.extend(c for a in resumed.allocations for c in a.copies)
             by_id = {s.seq_id: s for s in request.seqs}
             for alloc in resumed.allocations:
@@ -263,16 +398,16 @@ class Scheduler:
                 return
             prefix = request.prefix
             try:
-                fits_now = self.bm.can_allocate(prompt, prefix)
+                fits_now = bm.can_allocate(prompt, prefix)
             except KVCacheError as exc:
                 self.waiting.popleft()
                 self._fail(request, plan, str(exc))
                 continue
-            if not self._room(self.bm.blocks_to_allocate(prompt, prefix), fits_now):
+            if not self._room(bm.blocks_to_allocate(prompt, prefix), fits_now):
                 return
             self.waiting.popleft()
             seq = request.seqs[0]
-            alloc = self.bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix)
+            alloc = bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix)
             plan.copies.extend(alloc.copies)  # the prefix's partly filled last block
             plan.prefill.append(PrefillItem(request, seq, alloc.num_cached_tokens, prompt,
                                             sample=True))
@@ -286,29 +421,30 @@ class Scheduler:
         large as the pool would wait forever)."""
         if within_watermark:
             return True
-        return not self.running and needed <= self.bm.num_free_blocks()
+        return not self.running and needed <= self.block_manager.num_free_blocks()
 
     def _start(self, request: Request) -> None:
-        request.status = "running"
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.running.sort(key=lambda r: r.arrival_time)
 
     def _schedule_decode(self, plan: StepPlan) -> None:
         """Keep the oldest running requests whose next tokens fit, preempting from the latest;
         then reserve their slots (every preemption before any copy-on-write of the step)."""
+        bm = self.block_manager
         queue = deque(self.running)
         scheduled: list[Request] = []
         reserved = 0  # blocks the kept requests' appends take
         while queue:
             request = queue.popleft()
-            needed = self.bm.num_blocks_to_append(request.request_id)
-            while needed > self.bm.num_free_blocks() - reserved and queue:
+            needed = bm.num_blocks_to_append(request.request_id)
+            while needed > bm.num_free_blocks() - reserved and queue:
                 self._preempt(queue.pop(), plan)
                 # A preempted group may have shared a block with a kept one, which then
                 # writes in place instead of copying: count the kept groups again.
-                reserved = sum(self.bm.num_blocks_to_append(r.request_id) for r in scheduled)
-                needed = self.bm.num_blocks_to_append(request.request_id)
-            if needed > self.bm.num_free_blocks() - reserved:
+                reserved = sum(bm.num_blocks_to_append(r.request_id) for r in scheduled)
+                needed = bm.num_blocks_to_append(request.request_id)
+            if needed > bm.num_free_blocks() - reserved:
                 self._preempt(request, plan)
                 continue
             reserved += needed
@@ -322,23 +458,24 @@ class Scheduler:
 
     def _append_slots(self, request: Request, plan: StepPlan) -> None:
         for seq in request.seqs:
-            result = self.bm.append_slot(seq.seq_id)
+            result = self.block_manager.append_slot(seq.seq_id)
             plan.slots[seq.seq_id] = result.slot_index
             if result.copy is not None:
                 plan.copies.append(result.copy)
 
     def _swap_in(self, plan: StepPlan) -> None:
+        bm = self.block_manager
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
         for request in list(self.swapped):
             group = request.request_id
             # The group's blocks, and the blocks of its first decode step right after.
-            needed = self.bm.blocks_to_swap_in(group) + self.bm.num_blocks_to_append(group)
+            needed = bm.blocks_to_swap_in(group) + bm.num_blocks_to_append(group)
             if len(request.seqs) > seqs_left or not self._room(
-                    needed, self.bm.num_free_blocks() - needed >= self.bm.watermark_blocks):
+                    needed, bm.num_free_blocks() - needed >= bm.watermark_blocks):
                 if self.running:
                     return
                 continue  # nothing runs: a later swapped request that fits may go first
-            plan.swap_in.update(self.bm.swap_in(group))
+            plan.swap_in.update(bm.swap_in(group))
             self.swapped.remove(request)
             self._start(request)
             self._append_slots(request, plan)
@@ -357,22 +494,16 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        group = request.request_id
-        mode = self.bm.preemption_mode_for(group)
-        if len(request.seqs) > 1 and self.bm.can_swap_out(group):
-            # Samples and beams share blocks; a recompute would re-prefill each on its own
-            # and could need more blocks than the pool (vLLM swaps such groups too).
-            mode = PreemptionMode.SWAP
-        if mode is PreemptionMode.SWAP and not self.bm.can_swap_out(group):
-            mode = PreemptionMode.RECOMPUTE
-        preemption = self.bm.preempt(group, mode)
+        """Evict a running request, by the block manager's policy (the only one: the mode
+        configured, or auto), and queue it to come back."""
+        preemption = self.block_manager.preempt(request.request_id)
         plan.preempted.append((request, preemption.mode))
         if preemption.mode is PreemptionMode.SWAP:
             plan.swap_out.update(preemption.mapping)
-            request.status = "swapped"
+            request.status = RequestStatus.SWAPPED
             _insert_by_arrival(self.swapped, request)
         else:
-            request.status = "recompute"
+            request.status = RequestStatus.RECOMPUTE
             _insert_by_arrival(self.recompute, request)
         if request in self.running:
             self.running.remove(request)

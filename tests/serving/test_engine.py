@@ -18,7 +18,7 @@ def tokens(outputs):
 
 
 def assert_all_free(llm):
-    bm = llm.engine.block_manager
+    bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_device_blocks
     assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
@@ -128,10 +128,13 @@ def test_preemption_keeps_tokens_exact(mode, models):
     assert tokens(outputs) == expected
     assert llm.stats.preemptions > 0
     assert (llm.stats.swapped_blocks > 0) == (mode == "swap")
-    # Beams share blocks: a preempted beam group is swapped (recompute would unshare them).
+    # Beams share blocks: a preempted beam group is swapped, or under "recompute" recomputed
+    # (re-prefilled with the prompt's blocks shared again), never swapped.
     beams = llm.generate(batch[:2], SamplingParams(max_tokens=10, beam_width=3, n=2))
     for prompt, out in zip(batch[:2], beams):
         assert [c.token_ids for c in out.outputs] == eager_beam_search(module, prompt, 3, 10)[:2]
+    if mode == "recompute":
+        assert llm.stats.swap_preemptions == 0 and llm.stats.swapped_blocks == 0
     assert_all_free(llm)
 
 

@@ -9,11 +9,11 @@ from graphpar.serving.kv_cache_manager import (
     BlockAllocator,
     BlockCopy,
     BlockManager,
-    GroupStatus,
     KVCacheStateError,
     NoFreeBlocksError,
     Pool,
     PreemptionMode,
+    RequestStatus,
 )
 
 
@@ -188,7 +188,7 @@ def test_swap_out_and_in_keeps_sharing_and_returns_mappings():
     assert m.blocks_to_swap_out("g") == 3
     mapping = m.swap_out("g")
     assert set(mapping) == {b0, b1, cow.dst}
-    assert m.group_status("g") is GroupStatus.SWAPPED
+    assert m.group_status("g") is RequestStatus.SWAPPED
     assert m.num_free_blocks(Pool.DEVICE) == 8 and m.num_free_blocks(Pool.CPU) == 5
     t1, t2 = m.get_block_table("s1"), m.get_block_table("s2")
     assert all(t1.on_cpu) and t1.blocks[0] == t2.blocks[0] == mapping[b0]
@@ -199,7 +199,7 @@ def test_swap_out_and_in_keeps_sharing_and_returns_mappings():
 
     back = m.swap_in("g")
     assert set(back) == set(mapping.values())
-    assert m.group_status("g") is GroupStatus.RUNNING
+    assert m.group_status("g") is RequestStatus.RUNNING
     assert m.num_free_blocks(Pool.CPU) == 8 and m.num_free_blocks() == 5
     assert m.block_table("s1")[0] == m.block_table("s2")[0]
     m.check_invariants()
@@ -267,12 +267,12 @@ def test_preempt_recompute_then_resume_reprefills_all_tokens():
     assert m.preemption_mode_for("a") is PreemptionMode.RECOMPUTE
     p = m.preempt("a")
     assert p.mode is PreemptionMode.RECOMPUTE and p.recompute_tokens == {"a": 9}
-    assert m.group_status("a") is GroupStatus.RECOMPUTE and m.num_free_blocks() == 6
+    assert m.group_status("a") is RequestStatus.RECOMPUTE and m.num_free_blocks() == 6
     assert m.blocks_to_resume("a") == 3 and m.can_resume("a")
     r = m.resume("a")
     (alloc,) = r.allocations
     assert alloc.num_tokens == 9 and alloc.num_cached_tokens == 0 and len(alloc.blocks) == 3
-    assert m.num_tokens("a") == 9 and m.group_status("a") is GroupStatus.RUNNING
+    assert m.num_tokens("a") == 9 and m.group_status("a") is RequestStatus.RUNNING
     m.check_invariants()
 
 
@@ -288,6 +288,27 @@ def test_auto_preemption_policy():
     swap_only = BlockManager(num_device_blocks=8, num_cpu_blocks=8, preemption_mode="swap")
     swap_only.allocate("x", 3)
     assert swap_only.preempt("x").mode is PreemptionMode.SWAP
+
+
+def test_recompute_mode_recomputes_groups_too():
+    """The configured mode is the one policy: samples and beams are recomputed under
+    "recompute" even with room to swap, keeping the prompt's full blocks shared on resume."""
+    m = BlockManager(num_device_blocks=8, num_cpu_blocks=8, block_size=4,
+                     preemption_mode="recompute")
+    m.allocate("s1", 6, group="pair")
+    m.fork("s1", "s2")
+    m.append_slot("s1")  # copy-on-write of the shared last block
+    m.append_slot("s2")
+    assert m.can_swap_out("pair")
+    assert m.preemption_mode_for("pair") is PreemptionMode.RECOMPUTE
+    p = m.preempt("pair")
+    assert p.mode is PreemptionMode.RECOMPUTE and p.mapping == {}
+    assert p.recompute_tokens == {"s1": 7, "s2": 7}
+    assert m.num_free_blocks(Pool.CPU) == 8 and m.num_free_blocks() == 8
+    r = m.resume("pair", shared_tokens=6)
+    assert [a.num_cached_tokens for a in r.allocations] == [0, 4]
+    assert m.get_block_table("s1").blocks[0] == m.get_block_table("s2").blocks[0]
+    m.check_invariants()
 
 
 def test_group_is_preempted_and_resumed_all_or_nothing():

@@ -13,10 +13,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from graphpar.errors import KVCacheError
 from graphpar.serving.kv_cache_manager import (
     BlockManager,
-    GroupStatus,
     NoFreeBlocksError,
     Pool,
     PreemptionMode,
+    RequestStatus,
 )
 
 POISON = -1  # what a free block's slots hold in the shadow memory
@@ -67,11 +67,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         for pos, slot in zip(range(alloc.num_cached_tokens, alloc.num_tokens), slots):
             self.write(slot, toks[pos])
 
-    def groups_in(self, status: GroupStatus) -> list:
+    def groups_in(self, status: RequestStatus) -> list:
         return [g for g in self.m.groups() if self.m.group_status(g) is status]
 
     def running_seqs(self) -> list[str]:
-        return [q for g in self.groups_in(GroupStatus.RUNNING) for q in self.m.seqs_in_group(g)]
+        return [q for g in self.groups_in(RequestStatus.RUNNING) for q in self.m.seqs_in_group(g)]
 
     def capacity(self) -> int:
         reserved = sum(len(self.m.prefix_blocks(p)) for p in self.m.prefixes())
@@ -129,7 +129,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             prefix = data.draw(st.sampled_from(sorted(self.prefix_tokens)))
             n += len(self.prefix_tokens[prefix])
         group = None
-        running = self.groups_in(GroupStatus.RUNNING)
+        running = self.groups_in(RequestStatus.RUNNING)
         if running and data.draw(st.integers(0, 4), label="join") == 0:
             group = data.draw(st.sampled_from(running))
         seq = self.name("s")
@@ -163,10 +163,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert self.m.num_free_blocks() == free
         self.tokens[child] = list(self.tokens[parent])
 
-    @precondition(lambda self: self.m is not None and self.groups_in(GroupStatus.RUNNING))
+    @precondition(lambda self: self.m is not None and self.groups_in(RequestStatus.RUNNING))
     @rule(data=st.data())
     def decode_step(self, data):
-        group = data.draw(st.sampled_from(self.groups_in(GroupStatus.RUNNING)))
+        group = data.draw(st.sampled_from(self.groups_in(RequestStatus.RUNNING)))
         need = self.m.num_blocks_to_append(group)
         free = self.m.num_free_blocks()
         if not self.m.can_append(group):
@@ -208,10 +208,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.free(seq)
         del self.tokens[seq]
 
-    @precondition(lambda self: self.m is not None and self.groups_in(GroupStatus.RUNNING))
+    @precondition(lambda self: self.m is not None and self.groups_in(RequestStatus.RUNNING))
     @rule(data=st.data())
     def swap_out(self, data):
-        group = data.draw(st.sampled_from(self.groups_in(GroupStatus.RUNNING)))
+        group = data.draw(st.sampled_from(self.groups_in(RequestStatus.RUNNING)))
         if not self.m.can_swap_out(group):
             assert self.m.blocks_to_swap_out(group) > self.m.num_free_blocks(Pool.CPU)
             with pytest.raises(NoFreeBlocksError):
@@ -221,10 +221,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         for dev, cpu in mapping.items():
             self.copy_block(Pool.DEVICE, dev, Pool.CPU, cpu)
 
-    @precondition(lambda self: self.m is not None and self.groups_in(GroupStatus.RUNNING))
+    @precondition(lambda self: self.m is not None and self.groups_in(RequestStatus.RUNNING))
     @rule(data=st.data(), mode=st.sampled_from([None, PreemptionMode.SWAP, "recompute"]))
     def preempt(self, data, mode):
-        group = data.draw(st.sampled_from(self.groups_in(GroupStatus.RUNNING)))
+        group = data.draw(st.sampled_from(self.groups_in(RequestStatus.RUNNING)))
         if mode is PreemptionMode.SWAP and not self.m.can_swap_out(group):
             return
         free = self.m.num_free_blocks()
@@ -233,18 +233,18 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.copy_block(Pool.DEVICE, dev, Pool.CPU, cpu)
         if p.mode is PreemptionMode.RECOMPUTE:
             assert p.recompute_tokens == {q: len(self.tokens[q]) for q in p.recompute_tokens}
-            assert self.m.group_status(group) is GroupStatus.RECOMPUTE
+            assert self.m.group_status(group) is RequestStatus.RECOMPUTE
         assert self.m.num_free_blocks() >= free
 
     @precondition(
         lambda self: (
             self.m is not None
-            and (self.groups_in(GroupStatus.SWAPPED) or self.groups_in(GroupStatus.RECOMPUTE))
+            and (self.groups_in(RequestStatus.SWAPPED) or self.groups_in(RequestStatus.RECOMPUTE))
         )
     )
     @rule(data=st.data())
     def resume(self, data):
-        groups = self.groups_in(GroupStatus.SWAPPED) + self.groups_in(GroupStatus.RECOMPUTE)
+        groups = self.groups_in(RequestStatus.SWAPPED) + self.groups_in(RequestStatus.RECOMPUTE)
         group = data.draw(st.sampled_from(groups))
         needed = self.m.blocks_to_resume(group)
         try:
@@ -304,7 +304,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             t = self.m.get_block_table(seq)
             assert t.num_tokens == len(toks)
             status = self.m.group_status(self.m.group_of(seq))
-            if status is GroupStatus.RECOMPUTE:
+            if status is RequestStatus.RECOMPUTE:
                 assert t.blocks == ()
                 continue
             got = []
@@ -312,7 +312,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 pool = Pool.CPU if t.on_cpu[i // b] else Pool.DEVICE
                 got.append(self.mem[pool][t.blocks[i // b] * b + i % b])
             assert got == toks, f"sequence {seq} reads {got}, wrote {toks}"
-            if status is GroupStatus.RUNNING:
+            if status is RequestStatus.RUNNING:
                 slots = self.m.slot_mapping(seq)
                 assert [self.mem[Pool.DEVICE][s] for s in slots] == toks
         for name, toks in self.prefix_tokens.items():

@@ -6,7 +6,7 @@ import pytest
 from serve_testutil import eager_beam_search, eager_greedy, prompts
 
 from graphpar.errors import GenerationError
-from graphpar.serving.kv_cache_manager import Pool
+from graphpar.serving.kv_cache_manager import Pool, PreemptionMode
 from graphpar.serving.llm import LLM, SamplingParams
 
 GROUPS = {  # the second request of each situation: 3 samples or 3 beams of one prompt
@@ -30,7 +30,7 @@ def assert_served(module, llm, batch, params, outputs):
             assert got == expected_group(module, prompt, p)
         else:
             assert got == [eager_greedy(module, prompt, p.max_tokens)]
-    bm = llm.engine.block_manager
+    bm = llm.engine.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks() == bm.num_device_blocks
     assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
@@ -49,6 +49,31 @@ def test_a_swapped_group_swaps_back_in(kind, models):
     llm = LLM(module, block_size=4, num_blocks=6, max_num_seqs=8)
     outputs = llm.generate(batch, params)
     assert llm.stats.preemptions > 0 and llm.stats.swapped_blocks > 0
+    assert llm.stats.swap_preemptions > 0
+    assert_served(module, llm, batch, params, outputs)
+
+
+@pytest.mark.parametrize("kind", sorted(GROUPS))
+def test_recompute_mode_never_swaps(kind, models, monkeypatch):
+    """preemption_mode="recompute" holds for samples and beams too: the situation above, where
+    auto mode swaps the group of 3 out, recomputes it instead (with swap space to spare)."""
+    module = models("gpt")
+    batch = [list(range(10, 16)), [1, 2, 3, 4]]
+    params = [SamplingParams(max_tokens=10), GROUPS[kind]]
+    llm = LLM(module, block_size=4, num_blocks=6, max_num_seqs=8, preemption_mode="recompute")
+    bm = llm.engine.scheduler.block_manager
+    preempted = []
+    preempt = bm.preempt
+
+    def spy(group, mode=None):
+        preempted.append(preempt(group, mode))
+        return preempted[-1]
+    monkeypatch.setattr(bm, "preempt", spy)
+    outputs = llm.generate(batch, params)
+    assert any(len(p.recompute_tokens) == 3 for p in preempted)  # the group was preempted
+    assert all(p.mode is PreemptionMode.RECOMPUTE for p in preempted)
+    assert llm.stats.preemptions == len(preempted)
+    assert llm.stats.swap_preemptions == 0 and llm.stats.swapped_blocks == 0
     assert_served(module, llm, batch, params, outputs)
 
 
@@ -74,7 +99,7 @@ def test_a_prefix_that_would_starve_admitted_work_is_refused(models):
     engine.step()
     with pytest.raises(GenerationError, match="in flight.*too little KV memory"):
         llm.register_prefix([5, 6, 7, 8, 9])
-    assert engine.block_manager.prefixes() == []
+    assert engine.scheduler.block_manager.prefixes() == []
     (out,) = engine.run()
     assert out.error is None and out.outputs[0].token_ids == eager_greedy(module, prompt, 12)
     prefix = llm.register_prefix([5, 6, 7, 8, 9])  # nothing in flight: it fits now
@@ -102,7 +127,7 @@ def test_a_prefix_registered_mid_flight_keeps_serving(models):
     for request_id, b in zip(on_prefix, batch):
         assert outputs[request_id].outputs[0].token_ids == eager_greedy(module, system + b, 5)
     assert engine.stats.stalled == 0
-    assert engine.block_manager.num_free_blocks() == 16
+    assert engine.scheduler.block_manager.num_free_blocks() == 16
 
 
 def test_generate_is_all_or_nothing(models):
@@ -140,7 +165,13 @@ def test_no_block_is_both_copied_from_and_into_in_one_step():
     freeing its hold on P. Preempting before any append, A then writes P in place and B's copy
     goes elsewhere; appending first, B's copy-on-write would take P as its destination."""
     from graphpar.serving.kv_cache_manager import BlockManager
-    from graphpar.serving.scheduler import Request, Scheduler, SchedulerConfig, Sequence
+    from graphpar.serving.scheduler import (
+        Request,
+        RequestStatus,
+        Scheduler,
+        SchedulerConfig,
+        SequenceState,
+    )
 
     bm = BlockManager(num_device_blocks=3, block_size=4, preemption_mode="recompute")
     bm.register_prefix("p", 2)
@@ -148,12 +179,12 @@ def test_no_block_is_both_copied_from_and_into_in_one_step():
     for name, tokens, prefix, n in (("a", [1, 2], "p", 1), ("b", [3, 4, 5], None, 2),
                                     ("z", [1, 2], "p", 1)):
         request = Request(name, tokens, SamplingParams(n=n), arrival_time=len(running),
-                          status="running")
+                          status=RequestStatus.RUNNING)
         bm.allocate(f"{name}.0", len(tokens), group=name, prefix=prefix)
-        request.seqs.append(Sequence(f"{name}.0", list(tokens), len(tokens)))
+        request.seqs.append(SequenceState(f"{name}.0", list(tokens), len(tokens)))
         for i in range(1, n):
             bm.fork(f"{name}.0", f"{name}.{i}")
-            request.seqs.append(Sequence(f"{name}.{i}", list(tokens), len(tokens)))
+            request.seqs.append(SequenceState(f"{name}.{i}", list(tokens), len(tokens)))
         running.append(request)
     bm.unregister_prefix("p")
     scheduler = Scheduler(SchedulerConfig(), bm)

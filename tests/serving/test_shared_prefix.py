@@ -14,7 +14,7 @@ def test_requests_on_a_shared_prefix_equal_eager(name, models):
     system = prompts([20], seed=21)[0]  # 2 full blocks of 8 and 4 tokens of a third
     suffixes = prompts([3, 9, 1, 6], seed=22)
     with LLM(module, max_num_seqs=4, block_size=8, num_blocks=64) as llm:
-        engine, bm = llm.engine, llm.engine.block_manager
+        engine, bm = llm.engine, llm.engine.scheduler.block_manager
         prefix = llm.register_prefix(system)
         first_block = bm.prefix_blocks(prefix)[0]
         prompt_tokens = engine.stats.prompt_tokens
@@ -36,7 +36,7 @@ def test_requests_on_a_shared_prefix_equal_eager(name, models):
 def test_blocks_are_shared_while_requests_run(models):
     system = prompts([16], seed=23)[0]  # exactly 2 full blocks: shared, never copied
     with LLM(models("gpt"), max_num_seqs=4, block_size=8, num_blocks=64) as llm:
-        engine, bm = llm.engine, llm.engine.block_manager
+        engine, bm = llm.engine, llm.engine.scheduler.block_manager
         prefix = llm.register_prefix(system)
         for suffix in prompts([2, 5, 3], seed=24):
             engine.add_request(system + suffix, SamplingParams(max_tokens=4), prefix=prefix)

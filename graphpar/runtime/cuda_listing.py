@@ -17,7 +17,7 @@ from graphpar.errors import BackendError
 from graphpar.ir.cuda_listing import Listing, parse_listing, print_listing
 from graphpar.ir.mesh import Mesh
 from graphpar.runtime.comm import CommRecord
-from graphpar.runtime.jobs import JobWorker
+from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 from graphpar.runtime.program import Inputs, SpmdResult
 
 __all__ = ["ListingResult", "ListingWorker", "communicator_axes", "run_listings"]
@@ -59,8 +59,6 @@ def run_listings(listings: Sequence[Listing], per_rank_inputs: Sequence[Inputs],
         executor = CpuListingExecutor(listings[0], poison=poison)
         outputs = executor.run(per_rank_inputs[0])
         return ListingResult(SpmdResult([outputs], [[]]), [executor.peak_arena_bytes])
-    from graphpar.runtime.jobs import Job, mesh_entry
-
     with Job(mesh.size, "graphpar.runtime.cuda_listing:ListingWorker", prefix="cuda",
              timeout=timeout, name="CUDA listing") as job:
         for rank, listing in enumerate(listings):

@@ -39,7 +39,7 @@ from graphpar.ir.mesh import Mesh
 from graphpar.ir.pipeline_programs import PHASES, PipelinePrograms, StageProgram
 from graphpar.ir.schedule import COMPUTE_KINDS, Action, ActionKind, Schedule, validate
 from graphpar.ir.types import TensorType
-from graphpar.runtime.jobs import JobWorker
+from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 
 __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
            "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
@@ -447,8 +447,6 @@ def run_multiprocess(programs: PipelinePrograms, schedule: Schedule,
     steps more, each from the starting state, every rank starting it together: the run's
     `step_times` (wall seconds per step and rank) and `stage_compute_seconds` (each stage's
     forward and backward seconds per step, on its first device)."""
-    from graphpar.runtime.jobs import Job, mesh_entry
-
     validate(schedule)
     stages = len(programs.stages)
     meshes = stage_meshes(stages, sharded)

@@ -32,7 +32,7 @@ from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.pipeline_programs import StageProgram, TokenPrograms
 from graphpar.ir.schedule import Action, ActionKind, Schedule, token_unit, validate
-from graphpar.runtime.jobs import JobWorker
+from graphpar.runtime.jobs import Job, JobWorker
 from graphpar.runtime.pipeline import (
     DevicePhase,
     FinishedStage,
@@ -293,8 +293,6 @@ def run_tokens_multiprocess(programs: TokenPrograms, schedule: Schedule,
     A stage in `sharded` (as `run_tokens_in_process` takes it) ships its phases' SPMD device
     programs as IR text too and runs them for every device of its sub-mesh in lockstep inside
     the stage's process (as the microbatch pipeline does: not yet one process per device)."""
-    from graphpar.runtime.jobs import Job
-
     validate(schedule)
     stages = programs.stages
     names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]

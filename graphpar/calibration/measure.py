@@ -13,21 +13,18 @@ Per-call overhead (`measure_overheads`): a tiny call of each class (one element,
 through the interpreter's per-node dispatch, what every node of a run pays whatever its size;
 the roofline fit takes it as the class's overhead and fits the rates to the rest.
 
-Collectives: a `WorkerGroup` of `ranks` processes; each rank joins one group of every size
-n in `group_sizes` (consecutive ranks, all groups of a size running at once, as the groups of
-a mesh axis do) and times each kind on each message size. `nbytes` is the formula's M
-(`graphpar.cost.communication`): the buffer for all_reduce, the gathered output for all_gather,
-the full input for reduce_scatter, the local buffer for all_to_all, the message for send_recv
-(half a ping-pong between ranks 2i and 2i+1). Rank 0's medians are reported.
+Collectives: a job (`graphpar.runtime.jobs`) of `ranks` worker processes; each rank joins one
+group of every size n in `group_sizes` (consecutive ranks, all groups of a size running at
+once, as the groups of a mesh axis do) and times each kind on each message size. `nbytes` is
+the formula's M (`graphpar.cost.communication`): the buffer for all_reduce, the gathered output
+for all_gather, the full input for reduce_scatter, the local buffer for all_to_all, the message
+for send_recv (half a ping-pong between ranks 2i and 2i+1). Rank 0's medians are reported.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,8 +39,9 @@ from graphpar.cost.compute import SKINNY_ROWS, bytes_moved, op_class
 from graphpar.ir.graph import Graph
 from graphpar.ir.registry import get_op
 from graphpar.ir.types import TensorType
+from graphpar.runtime.jobs import Job, JobWorker
 from graphpar.runtime.timing import median_seconds
-from graphpar.runtime.workers import WorkerGroup, worker_threads
+from graphpar.runtime.workers import worker_threads
 
 __all__ = ["CACHE_BYTES", "MEASURED_COLLECTIVES", "ROTATIONS", "SKINNY_WEIGHT_BYTES",
            "CollectiveBench", "CollectiveSample", "ComputeCase", "ComputeSample",
@@ -271,53 +269,43 @@ def measure_collectives(ranks: int, sizes: Sequence[int], *,
     "cuda"). `group_sizes`: every divisor of `ranks` from 2 up by default."""
     if group_sizes is None:
         group_sizes = [n for n in range(2, ranks + 1) if ranks % n == 0]
-    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-calibrate-"))
-    (jobdir / "job.json").write_text(json.dumps({
-        "group_sizes": list(group_sizes), "device": device,
-        "backend": "nccl" if device.startswith("cuda") else "gloo"}))
-    group = WorkerGroup(ranks, "graphpar.calibration.measure:CollectiveBench", jobdir,
-                        timeout=timeout, name="calibration")
     samples: list[CollectiveSample] = []
-    try:
-        group.start()
-        group.wait_started()
-        for kind in kinds:
-            for nbytes in sizes:
-                number = group.send("measure", kind, nbytes, _repeats(nbytes, quick))
-                group.wait(number)
-                rows = json.loads((jobdir / f"measured{number}.json").read_text())
-                samples += [CollectiveSample(kind, n, b, s) for n, b, s in rows]
-                if progress:
-                    progress(f"{kind} {nbytes} B")
-    except BaseException as exc:
-        group.fail(exc)  # the rank that failed, and why, if one did; else exc
-    finally:
-        group.stop()
-        shutil.rmtree(jobdir, ignore_errors=True)
+    with Job(ranks, "graphpar.calibration.measure:CollectiveBench", prefix="calibrate",
+             timeout=timeout, name="calibration") as job:
+        job.folder.describe({"group_sizes": list(group_sizes), "device": device,
+                             "backend": "nccl" if device.startswith("cuda") else "gloo"})
+        try:
+            job.start(wait=True)
+            for kind in kinds:
+                for nbytes in sizes:
+                    rows = job.call("measure", kind, nbytes, _repeats(nbytes, quick))[0]
+                    samples += [CollectiveSample(kind, n, b, s) for n, b, s in rows]
+                    if progress:
+                        progress(f"{kind} {nbytes} B")
+        except BaseException as exc:
+            job.group.fail(exc)  # the rank that failed, and why, if one did; else exc
     return samples
 
 
-class CollectiveBench:
+class CollectiveBench(JobWorker):
     """A calibration worker: joins its groups, then times the collectives it is told to."""
 
     def __init__(self, jobdir: Path, rank: int, world: int) -> None:
-        job = json.loads((Path(jobdir) / "job.json").read_text())
-        self.jobdir, self.rank, self.world = Path(jobdir), rank, world
-        self.device = torch.device(job["device"])
+        super().__init__(jobdir, rank, world)
+        self.device = torch.device(self.job["device"])
         if self.device.type == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        self.commands = 0
         self.groups: dict[int, tuple[list[int], Any]] = {}
-        for n in job["group_sizes"]:
+        for n in self.job["group_sizes"]:
             for start in range(0, world, n):  # new_group is collective: every rank makes all
                 members = list(range(start, start + n))
-                pg = dist.new_group(members, backend=job["backend"])
+                pg = dist.new_group(members, backend=self.job["backend"])
                 if rank in members:
                     self.groups[n] = (members, pg)
 
-    def measure(self, kind: str, nbytes: int, repeats: int) -> None:
-        """Time `kind` on an `nbytes` message in every group; rank 0 writes the medians."""
-        self.commands += 1
+    def measure(self, kind: str, nbytes: int, repeats: int) -> list[tuple] | None:
+        """Time `kind` on an `nbytes` message in every group: (n, bytes, median seconds) per
+        group, on rank 0 (the one reported)."""
         rows = []
         for n, (members, pg) in sorted(self.groups.items()):
             if kind == "send_recv" and n != min(self.groups):
@@ -329,10 +317,7 @@ class CollectiveBench:
             if kind == "send_recv":
                 seconds /= 2  # a ping-pong is two messages
             rows.append((n, 4 * elements, seconds))
-        if self.rank == 0:
-            path = self.jobdir / f"measured{self.commands}.json"
-            path.with_suffix(".tmp").write_text(json.dumps(rows))
-            os.replace(path.with_suffix(".tmp"), path)
+        return rows if self.rank == 0 else None
 
     def _collective(self, kind: str, elements: int, members: list[int], pg: Any
                     ) -> Callable[[], object]:

@@ -91,6 +91,11 @@ class CommRecord:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> CommRecord:
+        """The record `as_dict` gave (as a worker's result carries it back)."""
+        return cls(**{**record, "axes": tuple(record["axes"])})
+
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()

@@ -1,28 +1,23 @@
 """Run CUDA listings on CPU ranks: one listing per rank, NCCL calls over gloo.
 
-One rank with no communication runs in this process. Several ranks run as a worker group
-(`graphpar.runtime.workers.WorkerGroup`), one process per rank: each worker reads its
-listing's text from the job directory, makes a `GlooCommunicator` for the mesh-axis groups
-the listings name, and runs the listing call for call with
-`graphpar.backends.cuda.cpu_executor.CpuListingExecutor`.
+One rank with no communication runs in this process. Several ranks run as a job
+(`graphpar.runtime.jobs`), one worker process per rank: each worker reads its listing's text
+from the job folder, makes a `GlooCommunicator` for the mesh-axis groups the listings name,
+and runs the listing call for call with `graphpar.backends.cuda.cpu_executor.CpuListingExecutor`.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from graphpar.backends.cuda.cpu_executor import CpuListingExecutor
 from graphpar.errors import BackendError
 from graphpar.ir.cuda_listing import Listing, parse_listing, print_listing
 from graphpar.ir.mesh import Mesh
 from graphpar.runtime.comm import CommRecord
+from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 from graphpar.runtime.program import Inputs, SpmdResult
 
 __all__ = ["ListingResult", "ListingWorker", "communicator_axes", "run_listings"]
@@ -64,55 +59,39 @@ def run_listings(listings: Sequence[Listing], per_rank_inputs: Sequence[Inputs],
         executor = CpuListingExecutor(listings[0], poison=poison)
         outputs = executor.run(per_rank_inputs[0])
         return ListingResult(SpmdResult([outputs], [[]]), [executor.peak_arena_bytes])
-    from graphpar.runtime.workers import WorkerGroup
-
-    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-cuda-"))
-    group = WorkerGroup(mesh.size, "graphpar.runtime.cuda_listing:ListingWorker", jobdir,
-                        timeout=timeout, name="CUDA listing")
-    try:
+    with Job(mesh.size, "graphpar.runtime.cuda_listing:ListingWorker", prefix="cuda",
+             timeout=timeout, name="CUDA listing") as job:
         for rank, listing in enumerate(listings):
-            (jobdir / f"rank{rank}.calls").write_text(print_listing(listing))
-            torch.save(dict(per_rank_inputs[rank]) if hasattr(per_rank_inputs[rank], "keys")
-                       else list(per_rank_inputs[rank]), jobdir / f"inputs{rank}.pt")
-        (jobdir / "job.json").write_text(json.dumps({
-            "mesh": list(mesh.shape), "device_ids": list(mesh.device_ids),
-            "axes": [list(a) for a in communicator_axes(listings)], "poison": poison}))
-        group.start()
-        group.wait(group.send("run"))
-        outputs, records, peaks = [], [], []
-        for rank in range(mesh.size):
-            data = torch.load(jobdir / f"result{rank}.pt", weights_only=True)
-            outputs.append(data["outputs"])
-            records.append([CommRecord(**{**r, "axes": tuple(r["axes"])})
-                            for r in data["records"]])
-            peaks.append(int(data["peak"]))
-        return ListingResult(SpmdResult(outputs, records, counted=True), peaks)
-    finally:
-        group.stop()
-        shutil.rmtree(jobdir, ignore_errors=True)
+            job.folder.write_text(f"rank{rank}.calls", print_listing(listing))
+        job.save_each("inputs", [dict(inputs) if hasattr(inputs, "keys") else list(inputs)
+                                 for inputs in per_rank_inputs])
+        job.folder.describe({**mesh_entry(mesh),
+                             "axes": [list(a) for a in communicator_axes(listings)],
+                             "poison": poison})
+        results = job.call("run")
+    return ListingResult(
+        SpmdResult([r["outputs"] for r in results],
+                   [[CommRecord.from_dict(d) for d in r["records"]] for r in results],
+                   counted=True),
+        [int(r["peak"]) for r in results])
 
 
-class ListingWorker:
+class ListingWorker(JobWorker):
     """Rank `rank` of a listing job: its listing over a GlooCommunicator (the worker group
     has initialized torch.distributed)."""
 
     def __init__(self, jobdir: Path, rank: int, world: int) -> None:
         from graphpar.runtime.gloo import GlooCommunicator
-        from graphpar.runtime.launch import read_job
 
-        self.jobdir, self.rank = Path(jobdir), rank
-        job, mesh = read_job(self.jobdir, world)
-        path = self.jobdir / f"rank{rank}.calls"
-        listing = parse_listing(path.read_text(), str(path))
-        self.comm = GlooCommunicator(mesh, rank, [tuple(a) for a in job["axes"]])
-        self.executor = CpuListingExecutor(listing, self.comm, poison=job["poison"])
+        super().__init__(jobdir, rank, world)
+        name = f"rank{rank}.calls"
+        listing = parse_listing(self.folder.read_text(name), str(self.folder.path / name))
+        self.comm = GlooCommunicator(self.folder.mesh(world=world), rank,
+                                     [tuple(a) for a in self.job["axes"]])
+        self.executor = CpuListingExecutor(listing, self.comm, poison=self.job["poison"])
 
-    def run(self) -> None:
-        inputs = torch.load(self.jobdir / f"inputs{self.rank}.pt", weights_only=True)
-        outputs = self.executor.run(inputs)
+    def run(self) -> dict:
+        outputs = self.executor.run(self.load_own("inputs"))
         self.comm.finish()
-        from graphpar.runtime.launch import write_result
-
-        write_result(self.jobdir / f"result{self.rank}.pt",
-                     {"outputs": outputs, "peak": self.executor.peak_arena_bytes,
-                      "records": [r.as_dict() for r in self.comm.records]})
+        return {"outputs": outputs, "peak": self.executor.peak_arena_bytes,
+                "records": [r.as_dict() for r in self.comm.records]}

@@ -1,18 +1,19 @@
 """The pipeline runtime: each stage runs its schedule's action list over its stage programs.
 
-A stage's programs (forward F, backward B or its parts I and W, update U; built by
-`graphpar.passes.pipeline.stage_programs`) exchange tensors by name. A :class:`StageRunner`
-holds one stage's state: its parameters and optimizer state, per microbatch the named tensors
-it received or kept from its forward for its backward, the gradients it accumulates, the
-losses. It runs one action at a time; what moves between stages is what `outgoing` returns
-and `incoming` takes, so the same runner serves
+A stage's programs (forward F, backward B or its parts I and W, update U: a
+`graphpar.ir.pipeline_programs.StageProgram`, built by `graphpar.passes.pipeline.stage_programs`)
+exchange tensors by name. A :class:`StageRunner` holds one stage's state: its parameters and
+optimizer state, per microbatch the named tensors it received or kept from its forward for its
+backward, the gradients it accumulates, the losses. It runs one action at a time; what moves
+between stages is what `outgoing` returns and `incoming` takes, so the same runner serves
 
 - `run_in_process`: every stage in this process, actions interleaved in a valid order, the
   transfers through mailboxes (the reference execution of a schedule), and
-- `run_multiprocess`: one process per device over gloo, through `runtime.workers.WorkerGroup`:
-  a stage's devices run its sharded phases over process groups of its sub-mesh, tensors
-  cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), a boundary's tiles as one
-  message per pair of ranks whose receive is posted ahead, each rank times its own actions.
+- `run_multiprocess`: one process per device over gloo, a job of `runtime.jobs` (its worker is
+  :class:`PipelineWorker`): a stage's devices run its sharded phases over process groups of its
+  sub-mesh, tensors cross between sub-meshes as tiles (`graphpar.ir.cross_mesh`), a boundary's
+  tiles as one message per pair of ranks whose receive is posted ahead, each rank times its own
+  actions.
 
 After the last microbatch, the batch gradient is the mean of the microbatch gradients (the
 loss is a mean over the batch), and U applies it once. The reported loss is the mean of the
@@ -25,7 +26,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -35,8 +36,10 @@ from graphpar.errors import BackendError, GraphparError, ScheduleError
 from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.pipeline_programs import PHASES, PipelinePrograms, StageProgram
 from graphpar.ir.schedule import COMPUTE_KINDS, Action, ActionKind, Schedule, validate
 from graphpar.ir.types import TensorType
+from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 
 __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
            "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
@@ -45,25 +48,6 @@ __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "ass
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
 # a boundary whose receives are posted: called, it waits for them and gives (names, tensors)
 _Arrival = Callable[[], tuple[Sequence[str], list[torch.Tensor]]]
-
-
-class StageProgramLike(Protocol):
-    """What the runtime reads of `graphpar.passes.pipeline.stage_programs.StageProgram`."""
-
-    stage: int
-    send_forward: tuple[str, ...]
-    send_backward: tuple[str, ...]
-    keep_after_forward: frozenset[str]
-    grads: tuple[str, ...]
-
-    def program(self, phase: str) -> Graph | None: ...
-
-
-class PipelineProgramsLike(Protocol):
-    graph: Graph
-    stages: Sequence[StageProgramLike]
-    types: dict[str, TensorType]
-    grad_transfers: tuple[tuple[int, int, str], ...]
 
 
 class MicrobatchError(GraphparError):
@@ -88,7 +72,7 @@ def split_microbatches(tensors: Mapping[str, torch.Tensor], microbatches: int
 class StageRunner:
     """One stage of a pipelined training step: runs its actions, keeps its tensors."""
 
-    def __init__(self, program: StageProgramLike, microbatches: int,
+    def __init__(self, program: StageProgram, microbatches: int,
                  state: Mapping[str, torch.Tensor],
                  inputs: Sequence[Mapping[str, torch.Tensor]],
                  sharded: Mapping[str, Any] | None = None, comm: Any = None) -> None:
@@ -348,7 +332,7 @@ def assemble_outputs(graph: Graph, runners: Sequence[Any], microbatches: int
     return outputs
 
 
-def run_in_process(programs: PipelineProgramsLike, schedule: Schedule,
+def run_in_process(programs: PipelinePrograms, schedule: Schedule,
                    state: Mapping[str, torch.Tensor],
                    inputs: Sequence[Mapping[str, torch.Tensor]],
                    sharded: Mapping[int, Mapping[str, Any]] | None = None,
@@ -408,7 +392,7 @@ def _bytes_across(t: torch.Tensor, src: Mesh, dst: Mesh) -> int:
 
 
 def _step(action: Action, runners: list[StageRunner], mailbox: dict,
-          programs: PipelineProgramsLike, meshes: Sequence[Mesh]) -> bool:
+          programs: PipelinePrograms, meshes: Sequence[Mesh]) -> bool:
     """Run `action` if it can run now; False if it waits for a transfer."""
     s, kind, m = action.stage, action.kind, action.microbatch
     runner = runners[s]
@@ -443,16 +427,16 @@ def _step(action: Action, runners: list[StageRunner], mailbox: dict,
 
 # ------------------------------------------------------------------ one process per device
 
-def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
+def run_multiprocess(programs: PipelinePrograms, schedule: Schedule,
                      state: Mapping[str, torch.Tensor],
                      inputs: Sequence[Mapping[str, torch.Tensor]],
                      timeout: float = 120.0,
                      sharded: Mapping[int, Mapping[str, Any]] | None = None,
                      timed_steps: int = 0, warmup: int = 0) -> PipelineRun:
-    """One step with one process per device over gloo, started by
-    `runtime.workers.WorkerGroup`: the devices of stage s are the global ranks of its sub-mesh
-    (`stage_meshes`), each runs its stage's action list and times every action (the measured
-    timeline).
+    """One step with one process per device over gloo, a job of `runtime.jobs` (the programs
+    travel through its folder as IR text): the devices of stage s are the global ranks of its
+    sub-mesh (`stage_meshes`), each runs its stage's action list and times every action (the
+    measured timeline).
 
     A stage in `sharded` runs each phase's SPMD program, every device its own part, the
     collectives over process groups of the stage's sub-mesh. A tensor crosses between stages
@@ -463,42 +447,27 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
     steps more, each from the starting state, every rank starting it together: the run's
     `step_times` (wall seconds per step and rank) and `stage_compute_seconds` (each stage's
     forward and backward seconds per step, on its first device)."""
-    import json
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from graphpar.runtime.workers import WorkerGroup
-
     validate(schedule)
     stages = len(programs.stages)
     meshes = stage_meshes(stages, sharded)
     world = sum(mesh.size for mesh in meshes)
-    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-pipeline-"))
-    group = WorkerGroup(world, "graphpar.runtime.pipeline:PipelineWorker", jobdir,
-                        timeout=timeout, name="pipeline")
-    try:
-        job = {"microbatches": len(inputs), "stages": [],
-               "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
-                         for n, t in programs.types.items()}}
+    with Job(world, "graphpar.runtime.pipeline:PipelineWorker", prefix="pipeline",
+             timeout=timeout, name="pipeline") as job:
+        folder = job.folder
+        job_stages = []
         for program in programs.stages:
             s = program.stage
-            graphs = {}
-            for phase in ("F", "B", "I", "W", "U"):
-                g = program.program(phase)
-                if g is not None:
-                    graphs[phase] = _write_with_targets(jobdir / f"stage{s}_{phase}.gpir", g)
-            spmd = {phase: _write_with_targets(jobdir / f"stage{s}_{phase}_spmd.gpir",
-                                               planned.device_program)
+            graphs = {phase: folder.write_graph(f"stage{s}_{phase}.gpir", g)
+                      for phase in PHASES if (g := program.program(phase)) is not None}
+            spmd = {phase: folder.write_graph(f"stage{s}_{phase}_spmd.gpir",
+                                              planned.device_program)
                     for phase, planned in (sharded or {}).get(s, {}).items()}
-            needed = {v.name for g in (program.program(p) for p in "FBIWU") if g is not None
-                      for v in g.inputs}
-            torch.save({"state": {k: t.clone() for k, t in state.items() if k in needed},
-                        "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
-                       jobdir / f"tensors{s}.pt")
-            job["stages"].append({
-                "mesh": list(meshes[s].shape),
-                "devices": list(meshes[s].device_ids),
+            needed = {v.name for g in program.graphs() for v in g.inputs}
+            folder.save(f"tensors{s}.pt",
+                        {"state": {k: t for k, t in state.items() if k in needed},
+                         "inputs": list(inputs)})
+            job_stages.append({
+                **mesh_entry(meshes[s]),
                 "graphs": graphs,
                 "spmd": spmd,
                 "send_forward": list(program.send_forward),
@@ -511,25 +480,16 @@ def run_multiprocess(programs: PipelineProgramsLike, schedule: Schedule,
                 "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
                 "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
             })
-        (jobdir / "job.json").write_text(json.dumps(job))
-        group.start()
-        group.wait(group.send("run"))
-        results = [torch.load(jobdir / f"result{r}.pt", weights_only=False)
-                   for r in range(world)]
-        timings = []
-        if timed_steps:
-            group.wait(group.send("time_steps", timed_steps, warmup))
-            timings = [json.loads((jobdir / f"timing{r}.json").read_text())
-                       for r in range(world)]
-    finally:
-        group.stop()
-        shutil.rmtree(jobdir, ignore_errors=True)
+        folder.describe({"microbatches": len(inputs), "stages": job_stages,
+                         "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+                                   for n, t in programs.types.items()}})
+        results = job.call("run")
+        timings = job.call("time_steps", timed_steps, warmup) if timed_steps else []
     leads = [results[mesh.device_ids[0]] for mesh in meshes]
     for mesh in meshes:  # the devices of a stage end the step with the same results
         for rank in mesh.device_ids[1:]:
             _check_replica(results[mesh.device_ids[0]], results[rank], mesh.device_ids[0], rank)
-    runners = [_Finished(**{k: r[k] for k in ("losses", "grad_outputs", "updates")})
-               for r in leads]
+    runners = [FinishedStage.of(r) for r in leads]
     start = min((span[2] for r in results for span in r["spans"]), default=0.0)
     spans = [Span(r["stage"], Action(ActionKind(kind), r["stage"], mb), t0 - start, t1 - start,
                   rank=rank)
@@ -561,56 +521,36 @@ def _check_replica(lead: dict, other: dict, lead_rank: int, rank: int) -> None:
 
 
 @dataclass
-class _Finished:
-    """What a stage's worker returns: as much of a StageRunner as `assemble_outputs` reads."""
+class FinishedStage:
+    """What a stage's worker replies: as much of a StageRunner as `assemble_outputs` reads."""
 
     losses: dict
     grad_outputs: dict
     updates: dict
 
+    @classmethod
+    def of(cls, result: Mapping[str, Any]) -> FinishedStage:
+        """The part of a worker's reply (a dict with these keys, and more) that is this."""
+        return cls(result["losses"], result["grad_outputs"], result["updates"])
+
     def mean_loss(self) -> torch.Tensor | None:
         return mean_loss(self.losses)
 
 
-@dataclass
-class _LoadedStage:
-    """A stage program read back from a job directory (StageProgramLike)."""
-
-    stage: int
-    graphs: dict[str, Graph]
-    send_forward: tuple[str, ...]
-    send_backward: tuple[str, ...]
-    keep_after_forward: frozenset[str]
-    grads: tuple[str, ...]
-
-    def program(self, phase: str) -> Graph | None:
-        return self.graphs.get(phase)
-
-
 @dataclass(frozen=True)
-class _DeviceProgram:
-    """A sharded phase read back from a job directory (as `lower_mpmd.ShardedPhase`)."""
+class DevicePhase:
+    """A sharded phase as a worker reads it back from its job folder: what the runtime reads
+    of `graphpar.passes.pipeline.lower_mpmd.ShardedPhase` (its device program, on its
+    sub-mesh)."""
 
     device_program: Graph
     mesh: Any
 
-
-def _write_with_targets(path, graph: Graph) -> list[str | None]:
-    """Write `graph` as IR text for a worker; returns its outputs' targets, which do not print
-    (`_parse_with_targets` puts them back)."""
-    from graphpar.ir.printer import print_graph
-
-    path.write_text(print_graph(graph, show_cost=False))
-    return [o.target for o in graph.outputs]
-
-
-def _parse_with_targets(path, targets: Sequence[str | None]) -> Graph:
-    from graphpar.ir.parser import parse
-
-    graph = parse(path.read_text(), path.name)
-    for out, target in zip(graph.outputs, targets):
-        out.target = target  # output targets do not print
-    return graph
+    @classmethod
+    def read(cls, folder: Any, entry: Mapping[str, Any]) -> DevicePhase:
+        """The device program `JobFolder.write_graph` wrote, on the mesh it declares."""
+        graph = folder.read_graph(entry)
+        return cls(graph, graph.mesh)
 
 
 class ReceivesAhead:
@@ -639,20 +579,16 @@ class ReceivesAhead:
         return posted
 
 
-class PipelineWorker:
+class PipelineWorker(JobWorker):
     """Global rank `rank` of a pipeline job: one device of one stage's sub-mesh; its stage's
     runner, its action list, its tiles sent and received over gloo."""
 
     def __init__(self, jobdir, rank: int, world: int) -> None:
-        import json
-        from pathlib import Path
-
         from graphpar.runtime.gloo import GlooCommunicator, new_process_groups
 
-        self.jobdir, self.rank = Path(jobdir), rank
-        job = json.loads((self.jobdir / "job.json").read_text())
-        self.meshes = [Mesh(tuple(spec["mesh"]), tuple(spec["devices"]))
-                       for spec in job["stages"]]
+        super().__init__(jobdir, rank, world)
+        job, folder = self.job, self.folder
+        self.meshes = [folder.mesh(spec) for spec in job["stages"]]
         if sum(mesh.size for mesh in self.meshes) != world:
             raise BackendError(f"WORLD_SIZE={world} but the pipeline's sub-meshes have "
                                f"{sum(m.size for m in self.meshes)} devices")
@@ -665,24 +601,19 @@ class PipelineWorker:
             else:
                 new_process_groups(mesh, None, mesh.device_ids, rank)
         spec = job["stages"][self.stage]
-        graphs = {phase: _parse_with_targets(self.jobdir / f"stage{self.stage}_{phase}.gpir",
-                                             targets)
-                  for phase, targets in spec["graphs"].items()}
-        program = _LoadedStage(self.stage, graphs, tuple(spec["send_forward"]),
-                               tuple(spec["send_backward"]),
-                               frozenset(spec["keep_after_forward"]), tuple(spec["grads"]))
+        graphs = {phase: folder.read_graph(entry) for phase, entry in spec["graphs"].items()}
+        self.program = StageProgram(
+            self.stage, *(graphs.get(phase) for phase in PHASES),
+            send_forward=tuple(spec["send_forward"]), send_backward=tuple(spec["send_backward"]),
+            keep_after_forward=frozenset(spec["keep_after_forward"]), grads=tuple(spec["grads"]))
         self.peers = job["stages"]
         self.types = {n: TensorType(tuple(shape), getattr(torch, dtype))
                       for n, (shape, dtype) in job["types"].items()}
         self.actions = [Action(ActionKind(k), self.stage, mb) for k, mb in spec["actions"]]
         self.spec = spec
-        tensors = torch.load(self.jobdir / f"tensors{self.stage}.pt", weights_only=True)
-        sharded = {}
-        for phase, targets in spec["spmd"].items():
-            device = _parse_with_targets(
-                self.jobdir / f"stage{self.stage}_{phase}_spmd.gpir", targets)
-            sharded[phase] = _DeviceProgram(device, device.mesh)
-        self.program, self.tensors, self.sharded = program, tensors, sharded
+        self.tensors = folder.load(f"tensors{self.stage}.pt")
+        self.sharded = {phase: DevicePhase.read(folder, entry)
+                        for phase, entry in spec["spmd"].items()}
         self.microbatches = job["microbatches"]
         self.runner = self._runner()
         self.bytes_across = 0  # the tiles this device sent to other stages
@@ -694,25 +625,20 @@ class PipelineWorker:
         return StageRunner(self.program, self.microbatches, self.tensors["state"],
                            self.tensors["inputs"], self.sharded, comm=self.comm)
 
-    def run(self) -> None:
-        from graphpar.runtime.launch import write_result
-
+    def run(self) -> dict:
+        """One step: this device's results, what it sent and its spans."""
         runner = self.runner
         spans = self._step(runner)
-        write_result(self.jobdir / f"result{self.rank}.pt",
-                     {"stage": self.stage, "losses": runner.losses,
-                      "grad_outputs": runner.grad_outputs, "updates": runner.updates,
-                      "bytes_sent": self.bytes_across, "bytes_counted": self.counted_across,
-                      "intra_stage_bytes": runner.intra_stage_bytes + self.gathered_bytes,
-                      "gathered_bytes": self.gathered_bytes, "spans": spans})
+        return {"stage": self.stage, "losses": runner.losses,
+                "grad_outputs": runner.grad_outputs, "updates": runner.updates,
+                "bytes_sent": self.bytes_across, "bytes_counted": self.counted_across,
+                "intra_stage_bytes": runner.intra_stage_bytes + self.gathered_bytes,
+                "gathered_bytes": self.gathered_bytes, "spans": spans}
 
-    def time_steps(self, steps: int, warmup: int) -> None:
+    def time_steps(self, steps: int, warmup: int) -> dict:
         """Run `warmup` + `steps` more steps, each from the starting state after a barrier (all
-        ranks start together); write each timed step's wall seconds and this device's compute
-        seconds (its forward and backward actions) and CPU seconds to ``timing<rank>.json``."""
-        import json
-        import os
-
+        ranks start together): each timed step's wall seconds and this device's compute
+        seconds (its forward and backward actions) and CPU seconds."""
         import torch.distributed as dist
 
         wall, cpu, compute = [], [], []
@@ -727,10 +653,7 @@ class PipelineWorker:
                 cpu.append(time.process_time() - start_cpu)
                 compute.append(sum(t1 - t0 for kind, _, t0, t1 in spans
                                    if ActionKind(kind) in COMPUTE_KINDS))
-        path = self.jobdir / f"timing{self.rank}.json"
-        path.with_suffix(".tmp").write_text(json.dumps({"wall": wall, "cpu": cpu,
-                                                       "compute": compute}))
-        os.replace(path.with_suffix(".tmp"), path)
+        return {"wall": wall, "cpu": cpu, "compute": compute}
 
     def _step(self, runner: StageRunner) -> list[tuple]:
         """This device's action list for one step; returns its spans (kind, microbatch, start,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,16 +30,15 @@ import torch
 from graphpar.cost.timeline import Span
 from graphpar.errors import GraphparError, ScheduleError
 from graphpar.ir.graph import Graph, OutputRole
+from graphpar.ir.pipeline_programs import StageProgram, TokenPrograms
 from graphpar.ir.schedule import Action, ActionKind, Schedule, token_unit, validate
+from graphpar.runtime.jobs import Job, JobWorker
 from graphpar.runtime.pipeline import (
+    DevicePhase,
+    FinishedStage,
     PipelineRun,
     ReceivesAhead,
-    StageProgramLike,
     StageRunner,
-    _DeviceProgram,
-    _Finished,
-    _parse_with_targets,
-    _write_with_targets,
     assemble_outputs,
     mean_loss,
     take_turns,
@@ -95,7 +93,7 @@ class TokenStage:
     """One stage of a token-pipelined step (see the module docstring). Offers what the
     drivers and `assemble_outputs` read of a StageRunner."""
 
-    def __init__(self, stage: int, slices: Sequence[StageProgramLike], update: Graph | None,
+    def __init__(self, stage: int, slices: Sequence[StageProgram], update: Graph | None,
                  grad_param: Mapping[str, str], microbatches: int,
                  state: Mapping[str, torch.Tensor],
                  inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]],
@@ -110,9 +108,9 @@ class TokenStage:
                                     per_slice[j])
                         for j, p in enumerate(slices)]
         # U runs as a microbatch pipeline's stage runs it (on its sub-mesh when sharded)
-        self.update_runner = (StageRunner(_PhasePrograms(stage, {"U": update}), microbatches,
-                                          state, [], {"U": sharded["U"]} if "U" in sharded
-                                          else None)
+        self.update_runner = (StageRunner(StageProgram(stage, None, None, None, None, update),
+                                          microbatches, state, [],
+                                          {"U": sharded["U"]} if "U" in sharded else None)
                               if update is not None else None)
         self.grad_param_of = {v.name: grad_param[v.name] for v in
                               (update.inputs if update is not None else ()) if v.name in grad_param}
@@ -214,13 +212,13 @@ class TokenStage:
             if n.startswith(("past_", "grad_")))
 
 
-def _names(programs, stage: int, j: int, kind: ActionKind) -> tuple[str, ...]:
+def _names(programs: TokenPrograms, stage: int, j: int, kind: ActionKind) -> tuple[str, ...]:
     """What stage `stage` sends for slice j: forward activations or backward gradients."""
     peer = programs.slices[j].programs.stages[stage]
     return peer.send_forward if kind is ActionKind.SEND_F else peer.send_backward
 
 
-def _stages(programs, state, inputs, names, sharded) -> list[TokenStage]:
+def _stages(programs: TokenPrograms, state, inputs, names, sharded) -> list[TokenStage]:
     per_slice = slice_inputs(inputs, names, programs.token_slices)
     return [TokenStage(s, [sl.programs.stages[s] for sl in programs.slices], programs.update(s),
                        programs.grad_param, len(inputs), state, per_slice,
@@ -228,16 +226,17 @@ def _stages(programs, state, inputs, names, sharded) -> list[TokenStage]:
             for s in range(programs.stages)]
 
 
-def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
+def run_tokens_in_process(programs: TokenPrograms, schedule: Schedule,
+                          state: Mapping[str, torch.Tensor],
                           inputs: Sequence[Mapping[str, torch.Tensor]],
                           sharded: Mapping[int, Mapping[str, Any]] | None = None
                           ) -> PipelineRun:
     """One token-pipelined step with every stage in this process: the stages take turns, each
     running actions until it waits for a transfer that has not been sent (as
-    `pipeline.run_in_process` does for microbatches). `programs`: a
-    `passes.pipeline.token_programs.TokenPrograms`; `inputs`: per microbatch, the whole step's
-    user tensors by name; `sharded`: stage -> what `TokenStage` takes, for stages on a
-    sub-mesh of several devices (run in lockstep in this process)."""
+    `pipeline.run_in_process` does for microbatches). `programs`: every slice's stage
+    programs (`passes.pipeline.token_programs.split_token_slices`); `inputs`: per microbatch,
+    the whole step's user tensors by name; `sharded`: stage -> what `TokenStage` takes, for
+    stages on a sub-mesh of several devices (run in lockstep in this process)."""
     validate(schedule)
     if len(schedule) != programs.stages:
         raise ScheduleError(f"the schedule has {len(schedule)} stages, the programs "
@@ -281,49 +280,42 @@ def run_tokens_in_process(programs, schedule: Schedule, state: Mapping[str, torc
 
 # ------------------------------------------------------------------ one process per stage
 
-def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, torch.Tensor],
+def run_tokens_multiprocess(programs: TokenPrograms, schedule: Schedule,
+                            state: Mapping[str, torch.Tensor],
                             inputs: Sequence[Mapping[str, torch.Tensor]],
                             timeout: float = 120.0,
                             sharded: Mapping[int, Mapping[str, Any]] | None = None
                             ) -> PipelineRun:
-    """One token-pipelined step with each stage in its own process over gloo, started by
-    `runtime.workers.WorkerGroup`; the programs travel as IR text, transfers are
+    """One token-pipelined step with each stage in its own process over gloo, a job of
+    `runtime.jobs`; the programs travel through its folder as IR text, transfers are
     point-to-point, one packed message per item (the named tensors of its slice).
 
     A stage in `sharded` (as `run_tokens_in_process` takes it) ships its phases' SPMD device
     programs as IR text too and runs them for every device of its sub-mesh in lockstep inside
     the stage's process (as the microbatch pipeline does: not yet one process per device)."""
-    import json
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from graphpar.runtime.workers import WorkerGroup
-
     validate(schedule)
     stages = programs.stages
     names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
-    jobdir = Path(tempfile.mkdtemp(prefix="graphpar-tokens-"))
-    group = WorkerGroup(stages, "graphpar.runtime.token_pipeline:TokenPipelineWorker", jobdir,
-                        timeout=timeout, name="token pipeline stage")
+    sharded = sharded or {}
+    with Job(stages, "graphpar.runtime.token_pipeline:TokenPipelineWorker", prefix="tokens",
+             timeout=timeout, name="token pipeline stage") as job:
+        folder = job.folder
 
-    def write(graph: Graph | None, stem: str) -> list | None:
-        return None if graph is None else _write_with_targets(jobdir / f"{stem}.gpir", graph)
+        def write(graph: Graph | None, stem: str) -> dict | None:
+            return None if graph is None else folder.write_graph(f"{stem}.gpir", graph)
 
-    def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
-        return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
-                for phase, planned in (phases or {}).items()}
+        def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
+            return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
+                    for phase, planned in (phases or {}).items()}
 
-    try:
-        sharded = sharded or {}
-        job = {"microbatches": len(inputs), "names": names,
-               "token_slices": programs.token_slices, "grad_param": programs.grad_param,
-               "slices": [], "stages": []}
+        description: dict[str, Any] = {
+            "microbatches": len(inputs), "names": names, "token_slices": programs.token_slices,
+            "grad_param": programs.grad_param, "slices": [], "stages": []}
         for j, sl in enumerate(programs.slices):
-            job["slices"].append({"types": {n: [list(t.shape), str(t.dtype).removeprefix(
+            description["slices"].append({"types": {n: [list(t.shape), str(t.dtype).removeprefix(
                 "torch.")] for n, t in sl.programs.types.items()}, "stages": []})
             for p in sl.programs.stages:
-                job["slices"][j]["stages"].append({
+                description["slices"][j]["stages"].append({
                     "F": write(p.forward, f"slice{j}_stage{p.stage}_F"),
                     "B": write(p.backward, f"slice{j}_stage{p.stage}_B"),
                     "send_forward": list(p.send_forward), "send_backward": list(p.send_backward),
@@ -332,26 +324,17 @@ def run_tokens_multiprocess(programs, schedule: Schedule, state: Mapping[str, to
                     "spmd": write_spmd(_sharded_slice(sharded, p.stage, j),
                                        f"slice{j}_stage{p.stage}")})
         for s in range(stages):
-            job["stages"].append({
+            description["stages"].append({
                 "U": write(programs.update(s), f"stage{s}_U"),
                 "U_spmd": write_spmd({"U": sharded[s]["U"]} if "U" in sharded.get(s, {})
                                      else None, f"stage{s}"),
                 "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
                 "grads_out": [[dst, p] for src, dst, p in programs.grad_transfers if src == s],
                 "grads_in": [[src, p] for src, dst, p in programs.grad_transfers if dst == s]})
-        torch.save({"state": {k: t.clone() for k, t in state.items()},
-                    "inputs": [{k: t.clone() for k, t in mb.items()} for mb in inputs]},
-                   jobdir / "tensors.pt")
-        (jobdir / "job.json").write_text(json.dumps(job))
-        group.start()
-        group.wait(group.send("run"))
-        results = [torch.load(jobdir / f"result{s}.pt", weights_only=False)
-                   for s in range(stages)]
-    finally:
-        group.stop()
-        shutil.rmtree(jobdir, ignore_errors=True)
-    runners = [_Finished(**{k: r[k] for k in ("losses", "grad_outputs", "updates")})
-               for r in results]
+        folder.save("tensors.pt", {"state": dict(state), "inputs": list(inputs)})
+        folder.describe(description)
+        results = job.call("run")
+    runners = [FinishedStage.of(r) for r in results]
     begin = min((span[2] for r in results for span in r["spans"]), default=0.0)
     spans = [Span(s, Action(ActionKind(kind), s, item), t0 - begin, t1 - begin, rank=s)
              for s, r in enumerate(results) for kind, item, t0, t1 in r["spans"]]
@@ -366,70 +349,47 @@ def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int)
     return dict(slices[j]) if slices else {}
 
 
-@dataclass
-class _PhasePrograms:
-    """Programs of one stage by phase (StageProgramLike): a slice's F and B read back from a
-    job directory, or the update alone."""
-
-    stage: int
-    graphs: dict[str, Graph]
-    send_forward: tuple[str, ...] = ()
-    send_backward: tuple[str, ...] = ()
-    keep_after_forward: frozenset[str] = frozenset()
-    grads: tuple[str, ...] = ()
-
-    def program(self, phase: str) -> Graph | None:
-        return self.graphs.get(phase)
-
-
-class TokenPipelineWorker:
+class TokenPipelineWorker(JobWorker):
     """Rank `rank` of a token pipeline job: stage `rank`'s TokenStage, its action list, gloo
     transfers."""
 
     def __init__(self, jobdir, rank: int, world: int) -> None:
-        import json
-        from pathlib import Path
-
         from graphpar.ir.types import TensorType
 
-        self.jobdir, self.rank, self.world = Path(jobdir), rank, world
-        job = json.loads((self.jobdir / "job.json").read_text())
+        super().__init__(jobdir, rank, world)
+        job, folder = self.job, self.folder
 
-        def read(stem: str, targets: list | None) -> Graph | None:
-            return (None if targets is None
-                    else _parse_with_targets(self.jobdir / f"{stem}.gpir", targets))
+        def read(entry: dict | None) -> Graph | None:
+            return None if entry is None else folder.read_graph(entry)
 
-        def read_spmd(spmd: dict, stem: str) -> dict:
-            return {phase: _DeviceProgram(g, g.mesh) for phase, targets in spmd.items()
-                    if (g := read(f"{stem}_{phase}_spmd", targets)) is not None}
+        def read_spmd(spmd: dict) -> dict:
+            return {phase: DevicePhase.read(folder, entry) for phase, entry in spmd.items()
+                    if entry is not None}
 
         self.slices = job["slices"]
         loaded, sharded_slices = [], []
-        for j, sl in enumerate(self.slices):
+        for sl in self.slices:
             spec = sl["stages"][rank]
-            graphs = {phase: g for phase in ("F", "B")
-                      if (g := read(f"slice{j}_stage{rank}_{phase}", spec[phase])) is not None}
-            loaded.append(_PhasePrograms(rank, graphs, tuple(spec["send_forward"]),
-                                       tuple(spec["send_backward"]),
+            loaded.append(StageProgram(rank, read(spec["F"]), read(spec["B"]), None, None, None,
+                                       tuple(spec["send_forward"]), tuple(spec["send_backward"]),
                                        frozenset(spec["keep_after_forward"]),
                                        tuple(spec["grads"])))
-            sharded_slices.append(read_spmd(spec["spmd"], f"slice{j}_stage{rank}"))
+            sharded_slices.append(read_spmd(spec["spmd"]))
         self.types = [{n: TensorType(tuple(shape), getattr(torch, dtype))
                        for n, (shape, dtype) in sl["types"].items()} for sl in self.slices]
         self.spec = job["stages"][rank]
         self.actions = [Action(ActionKind(k), rank, w) for k, w in self.spec["actions"]]
-        tensors = torch.load(self.jobdir / "tensors.pt", weights_only=True)
+        tensors = folder.load("tensors.pt")
         per_slice = slice_inputs(tensors["inputs"], job["names"], job["token_slices"])
-        sharded = {"slices": sharded_slices, **read_spmd(self.spec["U_spmd"], f"stage{rank}")}
-        self.stage = TokenStage(rank, loaded, read(f"stage{rank}_U", self.spec["U"]),
-                                job["grad_param"], job["microbatches"], tensors["state"],
-                                per_slice, sharded)
+        sharded = {"slices": sharded_slices, **read_spmd(self.spec["U_spmd"])}
+        self.stage = TokenStage(rank, loaded, read(self.spec["U"]), job["grad_param"],
+                                job["microbatches"], tensors["state"], per_slice, sharded)
 
-    def run(self) -> None:
+    def run(self) -> dict:
+        """One step: this stage's results, what it sent and its spans."""
         from graphpar.ir.mesh import Mesh
         from graphpar.ir.types import TensorType
         from graphpar.runtime.gloo import GlooCommunicator
-        from graphpar.runtime.launch import write_result
 
         # the world as a mesh with no groups (none needed): its sends and receives, an item's
         # boundary as one message tagged by the item, the gradients tagged after every item
@@ -483,7 +443,6 @@ class TokenPipelineWorker:
                 stage.compute(action)
             spans.append((kind.value, item, start, time.time()))
         comm.finish()
-        write_result(self.jobdir / f"result{self.rank}.pt",
-                     {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
-                      "updates": stage.updates, "bytes_sent": stage.bytes_sent,
-                      "bytes_counted": int(comm.bytes_counted), "spans": spans})
+        return {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
+                "updates": stage.updates, "bytes_sent": stage.bytes_sent,
+                "bytes_counted": int(comm.bytes_counted), "spans": spans}

@@ -7,7 +7,8 @@ commands down every worker's stdin. Each worker joins the gloo process group thr
 store, builds its handler with ``FACTORY(jobdir, rank, world)``, and runs each command
 ``(name, *args)`` as ``handler.name(*args)`` until it is told to stop or its stdin closes (the
 driver exited). The process that owns the group may be a rank itself (tensor-parallel serving:
-rank 0 runs in the engine) or none (an SPMD job: every rank is a worker).
+rank 0 runs in the engine) or none (an SPMD job: every rank is a worker). Launchers use it
+through :mod:`graphpar.runtime.jobs`, the job protocol (the job folder, calls and replies).
 
 A worker that fails writes its message to ``error<rank>.txt`` in the job directory and exits;
 the group reports the failed rank by number with that message (a rank's own error before a

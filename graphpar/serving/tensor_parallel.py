@@ -9,25 +9,22 @@ process group.
 
 The driver (rank 0, this process):
 
-1. writes the programs (planned and lowered by the compiler) to a job directory as IR text,
-   with each worker's weight shards;
-2. starts the workers as a :class:`~graphpar.runtime.workers.WorkerGroup` (each builds its
-   rank with :func:`serve_rank`) and joins them in a gloo process group as rank 0;
+1. writes the programs (planned and lowered by the compiler) to a job folder as IR text, with
+   each worker's weight shards (a :class:`~graphpar.runtime.jobs.Job`, the one job protocol);
+2. starts the job's workers (each builds its rank with :func:`serve_rank`) and joins them in a
+   gloo process group as rank 0;
 3. per step, sends the command (step tensors, block copies, swaps) to the workers, then runs
    its own share; the plan leaves the logits whole on every rank and the driver samples.
 
 Every rank, the driver included, parses the same program text and fits the same templates
 (:func:`load_rank`), so all run one program. A worker that fails leaves its message in the job
-directory; the driver raises it as a GenerationError and stops the others. Commands travel by
+folder; the driver raises it as a GenerationError and stops the others. Commands travel by
 the group's pipes rather than by a collective so that an idle engine never times a worker out;
 a worker whose pipe closes (the driver exited) exits too.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -41,11 +38,11 @@ from graphpar.errors import BackendError, GenerationError, GraphparError
 from graphpar.ir.graph import Graph, Role
 from graphpar.ir.graph_template import GraphTemplate
 from graphpar.ir.mesh import Mesh
-from graphpar.ir.printer import print_graph
 from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.gloo import GlooCommunicator
+from graphpar.runtime.jobs import Job, JobFolder, rank_file
 from graphpar.runtime.spmd import shard_tensor
-from graphpar.runtime.workers import WorkerGroup, from_peer
+from graphpar.runtime.workers import from_peer
 from graphpar.serving.model_rank import ModelRank
 
 if TYPE_CHECKING:  # the compiler's result type only: the runtime does not plan
@@ -54,22 +51,17 @@ if TYPE_CHECKING:  # the compiler's result type only: the runtime does not plan
 __all__ = ["TensorParallelRanks", "load_rank", "serve_rank"]
 
 
-def _program_files(name: str, variants: Mapping[str, int]) -> dict[str | None, str]:
-    return {None: f"{name}.gpir", **{sym: f"{name}.{sym}.gpir" for sym in variants}}
-
-
 def load_rank(jobdir: Path, state: dict[str, torch.Tensor], comm) -> ModelRank:
-    """Rank ``comm.rank``'s :class:`ModelRank` from the job directory's programs."""
-    from graphpar.ir.parser import parse
-
-    job = json.loads((jobdir / "job.json").read_text())
+    """Rank ``comm.rank``'s :class:`ModelRank` from the job folder's programs."""
+    folder = JobFolder(jobdir)
+    job = folder.description
     templates = {}
     for name, spec in job["programs"].items():
-        files = _program_files(name, spec["variants"])
-        graphs = {sym: parse((jobdir / f).read_text(), f) for sym, f in files.items()}
+        base = folder.read_graph(spec["base"])
         templates[name] = GraphTemplate.fit(
-            graphs[None], spec["base_sizes"],
-            {sym: (size, graphs[sym]) for sym, size in spec["variants"].items()})
+            base, spec["base_sizes"],
+            {sym: (size, folder.read_graph(entry))
+             for sym, (size, entry) in spec["variants"].items()})
     return ModelRank(templates["prefill"], templates["decode"], state,
                      num_cpu_blocks=job["num_cpu_blocks"], kernel=job["kernel"], comm=comm)
 
@@ -95,11 +87,11 @@ class TensorParallelRanks:
         self.tp, self.timeout = tp, timeout
         self.programs = dict(programs)
         self.mesh = Mesh((tp,))
-        self.jobdir = Path(tempfile.mkdtemp(prefix="graphpar-tp-"))
-        self.group = WorkerGroup(tp, "graphpar.serving.tensor_parallel:serve_rank", self.jobdir,
-                                 ranks=range(1, tp), timeout=timeout, name="tensor-parallel")
+        self.job = Job(tp, "graphpar.serving.tensor_parallel:serve_rank", prefix="tp",
+                       ranks=range(1, tp), timeout=timeout, name="tensor-parallel")
+        self.jobdir, self.group = self.job.path, self.job.group
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self.group, self.jobdir)
+        self._finalizer = weakref.finalize(self, self.job.close, True)
         try:
             axes = sorted({node_axes(n) for p in self.programs.values() for g in _graphs(p)
                            for n in g.nodes if n.op in GROUP_OPS})
@@ -108,9 +100,9 @@ class TensorParallelRanks:
             persistent = sorted({v.name for p in self.programs.values() for v in p.base.inputs
                                  if v.role in (Role.PARAM, Role.BUFFER) and v.name in state})
             say(f"starting {tp - 1} tensor-parallel worker process(es)")
-            for rank in range(1, tp):
-                torch.save({name: shard_tensor(state[name], layouts[name], self.mesh, rank)
-                            .clone() for name in persistent}, self.jobdir / f"weights{rank}.pt")
+            self.job.save_each("weights", {
+                rank: {name: shard_tensor(state[name], layouts[name], self.mesh, rank)
+                       for name in persistent} for rank in range(1, tp)})
             self._start()
             self.comm = GlooCommunicator(self.mesh, 0, axes)
             own = {name: shard_tensor(state[name], layouts[name], self.mesh, 0).contiguous()
@@ -144,23 +136,22 @@ class TensorParallelRanks:
     # --- start-up ---------------------------------------------------------------------------
 
     def _write_job(self, num_cpu_blocks: int, kernel: str, axes) -> None:
+        folder = self.job.folder
         programs = {}
         for name, program in self.programs.items():
-            files = _program_files(name, program.variants)
-            graphs = {None: program.base, **{s: g for s, (_, g) in program.variants.items()}}
-            for sym, file in files.items():
-                (self.jobdir / file).write_text(print_graph(graphs[sym], show_source=True,
-                                                            show_cost=False))
-            programs[name] = {"base_sizes": program.base_sizes,
-                              "variants": {s: n for s, (n, _) in program.variants.items()}}
-        job = {"tp": self.tp, "programs": programs, "num_cpu_blocks": num_cpu_blocks,
-               "kernel": kernel, "axes": [list(a) for a in axes], "timeout": self.timeout}
-        (self.jobdir / "job.json").write_text(json.dumps(job))
+            programs[name] = {
+                "base": folder.write_graph(f"{name}.gpir", program.base, source=True),
+                "base_sizes": program.base_sizes,
+                "variants": {sym: (size, folder.write_graph(f"{name}.{sym}.gpir", g,
+                                                            source=True))
+                             for sym, (size, g) in program.variants.items()}}
+        folder.describe({"tp": self.tp, "programs": programs, "num_cpu_blocks": num_cpu_blocks,
+                         "kernel": kernel, "axes": [list(a) for a in axes],
+                         "timeout": self.timeout})
 
     def _start(self) -> None:
-        self.group.start()
         try:
-            self.group.wait_started()
+            self.job.start(wait=True)
         except BackendError as exc:
             raise GenerationError(str(exc)) from None
         dist.init_process_group("gloo", store=self.group.store, rank=0, world_size=self.tp,
@@ -205,7 +196,7 @@ class TensorParallelRanks:
             raise GenerationError("the tensor-parallel ranks are stopped (closed, or stopped "
                                   "after an error)")
         try:
-            self.group.send(*command)
+            self.job.send(*command)
         except BackendError as exc:  # a worker is gone: the group says which and why
             self.close()
             raise GenerationError(str(exc)) from None
@@ -237,20 +228,15 @@ def _graphs(program) -> list[Graph]:
     return [program.base, *(g for _, g in program.variants.values())]
 
 
-def _shutdown(group: WorkerGroup, jobdir: Path) -> None:
-    group.stop(kill=True)
-    shutil.rmtree(jobdir, ignore_errors=True)
-
-
 # --- the worker ---------------------------------------------------------------------------------
 
 def serve_rank(jobdir: Path, rank: int, world: int) -> ModelRank:
     """Worker rank ``rank``'s :class:`ModelRank` (its weight shards and programs from the job
-    directory), once every rank has loaded its programs; the group runs the driver's commands
+    folder), once every rank has loaded its programs; the group runs the driver's commands
     (``run``, ``copy_blocks``, ``swap_out``, ``swap_in``) on it."""
-    job = json.loads((jobdir / "job.json").read_text())
-    comm = GlooCommunicator(Mesh((world,)), rank, [tuple(a) for a in job["axes"]])
-    weights = torch.load(jobdir / f"weights{rank}.pt", weights_only=True)
+    folder = JobFolder(jobdir)
+    comm = GlooCommunicator(Mesh((world,)), rank, [tuple(a) for a in folder.description["axes"]])
+    weights = folder.load(rank_file("weights", rank))
     model = load_rank(jobdir, weights, comm)
     comm.barrier()
     return model

@@ -120,3 +120,40 @@ def test_step_times_take_the_slowest_rank_and_the_median_over_steps():
     assert times.step_seconds == [3.0, 5.0, 2.0, 9.0]
     assert times.median == 4.0 and times.min == 2.0 and times.steps == 4
     assert times.cpu_median == 2.5
+
+
+def test_torchrun_runs_a_job_folders_first_run():
+    """`torchrun --nproc-per-node 2 -m graphpar.runtime.launch JOBDIR` on the folder an SpmdJob
+    wrote (no worker of its own started): each rank reads only torchrun's environment and the
+    folder and writes result<rank>.1.pt, the outputs and records the in-process run gives."""
+    import os
+    import subprocess
+    import sys
+
+    from graphpar.runtime.comm import CommRecord
+    from graphpar.runtime.jobs import rank_file
+    from graphpar.runtime.launch import SpmdJob
+    from graphpar.runtime.workers import torchrun_env
+
+    text = """
+    mesh @mesh = <[2]>
+    graph @g(%x: f32[4] input) on @mesh {
+      %0 = all_reduce(%x) {axes=[0], n=2, op="sum"} : f32[4]
+      return %0 output
+    }
+    """
+    inputs = [{"x": torch.arange(4.0) + r} for r in range(2)]
+    local = run_spmd_in_process(text, inputs)
+    env = {k: v for k, v in torchrun_env(0, 2, 0).items()  # graphpar importable, loopback
+           if k in ("PYTHONPATH", "GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}
+    with SpmdJob(text, timeout=60) as job:
+        assert job.write_inputs(inputs) == 1
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", "2", "-m", "graphpar.runtime.launch", str(job.jobdir)],
+            env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results = [job.job.folder.load(rank_file("result", r, 1)) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert torch.equal(result["outputs"][0], local[rank][0])
+        assert [CommRecord.from_dict(r) for r in result["records"]] == local.records[rank]

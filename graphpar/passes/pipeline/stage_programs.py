@@ -22,10 +22,10 @@ transpose) are not sent or stashed: every program that reads one recomputes it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, Node, Role, Value
+from graphpar.ir.pipeline_programs import PHASES, PipelinePrograms, StageProgram
 from graphpar.ir.types import TensorType
 from graphpar.passes.pipeline.partition import (
     forward_backward_optimizer,
@@ -33,56 +33,11 @@ from graphpar.passes.pipeline.partition import (
     value_name,
 )
 
+# the programs' types live in graphpar.ir.pipeline_programs (the runtime runs them); their names
+# stay importable from here, where the compiler builds them
 __all__ = ["PHASES", "PipelinePrograms", "StageProgram", "split_stages"]
 
-PHASES = ("F", "B", "I", "W", "U")
 _MAX_RECOMPUTE = 64  # nodes: a microbatch-independent value with a larger cone is sent instead
-
-
-@dataclass
-class StageProgram:
-    """One stage's programs and the names it sends, stashes and accumulates."""
-
-    stage: int
-    forward: Graph | None
-    backward: Graph | None  # the whole backward (GPipe, 1F1B)
-    input_grad: Graph | None  # the backward split for zero-bubble schedules: I then W
-    weight_grad: Graph | None
-    update: Graph | None
-    send_forward: tuple[str, ...] = ()
-    send_backward: tuple[str, ...] = ()
-    keep_after_forward: frozenset[str] = frozenset()  # what the microbatch's backward needs
-    grads: tuple[str, ...] = ()
-
-    def program(self, phase: str) -> Graph | None:
-        return {"F": self.forward, "B": self.backward, "I": self.input_grad,
-                "W": self.weight_grad, "U": self.update}[phase]
-
-    def graphs(self) -> list[Graph]:
-        return [g for p in PHASES if (g := self.program(p)) is not None]
-
-
-@dataclass
-class PipelinePrograms:
-    """Every stage's programs for one microbatch training graph."""
-
-    graph: Graph  # the training step at microbatch size
-    stage_of: Mapping[Node, int]
-    stages: tuple[StageProgram, ...]
-    types: dict[str, TensorType] = field(default_factory=dict)  # every sent or kept name
-    grad_transfers: tuple[tuple[int, int, str], ...] = ()  # (from stage, to stage, grad name)
-
-    def bytes_sent(self, stage: int) -> tuple[int, int]:
-        """(forward, backward) bytes stage `stage` sends per microbatch."""
-        program = self.stages[stage]
-        return (sum(self.types[n].nbytes for n in program.send_forward),
-                sum(self.types[n].nbytes for n in program.send_backward))
-
-    def step_bytes(self, microbatches: int) -> int:
-        """Bytes sent between stages in one step of `microbatches` microbatches."""
-        per_mb = sum(sum(self.bytes_sent(s)) for s in range(len(self.stages)))
-        grads = sum(self.types[name].nbytes for _, _, name in self.grad_transfers)
-        return per_mb * microbatches + grads
 
 
 def _phase_of(node: Node, forward: set[Node], backward: set[Node]) -> str:

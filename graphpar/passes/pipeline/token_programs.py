@@ -13,66 +13,19 @@ each stage, fed by parameter name.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from graphpar.errors import PassError
 from graphpar.ir.graph import Graph, Node, OutputRole, Role
+from graphpar.ir.pipeline_programs import PipelinePrograms, SlicePrograms, TokenPrograms
 from graphpar.passes.pipeline.partition import (
     follow_forward,
     forward_backward_optimizer,
     value_name,
 )
-from graphpar.passes.pipeline.stage_programs import PipelinePrograms, split_stages
+from graphpar.passes.pipeline.stage_programs import split_stages
 
+# the types live in graphpar.ir.pipeline_programs; their names stay importable from here
 __all__ = ["SlicePrograms", "TokenPrograms", "slice_stage_of", "split_token_slices"]
-
-
-@dataclass
-class SlicePrograms:
-    """One token slice [offset, offset + length): its step's programs on every stage."""
-
-    offset: int
-    length: int
-    programs: PipelinePrograms
-
-
-@dataclass
-class TokenPrograms:
-    """Every slice's stage programs, and what the whole pipeline's updates read."""
-
-    whole: PipelinePrograms  # the whole-sequence step: its graph's outputs and update programs
-    slices: tuple[SlicePrograms, ...]
-    grad_param: dict[str, str]  # an update program's gradient input -> the parameter's name
-    grad_transfers: tuple[tuple[int, int, str], ...]  # (from stage, to stage, parameter)
-
-    @property
-    def stages(self) -> int:
-        return len(self.whole.stages)
-
-    @property
-    def token_slices(self) -> list[int]:
-        return [s.length for s in self.slices]
-
-    def update(self, stage: int) -> Graph | None:
-        return self.whole.stages[stage].update
-
-    def item_bytes(self, j: int) -> int:
-        """Bytes sent between stages for one microbatch's slice j (activations forward,
-        gradients back), from its programs' transfer lists."""
-        programs = self.slices[j].programs
-        return sum(sum(programs.bytes_sent(s)) for s in range(self.stages))
-
-    def step_bytes(self, microbatches: int) -> int:
-        """Bytes sent between stages in one step: every slice of every microbatch, then the
-        summed gradients that another stage updates."""
-        per_mb = sum(self.item_bytes(j) for j in range(len(self.slices)))
-        grads = 0
-        for _, dst, param in self.grad_transfers:
-            grad = next(n for n, p in self.grad_param.items() if p == param
-                        and self.update(dst) is not None
-                        and n in {v.name for v in self.update(dst).inputs})
-            grads += self.whole.types[grad].nbytes
-        return per_mb * microbatches + grads
 
 
 def slice_stage_of(graph: Graph, whole: Graph, whole_stage_of: Mapping[Node, int]

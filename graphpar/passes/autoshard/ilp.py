@@ -36,7 +36,7 @@ import numpy as np
 from graphpar.cost.communication import resharding_cost_matrix
 from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
@@ -53,9 +53,7 @@ from graphpar.passes.autoshard.strategies import (
 
 OBJECTIVE_UNIT = 1e-10  # seconds per integer objective unit (CP-SAT works in integers)
 MEMORY_TIEBREAK = 1.0 / (1 << 20)  # objective units per byte: ties go to the plan using less memory
-PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
-SOLVERS = ("cp-sat", "scip", "cbc", "highs")
-DEFAULT_SOLVER = "highs"  # the fastest on our graphs (docs/autoshard.md)
+DEFAULT_SOLVER = "highs"  # the fastest on our graphs (docs/autoshard.md); all: `SOLVERS`
 
 # A hand plan's filter: (item, its choice) -> False to forbid that choice, True or None to allow.
 Allow = Callable[[object, object], "bool | None"]
@@ -197,7 +195,7 @@ class Problem:
         reads."""
         graph, mesh, terms = self.graph, self.mesh, {}
         for v in graph.inputs:
-            if v.role in PERSISTENT:
+            if v.role in PERSISTENT_ROLES:
                 factor = 2 if (self.training and v.role is Role.PARAM) else 1
                 i = self.index[v]
                 terms[i] = np.array([factor * lay.local_bytes(v.type.shape, v.type.itemsize, mesh)
@@ -352,7 +350,7 @@ class Reduced:
 
         def anchored(v: Value) -> bool:  # in a group led by a parameter or optimizer state
             lead = p.items[self.root[p._src(v)]]
-            return isinstance(lead, Value) and lead.role in PERSISTENT
+            return isinstance(lead, Value) and lead.role in PERSISTENT_ROLES
 
         # Results the user reads count as uses; new state written back does not.
         returned = {o.value for o in p.graph.outputs
@@ -519,7 +517,7 @@ class Reduced:
               solver: str = DEFAULT_SOLVER, allow: Allow | None = None,
               name: str = "ilp") -> Plan:
         """The cheapest plan (restricted by `allow`), costed on the full graph."""
-        if solver not in _SOLVERS:
+        if solver not in SOLVERS:
             raise ShardingError(f"unknown ILP solver {solver!r}; choose one of "
                                 f"{', '.join(SOLVERS)}")
         start = time.perf_counter()
@@ -529,7 +527,7 @@ class Reduced:
         if memory_limit is not None and inst.least_memory() > memory_limit:
             raise _memory_error(self, inst, memory_limit)
         if any(inst.free(c) for c in range(len(inst.keep))):
-            result = _SOLVERS[solver](inst, memory_limit, time_limit)
+            result = SOLVERS[solver](inst, memory_limit, time_limit)
         else:  # one choice each (and within memory, checked above): nothing to solve, and a
             # MIP solver given no variables but a memory row answers neither optimal nor not
             result = _Result("OPTIMAL", [0] * len(inst.keep), 0.0, 0.0, 0, 0)
@@ -787,8 +785,9 @@ def _row(solver, rhs: float, plus: Sequence, minus: Sequence) -> None:
         row.SetCoefficient(v, -1.0)
 
 
-_SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mip("CBC"),
-            "highs": _solve_mip("HIGHS")}
+# The solvers by name: `Reduced.solve(solver=...)`, `graphpar.passes.autoshard.explain`.
+SOLVERS: dict[str, Callable] = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"),
+                                "cbc": _solve_mip("CBC"), "highs": _solve_mip("HIGHS")}
 
 
 def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,

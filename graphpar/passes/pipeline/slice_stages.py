@@ -39,7 +39,7 @@ from graphpar.cost.communication import resharding_cost
 from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError, PassError, ShardingError, TimeLimitError
 from graphpar.ir.cluster import Cluster
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
 from graphpar.ir.structure import canonical_order, layer_signature
 from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
@@ -68,9 +68,6 @@ from graphpar.passes.pipeline.stage_dp import (
     submesh_shapes,
 )
 from graphpar.units import format_bytes, parse_bytes
-
-PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
-
 
 LogicalMeshes = Callable[[tuple[int, int]], list[tuple[int, int]]]
 
@@ -489,7 +486,7 @@ class _LayerCosts:
         seconds = plan.step_seconds - update + update / self.microbatches
         persistent = 0
         for v in costed.inputs:
-            if v.role in PERSISTENT:
+            if v.role in PERSISTENT_ROLES:
                 per = plan.input_layout[v].local_bytes(v.type.shape, v.type.itemsize, mesh)
                 persistent += per * (2 if v.role is Role.PARAM and self.gradients else 1)
         stashed = 0

@@ -150,10 +150,6 @@ def _existing_parent(path: Path) -> Path:
 
 def staging_dir(out: Path) -> Path:
     """A fresh directory beside `out` where a command writes its files before `_publish`."""
-    import tempfile
-
-    from graphpar.errors import OutputError
-
     try:
         return Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
@@ -170,6 +166,29 @@ def _publish(staging: Path, out: Path) -> None:
         if target.is_dir():
             shutil.rmtree(target)
         os.replace(item, target)
+
+
+@contextmanager
+def staged_output(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out` where a command writes its files (`publish_report` moves
+    them into `out`), removed when the block ends: a failed command leaves nothing
+    half-written in `out`."""
+    staging = staging_dir(out)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_report(summary: dict, staging: Path, out: Path) -> None:
+    """`summary` written as report.json beside the staged files, which it lists (`files`,
+    report.json with them), and everything moved into `out`."""
+    import json
+
+    summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
+                              if p.is_file()) + ["report.json"]
+    (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _publish(staging, out)
 
 
 TIMED_STEPS, WARMUP_STEPS = 5, 2  # --run-cpu's step timing: the median of 5 after 2 untimed

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 
 from graphpar.cli.common import (
@@ -12,14 +10,14 @@ from graphpar.cli.common import (
     WARMUP_STEPS,
     _existing_parent,
     _names,
-    _publish,
     auto_shard_mesh_size,
     auto_shard_pass,
     bytes_sent_text,
     certified,
     check_plan_options,
     load_target,
-    staging_dir,
+    publish_report,
+    staged_output,
     step,
     step_time_line,
     step_time_report,
@@ -60,8 +58,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
-    staging = staging_dir(out)
-    try:
+    with staged_output(out) as staging:
         dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
         with step(f"capturing {spec.name} ({args.mode})"):
             result = compile_model(
@@ -96,12 +93,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 summary["cuda"].update(check.report())
                 summary["cuda"]["error_lines"] = check.lines()
                 summary["cuda"]["arena_bytes_measured"] = list(compiled.peak_arena_bytes)
-        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
-                                  if p.is_file()) + ["report.json"]
-        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_report(summary, staging, out)
     s = summary
     print(f"graphpar compile: {s['model']} ({s['mode']}) from {s['source']}")
     print(f"  graph      {s['nodes']} nodes, {len(s['ops'])} distinct ops")

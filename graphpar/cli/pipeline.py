@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from graphpar.cli.common import _publish, load_target, plan_limits, staging_dir, step
+from graphpar.cli.common import (
+    load_target,
+    plan_limits,
+    publish_report,
+    staged_output,
+    step,
+)
 from graphpar.errors import UsageError
 
 if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
@@ -127,8 +131,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     from graphpar.ir.printer import print_program
 
     out = Path(args.out)
-    staging = staging_dir(out)
-    try:
+    with staged_output(out) as staging:
         compiled = compile_pipeline(args, passes)
         spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe
         ir_name = f"{result.graph.name}_pipeline.gpir"
@@ -162,12 +165,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
             with step("running the pipeline on CPU ranks (gloo, one process per device)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args,
                                                          summary["pipeline"])
-        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
-                                  if p.is_file()) + ["report.json"]
-        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_report(summary, staging, out)
     print_pipeline_report(summary, out / ir_name, out / "report.json")
     from graphpar.cli.common import certified
 

@@ -39,8 +39,25 @@ if TYPE_CHECKING:
     from graphpar.cost.cluster import Cluster
     from graphpar.passes.pipeline.plan import StagePlan
 
-__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "pipeline_of",
-           "pipeline_of_plan", "slice_and_build"]
+__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "first_microbatch",
+           "pipeline_of", "pipeline_of_plan", "slice_and_build", "split_step"]
+
+
+def split_step(args: Sequence[torch.Tensor], microbatches: int,
+               names: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """A step's arguments (inputs, then targets; named `names` in errors) cut along dimension
+    0 into `microbatches` equal microbatches, each by name."""
+    return split_microbatches(dict(zip(names, args)), microbatches)
+
+
+def first_microbatch(spec: ModelSpec, microbatches: int) -> ModelSpec:
+    """`spec` with its example batch cut to the first of `microbatches` equal microbatches:
+    what a pipelined step is captured at."""
+    names = [f"input {i}" for i in range(len(spec.inputs))] + [
+        f"target {i}" for i in range(len(spec.targets))]
+    first = split_step((*spec.inputs, *spec.targets), microbatches, names)[0]
+    return dataclasses.replace(spec, inputs=tuple(first[n] for n in names[:len(spec.inputs)]),
+                               targets=tuple(first[n] for n in names[len(spec.inputs):]))
 
 
 @dataclass
@@ -153,7 +170,7 @@ class PipelineCompiled:
         if len(args) != len(names):
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
-        inputs = split_microbatches(dict(zip(names, args)), self.microbatches)
+        inputs = split_step(args, self.microbatches, names)
         if processes:
             from graphpar.runtime.pipeline import run_multiprocess
 
@@ -235,12 +252,9 @@ def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
     if microbatches < 1:
         raise UsageError(f"microbatches must be at least 1, got {microbatches}")
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
-    names = [f"input {i}" for i in range(len(inputs))] + [
-        f"target {i}" for i in range(len(targets))]
-    first = split_microbatches(dict(zip(names, (*inputs, *targets))), microbatches)[0]
-    micro = [first[n] for n in names]
-    captured = capture_training(copy.deepcopy(module), micro[:len(inputs)], loss_fn,
-                                micro[len(inputs):], optimizer=optimizer,
+    micro = first_microbatch(spec, microbatches)
+    captured = capture_training(copy.deepcopy(module), list(micro.inputs), loss_fn,
+                                list(micro.targets), optimizer=optimizer,
                                 keep_grads=keep_grads)
     return pipeline_of(captured, stages, microbatches, schedule, forward_stage, spec=spec,
                        optimizer=optimizer)
@@ -297,17 +311,11 @@ def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
     `memory_limit`: "device" (the cluster's), "none" or a size. `token_slices` (0: the DP
     chooses, N: N equal slices; None: off) then runs `slice-tokens` for the stage plan, which
     records `token_slices` and `batch_slices` in the step graph's attrs."""
-    from graphpar.compiler.driver import ModelSpec, compile_model
+    from graphpar.compiler.driver import compile_model
     from graphpar.passes.pipeline.plan import StagePlan
     from graphpar.passes.pipeline.slice_stages import SliceStages
 
-    names = [f"input {i}" for i in range(len(spec.inputs))] + [
-        f"target {i}" for i in range(len(spec.targets))]
-    first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
-                               microbatches)[0]
-    micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
-                      spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
-                      spec.source, spec.make_real)
+    micro = first_microbatch(spec, microbatches)
     slicer = SliceStages(mesh=mesh if "x" in str(mesh) else f"1x{mesh}", cluster=cluster,
                          stages=str(stages), microbatches=microbatches, memory_limit=memory_limit,
                          time_limit=time_limit)

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphpar.capture.token_slice import capture_slice_step
+from graphpar.compiler.pipelined import split_step
 from graphpar.errors import GenerationError, UsageError
 from graphpar.ir.schedule import Schedule
 from graphpar.passes.manager import run_pipeline
 from graphpar.passes.pipeline.schedules import token_schedule
 from graphpar.passes.pipeline.token_programs import TokenPrograms, split_token_slices
-from graphpar.runtime.pipeline import PipelineRun, split_microbatches
+from graphpar.runtime.pipeline import PipelineRun
 
 if TYPE_CHECKING:
     from graphpar.compiler.check.eager import EagerCheck
@@ -68,7 +69,7 @@ class TokenPipeline:
         if len(args) != len(names):
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
-        inputs = split_microbatches(dict(zip(names, args)), self.pipe.microbatches)
+        inputs = split_step(args, self.pipe.microbatches, names)
         if processes:
             self.last_run = run_tokens_multiprocess(self.programs, self.schedule,
                                                     self.pipe.captured.state, inputs,
@@ -178,8 +179,7 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
                          + ("no model" if spec is None else
                             f"{len(spec.inputs)} inputs and {len(spec.targets)} targets"))
     names = pipe.captured.user_inputs
-    first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
-                               pipe.microbatches)[0]
+    first = split_step((*spec.inputs, *spec.targets), pipe.microbatches, names)[0]
     ids, target = (first[n] for n in names)
     if ids.dim() != 2 or ids.is_floating_point():
         raise UsageError(f"token slicing cuts a causal LM's token ids [batch, sequence]; the "

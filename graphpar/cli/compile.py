@@ -10,7 +10,6 @@ from graphpar.cli.common import (
     WARMUP_STEPS,
     _existing_parent,
     _names,
-    auto_shard_mesh_size,
     auto_shard_pass,
     bytes_sent_text,
     certified,
@@ -43,11 +42,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         check_pipeline_options(args)
         return cmd_compile_pipeline(args, passes)
     if args.mesh:  # bad meshes and clusters too, named by their option
-        mesh_size = auto_shard_mesh_size(args)
-        if args.run_cpu is not None and args.run_cpu != mesh_size:
+        auto_shard = auto_shard_pass(args)
+        if args.run_cpu is not None and args.run_cpu != auto_shard.mesh.size:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
-                             f"({mesh_size} devices): run one CPU rank per device")
-        passes.append(auto_shard_pass(args))
+                             f"({auto_shard.mesh.size} devices): run one CPU rank per device")
+        passes.append(auto_shard)
     for option in ("dump_after", "dump_before"):
         unknown = set(_names(getattr(args, option))) - {p.name for p in passes} - {"all"}
         if unknown:

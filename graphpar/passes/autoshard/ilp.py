@@ -35,6 +35,7 @@ import numpy as np
 
 from graphpar.cost.communication import resharding_cost_matrix
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import NO_MEMORY_LIMIT, PlanLimits
 from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
 from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
@@ -791,15 +792,17 @@ SOLVERS: dict[str, Callable] = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP
 
 
 def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
-          memory_limit: float | None = None,
-          time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
-          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None) -> Plan:
-    """The cheapest plan for `graph` on `mesh` (see the module docstring). `time_limit` bounds
-    the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
-    building the problem leaves of it is the solver's."""
-    deadline = deadline or Deadline(time_limit)
+          limits: PlanLimits = NO_MEMORY_LIMIT, *, tie_layers: bool = True, simplify: bool = True,
+          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None
+          ) -> tuple[Reduced, Plan]:
+    """The reduced problem of `graph` on `mesh` (see the module docstring) and its cheapest
+    plan within `limits.memory_bytes` per device (None: no limit). `limits.time_seconds`
+    bounds the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
+    building the problem leaves of it is the solver's. The `auto-shard` pass solves through
+    here, and so does every stage's re-solve on its sub-mesh."""
+    deadline = deadline or Deadline(limits.time_seconds)
     reduced = build_reduced(graph, mesh, roofline, deadline, tie_layers, simplify)
-    return reduced.solve(memory_limit, max(deadline.left(), 1e-3), solver)
+    return reduced, reduced.solve(limits.memory_bytes, max(deadline.left(), 1e-3), solver)
 
 
 def build_reduced(graph: Graph, mesh: Mesh, roofline: Roofline | float, deadline: Deadline,

@@ -26,3 +26,33 @@ def load_bench():
     yield load
     for name in loaded:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def ilp_limits(monkeypatch):
+    """What every ILP of a compile was solved under, recorded at the ILP's entry points:
+    `["plans"]` (mesh shape, `PlanLimits`) of each `ilp.solve`, the recipe auto-shard and
+    every stage's re-solve on its sub-mesh go through; `["layers"]` (memory bytes, seconds)
+    of each other `Reduced.solve`, the stage search's per-layer solves."""
+    from graphpar.passes.autoshard import ilp
+
+    seen = {"plans": [], "layers": []}
+    inside = []
+    real_solve, real_reduced_solve = ilp.solve, ilp.Reduced.solve
+
+    def solve(graph, mesh, roofline, limits=ilp.NO_MEMORY_LIMIT, **kwargs):
+        seen["plans"].append((tuple(mesh.shape), limits))
+        inside.append(graph)
+        try:
+            return real_solve(graph, mesh, roofline, limits, **kwargs)
+        finally:
+            inside.pop()
+
+    def reduced_solve(self, memory_limit=None, time_limit=30.0, *args, **kwargs):
+        if not inside:
+            seen["layers"].append((memory_limit, time_limit))
+        return real_reduced_solve(self, memory_limit, time_limit, *args, **kwargs)
+
+    monkeypatch.setattr(ilp, "solve", solve)
+    monkeypatch.setattr(ilp.Reduced, "solve", reduced_solve)
+    return seen

@@ -11,9 +11,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from graphpar.errors import OutputError, UsageError
+
+if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
+    from graphpar.cost.limits import PlanLimits
+    from graphpar.ir.cluster import Cluster
+    from graphpar.ir.mesh import Mesh
 
 DEFAULT_EXAMPLE = "gpt:125M"
 
@@ -150,10 +155,6 @@ def _existing_parent(path: Path) -> Path:
 
 def staging_dir(out: Path) -> Path:
     """A fresh directory beside `out` where a command writes its files before `_publish`."""
-    import tempfile
-
-    from graphpar.errors import OutputError
-
     try:
         return Path(tempfile.mkdtemp(prefix=".graphpar-", dir=_existing_parent(out)))
     except OSError as exc:
@@ -170,6 +171,29 @@ def _publish(staging: Path, out: Path) -> None:
         if target.is_dir():
             shutil.rmtree(target)
         os.replace(item, target)
+
+
+@contextmanager
+def staged_output(out: Path) -> Iterator[Path]:
+    """A fresh folder beside `out` where a command writes its files (`publish_report` moves
+    them into `out`), removed when the block ends: a failed command leaves nothing
+    half-written in `out`."""
+    staging = staging_dir(out)
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish_report(summary: dict, staging: Path, out: Path) -> None:
+    """`summary` written as report.json beside the staged files, which it lists (`files`,
+    report.json with them), and everything moved into `out`."""
+    import json
+
+    summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
+                              if p.is_file()) + ["report.json"]
+    (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _publish(staging, out)
 
 
 TIMED_STEPS, WARMUP_STEPS = 5, 2  # --run-cpu's step timing: the median of 5 after 2 untimed
@@ -200,23 +224,18 @@ def bytes_sent_text(counted: float | None, logical: float, predicted: float) -> 
     return f"{wire}, {logical:,.0f} by the plan's definition, {predicted:,.0f} predicted"
 
 
+LIMIT_OPTIONS = ("--memory-limit ", "--time-limit ")  # how a bad limit is named in errors
+
+
 def check_plan_options(args: argparse.Namespace) -> None:
     """Usage errors in the sharding plan's options (--time-limit, --memory-limit, a --cluster
     file), found before the model is loaded."""
-    import math
-
-    if args.time_limit is not None and not (math.isfinite(args.time_limit)
-                                            and args.time_limit > 0):
-        raise UsageError(f"--time-limit {args.time_limit}: give a positive number of seconds")
-    if args.memory_limit is not None and args.memory_limit not in ("device", "none"):
-        from graphpar.units import parse_bytes
-
-        try:
-            if parse_bytes(args.memory_limit) <= 0:
-                raise ValueError("a memory limit must be positive")
-        except ValueError as exc:
-            raise UsageError(f"--memory-limit {args.memory_limit}: {exc}") from None
     from graphpar.cost.cluster import PRESETS
+    from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimits
+
+    PlanLimits.check(args.memory_limit or DEFAULT_MEMORY,
+                     args.time_limit if args.time_limit is not None else DEFAULT_TIME_SECONDS,
+                     options=LIMIT_OPTIONS)
 
     if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
         from graphpar.errors import GraphparError
@@ -228,31 +247,37 @@ def check_plan_options(args: argparse.Namespace) -> None:
             raise UsageError(f"--cluster {exc}") from None
 
 
-def auto_shard_mesh_size(args: argparse.Namespace) -> int:
-    """The number of devices of --mesh on --cluster; a bad mesh is a usage error naming it."""
+def plan_mesh(args: argparse.Namespace) -> Mesh:
+    """--mesh laid on --cluster, read once: the `Mesh` every pass and stage re-solve takes; a
+    bad mesh is a usage error naming the option."""
     from graphpar.cost.cluster import mesh_for
     from graphpar.errors import ShardingError
 
     try:
-        return mesh_for(args.mesh, args.cluster).size
+        return mesh_for(args.mesh, args.cluster)
     except ShardingError as exc:
         raise UsageError(f"--mesh {args.mesh}: {exc}") from None
 
 
-def plan_limits(args: argparse.Namespace) -> tuple[str, float]:
-    """(--memory-limit, --time-limit) with their defaults: the device's memory, 30 s."""
-    return (args.memory_limit or "device",
-            args.time_limit if args.time_limit is not None else 30.0)
+def plan_limits(args: argparse.Namespace, cluster: Cluster | str | None = None) -> PlanLimits:
+    """--memory-limit and --time-limit with their defaults (the device's memory, 30 s), read
+    once into the `PlanLimits` every ILP is solved under ("device" is the memory per device
+    of `cluster`, default --cluster); a bad one is a usage error naming its option."""
+    from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimits
+
+    return PlanLimits.parse(
+        args.memory_limit or DEFAULT_MEMORY,
+        args.time_limit if args.time_limit is not None else DEFAULT_TIME_SECONDS,
+        cluster or args.cluster, options=LIMIT_OPTIONS)
 
 
 def auto_shard_pass(args: argparse.Namespace):
-    """The `auto-shard` pass that --mesh, --cluster, --memory-limit and --time-limit ask for
-    (check the mesh first with `auto_shard_mesh_size`: its errors name the option)."""
+    """The `auto-shard` pass that --mesh, --cluster, --memory-limit and --time-limit ask for,
+    on the objects they are read into once (`plan_mesh`, `plan_limits`)."""
     from graphpar.passes.autoshard import AutoShard
 
-    memory_limit, time_limit = plan_limits(args)
-    return AutoShard(mesh=args.mesh, cluster=args.cluster, memory_limit=memory_limit,
-                     time_limit=time_limit)
+    mesh = plan_mesh(args)
+    return AutoShard.of(mesh, plan_limits(args, mesh.cluster))
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 
 from graphpar.cli.common import (
@@ -12,14 +10,13 @@ from graphpar.cli.common import (
     WARMUP_STEPS,
     _existing_parent,
     _names,
-    _publish,
-    auto_shard_mesh_size,
     auto_shard_pass,
     bytes_sent_text,
     certified,
     check_plan_options,
     load_target,
-    staging_dir,
+    publish_report,
+    staged_output,
     step,
     step_time_line,
     step_time_report,
@@ -45,11 +42,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
         check_pipeline_options(args)
         return cmd_compile_pipeline(args, passes)
     if args.mesh:  # bad meshes and clusters too, named by their option
-        mesh_size = auto_shard_mesh_size(args)
-        if args.run_cpu is not None and args.run_cpu != mesh_size:
+        auto_shard = auto_shard_pass(args)
+        if args.run_cpu is not None and args.run_cpu != auto_shard.mesh.size:
             raise UsageError(f"--run-cpu {args.run_cpu} does not match mesh {args.mesh} "
-                             f"({mesh_size} devices): run one CPU rank per device")
-        passes.append(auto_shard_pass(args))
+                             f"({auto_shard.mesh.size} devices): run one CPU rank per device")
+        passes.append(auto_shard)
     for option in ("dump_after", "dump_before"):
         unknown = set(_names(getattr(args, option))) - {p.name for p in passes} - {"all"}
         if unknown:
@@ -60,8 +57,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         spec = load_target(args.model, args.example, args.mode)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
-    staging = staging_dir(out)
-    try:
+    with staged_output(out) as staging:
         dump_dir = staging / "dumps" if args.dump_after or args.dump_before else None
         with step(f"capturing {spec.name} ({args.mode})"):
             result = compile_model(
@@ -96,12 +92,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 summary["cuda"].update(check.report())
                 summary["cuda"]["error_lines"] = check.lines()
                 summary["cuda"]["arena_bytes_measured"] = list(compiled.peak_arena_bytes)
-        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
-                                  if p.is_file()) + ["report.json"]
-        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_report(summary, staging, out)
     s = summary
     print(f"graphpar compile: {s['model']} ({s['mode']}) from {s['source']}")
     print(f"  graph      {s['nodes']} nodes, {len(s['ops'])} distinct ops")

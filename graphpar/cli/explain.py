@@ -12,7 +12,6 @@ from graphpar.cli.common import (
     add_model_options,
     add_plan_options,
     atomic_output,
-    auto_shard_mesh_size,
     auto_shard_pass,
     check_output_file,
     check_plan_options,
@@ -56,7 +55,6 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--strategy needs --node: the node to force to that strategy")
     if args.json is not None:
         check_output_file(Path(args.json), "--json")
-    auto_shard_mesh_size(args)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -65,7 +63,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from graphpar.passes.autoshard.explain import Explainer, Explanation, plan_dict
 
     _check_options(args)
-    auto_shard = auto_shard_pass(args)
+    auto_shard = auto_shard_pass(args)  # a bad mesh too is an error before any slow work
     started, cpu_started = time.perf_counter(), time.process_time()
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
@@ -74,8 +72,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         graph = compile_model(spec, args.mode, "cleanup", optimizer=optimizer).graph
     with step(f"solving the plan on mesh {args.mesh}"):
         reduced, plan = auto_shard.solve(graph)
-    explainer = Explainer(reduced, plan, auto_shard.memory_bytes(reduced.problem.mesh),
-                          auto_shard.time_limit)
+    explainer = Explainer(reduced, plan, auto_shard.limits)
     try:
         node = explainer.node(args.node) if args.node is not None else None
         strategy = (explainer.strategy(node, args.strategy) if args.strategy is not None

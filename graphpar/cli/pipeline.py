@@ -5,13 +5,18 @@
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from graphpar.cli.common import _publish, load_target, plan_limits, staging_dir, step
+from graphpar.cli.common import (
+    load_target,
+    plan_limits,
+    plan_mesh,
+    publish_report,
+    staged_output,
+    step,
+)
 from graphpar.errors import UsageError
 
 if TYPE_CHECKING:  # imported at run time, inside the functions, like the rest of the CLI
@@ -84,30 +89,28 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
     microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu)."""
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler.pipelined import slice_and_build
-    from graphpar.cost.cluster import mesh_for
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
     from graphpar.passes.pipeline.slice_tokens import slice_count
     from graphpar.runtime.pipeline import MicrobatchError
 
     run_cpu = getattr(args, "run_cpu", None)
-    devices = mesh_for(args.mesh, args.cluster).size
-    if run_cpu is not None and run_cpu != devices:
+    mesh = plan_mesh(args)  # the user's options, read once: every ILP gets these objects
+    limits = plan_limits(args, mesh.cluster)
+    if run_cpu is not None and run_cpu != mesh.size:
         raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
-                         f"({devices} devices): run one CPU rank per device")
+                         f"({mesh.size} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
     if args.microbatches is None:
         args.microbatches = default_microbatches(len(spec.inputs[0]))
     optimizer = optimizer_from_name(args.optimizer)
-    memory_limit, time_limit = plan_limits(args)
     with step(f"capturing {spec.name} (train, {args.microbatches} microbatches) and "
               "slicing stages"):
         try:
             sliced = slice_and_build(
-                spec, args.mesh, stages=args.pipeline, microbatches=args.microbatches,
-                schedule=args.schedule, optimizer=optimizer, cluster=args.cluster,
-                memory_limit=memory_limit, time_limit=time_limit,
-                passes=passes, keep_grads=bool(run_cpu),
+                spec, mesh, limits, stages=args.pipeline, microbatches=args.microbatches,
+                schedule=args.schedule, optimizer=optimizer, passes=passes,
+                keep_grads=bool(run_cpu),
                 token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "))
         except MicrobatchError as exc:
             raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
@@ -127,8 +130,7 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
     from graphpar.ir.printer import print_program
 
     out = Path(args.out)
-    staging = staging_dir(out)
-    try:
+    with staged_output(out) as staging:
         compiled = compile_pipeline(args, passes)
         spec, result, plan, pipe = compiled.spec, compiled.result, compiled.plan, compiled.pipe
         ir_name = f"{result.graph.name}_pipeline.gpir"
@@ -157,17 +159,12 @@ def cmd_compile_pipeline(args: argparse.Namespace, passes: list) -> int:
                 spec.real_module()  # weights are made only now, to run
                 summary["run_cpu_tokens"] = run_token_pipeline_on_cpu(
                     pipe, list(result.graph.attrs["token_slices"]), args.schedule,
-                    trace=args.trace, cluster=args.cluster, steps=args.run_cpu_steps)
+                    trace=args.trace, steps=args.run_cpu_steps)
         elif args.run_cpu:
             with step("running the pipeline on CPU ranks (gloo, one process per device)"):
                 summary["run_cpu"] = run_pipeline_on_cpu(spec, pipe, args,
                                                          summary["pipeline"])
-        summary["files"] = sorted(str(p.relative_to(staging)) for p in staging.rglob("*")
-                                  if p.is_file()) + ["report.json"]
-        (staging / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        publish_report(summary, staging, out)
     print_pipeline_report(summary, out / ir_name, out / "report.json")
     from graphpar.cli.common import certified
 
@@ -269,7 +266,7 @@ def run_pipeline_on_cpu(spec, pipe, args, estimated: dict) -> dict:
     from graphpar.cost.timeline import timeline_of
 
     spec.real_module()  # weights are made only now, to run
-    pipe = pipe.sharded_as_planned(args.cluster)
+    pipe = pipe.sharded_as_planned()  # on the cluster and within the limits it was planned
     check = pipe.check(processes=True, steps=args.run_cpu_steps, timed_steps=TIMED_STEPS,
                        warmup=WARMUP_STEPS)
     run = pipe.last_run

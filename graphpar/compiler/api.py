@@ -10,6 +10,8 @@ import torch
 
 from graphpar.capture import Captured
 from graphpar.capture.optim import Optimizer
+from graphpar.cost.cluster import mesh_for
+from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimits
 from graphpar.errors import UsageError
 from graphpar.ir.cuda_listing import Listing
 from graphpar.ir.graph import Graph, OutputRole
@@ -191,16 +193,20 @@ class Compiled:
         return next(i for i, o in enumerate(self.spmd.outputs) if o.role is OutputRole.LOSS)
 
 
-def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str = "1x4",
+def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str | Mesh = "1x4",
             mode: str = "infer", loss_fn: Callable | None = None,
             targets: Sequence[torch.Tensor] = (), optimizer: Optimizer | None = None,
-            cluster: str = "dgx-a100", memory_limit: str = "device", time_limit: float = 30.0,
+            cluster: str = "dgx-a100", memory_limit: str = DEFAULT_MEMORY,
+            time_limit: float = DEFAULT_TIME_SECONDS,
             passes: str = "cleanup", keep_grads: bool = False,
             pipeline: str | int | None = None, microbatches: int = 4,
             schedule: str = "1f1b",
             token_slices: str | int | None = None) -> Compiled | PipelineCompiled:
     """Capture `module`, auto-shard it on `mesh` and lower it to its SPMD device program.
     `keep_grads`: a training step also returns its gradients (for `Compiled.check`).
+    `memory_limit` per device: "device" (the cluster's memory per device), "none" or a size
+    like "40GB"; `time_limit`: seconds for each ILP. Both bound every ILP the compile solves,
+    the stages' re-solves on their sub-meshes included.
 
     With `pipeline` ("auto" or a number of stages; training only) the step is instead sliced
     into pipeline stages on sub-meshes of `mesh` (Alpa's inter-op pass over the ILP) and run
@@ -215,21 +221,20 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str =
     if token_slices is not None and pipeline is None:
         raise UsageError("token_slices= sends token slices through pipeline stages: pass "
                          "pipeline= too")
+    if pipeline is not None and mode != "train":
+        raise UsageError("pipeline= slices a training step into stages: pass mode='train'")
+    mesh = mesh_for(mesh, cluster)  # the user's options, read once
+    limits = PlanLimits.parse(memory_limit, time_limit, mesh.cluster)
     if pipeline is not None:
         from graphpar.compiler.pipelined import slice_and_build
         from graphpar.passes.pipeline.slice_tokens import slice_count
 
-        if mode != "train":
-            raise UsageError("pipeline= slices a training step into stages: pass mode='train'")
-        sliced = slice_and_build(spec, mesh, stages=pipeline, microbatches=microbatches,
-                                 schedule=schedule, optimizer=optimizer, cluster=cluster,
-                                 memory_limit=memory_limit, time_limit=time_limit,
-                                 passes=parse_pipeline(passes), keep_grads=keep_grads,
-                                 token_slices=slice_count(token_slices))
-        return sliced.pipe.sharded_as_planned(cluster)
-    passes = [*parse_pipeline(passes),
-              AutoShard(mesh=mesh, cluster=cluster, memory_limit=memory_limit,
-                        time_limit=time_limit)]
+        sliced = slice_and_build(spec, mesh, limits, stages=pipeline,
+                                 microbatches=microbatches, schedule=schedule,
+                                 optimizer=optimizer, passes=parse_pipeline(passes),
+                                 keep_grads=keep_grads, token_slices=slice_count(token_slices))
+        return sliced.pipe.sharded_as_planned()
+    passes = [*parse_pipeline(passes), AutoShard.of(mesh, limits)]
     result = compile_model(spec, mode, passes, optimizer=optimizer, keep_grads=keep_grads)
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 

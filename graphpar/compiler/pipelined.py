@@ -19,9 +19,12 @@ import torch
 
 from graphpar.capture import Captured, capture_training
 from graphpar.capture.optim import Optimizer
+from graphpar.cost.cluster import mesh_for
+from graphpar.cost.limits import PlanLimits
 from graphpar.cost.timeline import Timeline, chrome_trace, simulate
 from graphpar.errors import UsageError
 from graphpar.ir.graph import Node, Role
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.schedule import Schedule
 from graphpar.passes.pipeline.partition import equal_flops_stages, follow_forward
 from graphpar.passes.pipeline.schedules import SCHEDULES, make_schedule
@@ -39,8 +42,25 @@ if TYPE_CHECKING:
     from graphpar.cost.cluster import Cluster
     from graphpar.passes.pipeline.plan import StagePlan
 
-__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "pipeline_of",
-           "pipeline_of_plan", "slice_and_build"]
+__all__ = ["PipelineCompiled", "SlicedPipeline", "compile_pipeline", "first_microbatch",
+           "pipeline_of", "pipeline_of_plan", "slice_and_build", "split_step"]
+
+
+def split_step(args: Sequence[torch.Tensor], microbatches: int,
+               names: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """A step's arguments (inputs, then targets; named `names` in errors) cut along dimension
+    0 into `microbatches` equal microbatches, each by name."""
+    return split_microbatches(dict(zip(names, args)), microbatches)
+
+
+def first_microbatch(spec: ModelSpec, microbatches: int) -> ModelSpec:
+    """`spec` with its example batch cut to the first of `microbatches` equal microbatches:
+    what a pipelined step is captured at."""
+    names = [f"input {i}" for i in range(len(spec.inputs))] + [
+        f"target {i}" for i in range(len(spec.targets))]
+    first = split_step((*spec.inputs, *spec.targets), microbatches, names)[0]
+    return dataclasses.replace(spec, inputs=tuple(first[n] for n in names[:len(spec.inputs)]),
+                               targets=tuple(first[n] for n in names[len(spec.inputs):]))
 
 
 @dataclass
@@ -58,25 +78,46 @@ class PipelineCompiled:
     # stage -> phase -> ShardedPhase, for stages that run on a sub-mesh of several devices
     sharded: dict = field(default_factory=dict, repr=False)
     plan: StagePlan | None = None  # the slice-stages result it was built from, if any
+    # what the plan was made for: the physical mesh (on its cluster) and the user's limits,
+    # which every stage's re-solve on its sub-mesh keeps (`sharded_as_planned`)
+    mesh: Mesh | None = None
+    limits: PlanLimits | None = None
 
-    def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu",
-                     memory_limit: str = "") -> PipelineCompiled:
-        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
-        the auto-shard ILP on their sub-mesh and run as SPMD programs there."""
+    def on_submeshes(self, submeshes: Mapping[int, Mesh | str],
+                     cluster: Cluster | str = "cpu",
+                     limits: PlanLimits | None = None) -> PipelineCompiled:
+        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}; text is
+        laid on `cluster`) sharded by the auto-shard ILP on their sub-mesh within `limits`
+        (default: those it was planned under, else the cluster's memory per device and 30 s
+        per solve) and run as SPMD programs there."""
         from graphpar.passes.pipeline.lower_mpmd import shard_stages
 
-        sharded = shard_stages(self.programs, submeshes, cluster=cluster,
-                               memory_limit=memory_limit)
+        meshes = {s: mesh_for(m, cluster) for s, m in submeshes.items()}
+        limits = limits or self.limits or PlanLimits.parse(cluster=cluster)
+        sharded = shard_stages(self.programs, meshes, limits)
         return dataclasses.replace(self, sharded=sharded, last_run=None)
 
-    def sharded_as_planned(self, cluster: str = "cpu") -> PipelineCompiled:
-        """Each stage whose planned logical mesh has several devices sharded by the ILP on
-        it (`on_submeshes`); unchanged without a plan or with one device per stage."""
+    def planned_submeshes(self, cluster: Cluster | str | None = None) -> dict[int, Mesh]:
+        """Each stage whose planned logical mesh has several devices: that logical mesh, on
+        `cluster` (default: the one it was planned for, else "cpu")."""
         if self.plan is None:
-            return self
-        submeshes = {i: "x".join(map(str, s.logical_mesh))
-                     for i, s in enumerate(self.plan.stages) if math.prod(s.logical_mesh) > 1}
-        return self.on_submeshes(submeshes, cluster=cluster) if submeshes else self
+            return {}
+        cluster = self._cluster(cluster)
+        return {i: mesh_for(s.logical_mesh, cluster) for i, s in enumerate(self.plan.stages)
+                if math.prod(s.logical_mesh) > 1}
+
+    def sharded_as_planned(self, cluster: Cluster | str | None = None,
+                           limits: PlanLimits | None = None) -> PipelineCompiled:
+        """Each stage whose planned logical mesh has several devices sharded by the ILP on
+        it (`planned_submeshes`, `on_submeshes`) within `limits` (default: those it was
+        planned under); unchanged without a plan or with one device per stage."""
+        submeshes = self.planned_submeshes(cluster)
+        return (self.on_submeshes(submeshes, self._cluster(cluster), limits) if submeshes
+                else self)
+
+    def _cluster(self, cluster: Cluster | str | None) -> Cluster | str:
+        """`cluster`, else the one the pipeline was planned for, else "cpu"."""
+        return cluster or (self.mesh.cluster if self.mesh is not None else "cpu")
 
     def estimate(self, cluster: str | Cluster = "cpu", dtype: str = "fp32") -> Timeline:
         """The schedule's timeline as the cost model estimates it on `cluster` (a preset or a
@@ -153,7 +194,7 @@ class PipelineCompiled:
         if len(args) != len(names):
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
-        inputs = split_microbatches(dict(zip(names, args)), self.microbatches)
+        inputs = split_step(args, self.microbatches, names)
         if processes:
             from graphpar.runtime.pipeline import run_multiprocess
 
@@ -235,12 +276,9 @@ def compile_pipeline(module: torch.nn.Module, inputs: Sequence[torch.Tensor], *,
     if microbatches < 1:
         raise UsageError(f"microbatches must be at least 1, got {microbatches}")
     spec = ModelSpec(type(module).__name__, module, tuple(inputs), loss_fn, tuple(targets))
-    names = [f"input {i}" for i in range(len(inputs))] + [
-        f"target {i}" for i in range(len(targets))]
-    first = split_microbatches(dict(zip(names, (*inputs, *targets))), microbatches)[0]
-    micro = [first[n] for n in names]
-    captured = capture_training(copy.deepcopy(module), micro[:len(inputs)], loss_fn,
-                                micro[len(inputs):], optimizer=optimizer,
+    micro = first_microbatch(spec, microbatches)
+    captured = capture_training(copy.deepcopy(module), list(micro.inputs), loss_fn,
+                                list(micro.targets), optimizer=optimizer,
                                 keep_grads=keep_grads)
     return pipeline_of(captured, stages, microbatches, schedule, forward_stage, spec=spec,
                        optimizer=optimizer)
@@ -265,14 +303,16 @@ def pipeline_of(captured: Captured, stages: int, microbatches: int, schedule: st
 
 def pipeline_of_plan(captured: Captured, plan, schedule: str = "1f1b", *,
                      spec: ModelSpec | None = None, optimizer: Optimizer | None = None,
-                     cluster: str = "cpu") -> PipelineCompiled:
+                     cluster: Cluster | str = "cpu",
+                     limits: PlanLimits | None = None) -> PipelineCompiled:
     """The pipeline a `slice-stages` result (`StagePlan`) describes, for the graph it was
     computed on: its stages and microbatches, and each stage whose logical mesh has more than
-    one device planned by the ILP on it (`PipelineCompiled.on_submeshes`)."""
+    one device planned by the ILP on it (`PipelineCompiled.sharded_as_planned`, on `cluster`
+    within `limits`)."""
     pipe = pipeline_of(captured, len(plan.stages), plan.microbatches, schedule, spec=spec,
                        optimizer=optimizer, stage_of=plan.stage_of)
     pipe.plan = plan
-    return pipe.sharded_as_planned(cluster)
+    return pipe.sharded_as_planned(cluster, limits)
 
 
 @dataclass
@@ -285,41 +325,33 @@ class SlicedPipeline:
     pipe: PipelineCompiled
 
 
-def slice_and_build(spec: ModelSpec, mesh: str, *, stages: str | int = "auto",
-                    microbatches: int = 4, schedule: str = "1f1b",
-                    optimizer: Optimizer | None = None, cluster: str = "dgx-a100",
-                    memory_limit: str = "device", time_limit: float = 30.0,
-                    passes: Sequence = (), keep_grads: bool = False,
-                    token_slices: int | None = None) -> SlicedPipeline:
+def slice_and_build(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, *,
+                    stages: str | int = "auto", microbatches: int = 4, schedule: str = "1f1b",
+                    optimizer: Optimizer | None = None, passes: Sequence = (),
+                    keep_grads: bool = False, token_slices: int | None = None
+                    ) -> SlicedPipeline:
     """Capture `spec`'s training step at the microbatch size (its example batch cut into
     `microbatches` along dimension 0), run `passes` then `slice-stages` on the physical `mesh`
-    ("HxD", or "D" for one host) and build the stages' programs and `schedule`.
-    `memory_limit`: "device" (the cluster's), "none" or a size. `token_slices` (0: the DP
-    chooses, N: N equal slices; None: off) then runs `slice-tokens` for the stage plan, which
-    records `token_slices` and `batch_slices` in the step graph's attrs."""
-    from graphpar.compiler.driver import ModelSpec, compile_model
+    (hosts x devices per host, or devices for one host; on its cluster) within `limits`, and
+    build the stages' programs and `schedule`; the pipeline keeps `mesh` and `limits` for its
+    stages' re-solves. `token_slices` (0: the DP chooses, N: N equal slices; None: off) then
+    runs `slice-tokens` for the stage plan, which records `token_slices` and `batch_slices` in
+    the step graph's attrs."""
+    from graphpar.compiler.driver import compile_model
     from graphpar.passes.pipeline.plan import StagePlan
     from graphpar.passes.pipeline.slice_stages import SliceStages
 
-    names = [f"input {i}" for i in range(len(spec.inputs))] + [
-        f"target {i}" for i in range(len(spec.targets))]
-    first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
-                               microbatches)[0]
-    micro = ModelSpec(spec.name, spec.module, tuple(first[n] for n in names[:len(spec.inputs)]),
-                      spec.loss_fn, tuple(first[n] for n in names[len(spec.inputs):]),
-                      spec.source, spec.make_real)
-    slicer = SliceStages(mesh=mesh if "x" in str(mesh) else f"1x{mesh}", cluster=cluster,
-                         stages=str(stages), microbatches=microbatches, memory_limit=memory_limit,
-                         time_limit=time_limit)
+    micro = first_microbatch(spec, microbatches)
+    slicer = SliceStages.of(mesh, limits, stages=str(stages), microbatches=microbatches)
     after = []
     if token_slices is not None:
         from graphpar.passes.pipeline.slice_tokens import SliceTokens
 
-        after.append(SliceTokens(slices=token_slices, cluster=cluster))
+        after.append(SliceTokens(slices=token_slices, cluster=mesh.cluster))
     result = compile_model(micro, "train", [*passes, slicer, *after], optimizer=optimizer,
                            keep_grads=keep_grads)
     plan = result.context.result(StagePlan)
     pipe = pipeline_of(result.captured, len(plan.stages), plan.microbatches, schedule,
                        spec=spec, optimizer=optimizer, stage_of=plan.stage_of)
-    pipe.plan = plan
+    pipe.plan, pipe.mesh, pipe.limits = plan, mesh, limits
     return SlicedPipeline(result, plan, pipe)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -21,16 +20,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from graphpar.capture.token_slice import capture_slice_step
+from graphpar.compiler.pipelined import split_step
+from graphpar.cost.cluster import mesh_for
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import GenerationError, UsageError
+from graphpar.ir.mesh import Mesh
 from graphpar.ir.schedule import Schedule
 from graphpar.passes.manager import run_pipeline
 from graphpar.passes.pipeline.schedules import token_schedule
 from graphpar.passes.pipeline.token_programs import TokenPrograms, split_token_slices
-from graphpar.runtime.pipeline import PipelineRun, split_microbatches
+from graphpar.runtime.pipeline import PipelineRun
 
 if TYPE_CHECKING:
     from graphpar.compiler.check.eager import EagerCheck
     from graphpar.compiler.pipelined import PipelineCompiled
+    from graphpar.ir.cluster import Cluster
 
 __all__ = ["TokenPipeline", "parse_token_slices", "run_token_pipeline_on_cpu", "token_pipeline"]
 
@@ -68,7 +72,7 @@ class TokenPipeline:
         if len(args) != len(names):
             raise UsageError(f"the step takes {len(names)} inputs ({', '.join(names)}), got "
                              f"{len(args)}")
-        inputs = split_microbatches(dict(zip(names, args)), self.pipe.microbatches)
+        inputs = split_step(args, self.pipe.microbatches, names)
         if processes:
             self.last_run = run_tokens_multiprocess(self.programs, self.schedule,
                                                     self.pipe.captured.state, inputs,
@@ -113,20 +117,24 @@ class TokenPipeline:
                                   len(self.token_slices))
         return dataclasses.replace(self, schedule=schedule, schedule_name=name, last_run=None)
 
-    def on_submeshes(self, submeshes: Mapping[int, str], cluster: str = "cpu"
+    def on_submeshes(self, submeshes: Mapping[int, Mesh | str],
+                     cluster: Cluster | str = "cpu", limits: PlanLimits | None = None
                      ) -> TokenPipeline:
-        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}) sharded by
-        the auto-shard ILP on their sub-mesh: every slice's F and B and the update, phase by
-        phase (`lower_mpmd.shard_stages`), run as SPMD programs there (in lockstep, in this
-        process or in the stage's gloo process)."""
+        """The same stages, those in `submeshes` (stage -> mesh, e.g. {1: "1x2"}; text is
+        laid on `cluster`) sharded by the auto-shard ILP on their sub-mesh within `limits`
+        (default: those the pipeline was planned under, else the cluster's memory per device
+        and 30 s per solve): every slice's F and B and the update, phase by phase
+        (`lower_mpmd.shard_stages`), run as SPMD programs there (in lockstep, in this process
+        or in the stage's gloo process)."""
         from graphpar.passes.pipeline.lower_mpmd import shard_stages
 
-        per_slice = [shard_stages(sl.programs, submeshes, cluster=cluster)
-                     for sl in self.programs.slices]
+        meshes = {s: mesh_for(m, cluster) for s, m in submeshes.items()}
+        limits = limits or self.pipe.limits or PlanLimits.parse(cluster=cluster)
+        per_slice = [shard_stages(sl.programs, meshes, limits) for sl in self.programs.slices]
         updates = _UpdatesOnly([dataclasses.replace(
             st, forward=None, backward=None, input_grad=None, weight_grad=None)
             for st in self.programs.whole.stages])
-        sharded_updates = shard_stages(updates, submeshes, cluster=cluster)
+        sharded_updates = shard_stages(updates, meshes, limits)
         sharded = {s: {"slices": [phases[s] for phases in per_slice],
                        **({"U": sharded_updates[s]["U"]} if "U" in sharded_updates[s] else {})}
                    for s in submeshes}
@@ -178,8 +186,7 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
                          + ("no model" if spec is None else
                             f"{len(spec.inputs)} inputs and {len(spec.targets)} targets"))
     names = pipe.captured.user_inputs
-    first = split_microbatches(dict(zip(names, (*spec.inputs, *spec.targets))),
-                               pipe.microbatches)[0]
+    first = split_step((*spec.inputs, *spec.targets), pipe.microbatches, names)[0]
     ids, target = (first[n] for n in names)
     if ids.dim() != 2 or ids.is_floating_point():
         raise UsageError(f"token slicing cuts a causal LM's token ids [batch, sequence]; the "
@@ -206,23 +213,22 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
 
 def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],
                               schedule: str = "1f1b", processes: bool = True,
-                              trace: str | None = None, cluster: str = "cpu", steps: int = 1
-                              ) -> dict:
+                              trace: str | None = None, cluster: Cluster | str | None = None,
+                              steps: int = 1) -> dict:
     """What `--token-slices` with `--run-cpu` runs: one token-pipelined step (one process per
     stage, or in this process), checked against eager PyTorch + torch.optim; `trace` writes
     its measured timeline as a Chrome trace. A stage the pipeline's plan puts on several
     devices is sharded by the ILP on its logical mesh (`TokenPipeline.on_submeshes`, planned
-    for `cluster`). Returns the report section: the slices, the errors, bytes between stages
+    for `cluster`, by default the pipeline's own, within the limits it was planned under).
+    Returns the report section: the slices, the errors, bytes between stages
     (counted as gloo payloads, by the plan's definition, predicted), the measured step
     time."""
     from graphpar.cost.timeline import chrome_trace, timeline_of
 
     tokens = token_pipeline(pipe, token_slices, schedule)
-    submeshes = {i: "x".join(map(str, st.logical_mesh)) for i, st in
-                 enumerate(pipe.plan.stages if pipe.plan is not None else ())
-                 if math.prod(st.logical_mesh) > 1}
+    submeshes = pipe.planned_submeshes(cluster)
     if submeshes:
-        tokens = tokens.on_submeshes(submeshes, cluster)
+        tokens = tokens.on_submeshes(submeshes)
     check = tokens.check(processes=processes, steps=steps)
     run = tokens.last_run
     report = {"token_slices": tokens.token_slices, "schedule": schedule,
@@ -232,7 +238,7 @@ def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | 
               # the payloads handed to gloo (None in one process: no wire)
               "bytes_counted": None if run.bytes_counted is None else sum(run.bytes_counted),
               "step_seconds_measured": timeline_of(run.spans).step_seconds}
-    report["sharded_stages"] = {str(i): mesh for i, mesh in submeshes.items()}
+    report["sharded_stages"] = {str(i): str(mesh) for i, mesh in submeshes.items()}
     if trace:
         chrome_trace(run.spans, trace)
         report["trace"] = trace

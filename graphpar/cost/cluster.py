@@ -443,10 +443,16 @@ def get_cluster(name_or_path: str | Path | Cluster) -> Cluster:
         "or give the path of a cluster file (.json, or .yaml with PyYAML)")
 
 
-def mesh_for(shape: str | Sequence[int], cluster: Cluster | str | Path = "dgx-a100",
+def mesh_for(shape: str | Sequence[int] | Mesh, cluster: Cluster | str | Path = "dgx-a100",
              axis_names: Sequence[str] | None = None) -> Mesh:
     """A mesh of `shape` ("2x4") on `cluster` (a `Cluster`, preset name or file), adding nodes
-    of the cluster's kind when the mesh needs more devices than the cluster has."""
+    of the cluster's kind when the mesh needs more devices than the cluster has. A `Mesh`
+    already laid on a cluster is returned as it is (its cluster is the one it was made for);
+    an abstract one is laid on `cluster` by its shape."""
+    if isinstance(shape, Mesh):
+        if shape.cluster is not None:
+            return shape
+        shape, axis_names = shape.shape, axis_names or shape.axis_names
     cluster = get_cluster(cluster)
     shape = parse_mesh_shape(shape)
     size = math.prod(shape)

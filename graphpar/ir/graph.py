@@ -26,6 +26,10 @@ class Role(str, enum.Enum):
     CONST = "const"  # a tensor constant lifted out of the model
 
 
+# The state a step reads and hands on to the next one: it persists across steps.
+PERSISTENT_ROLES = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
+
+
 class OutputRole(str, enum.Enum):
     """What a graph output is."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from graphpar.errors import GraphparError, ShardingError, VerificationError
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.ops import get_op
 from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS, SPMD_OPS
 
@@ -165,8 +165,7 @@ def _check_outputs(graph: Graph, defined: set[Value]) -> None:
     if not graph.outputs:
         raise VerificationError(f"graph @{graph.name} returns nothing; a model's forward must "
                                 "return a tensor or a tuple of tensors", graph)
-    updatable = {v.name: v for v in graph.inputs
-                 if v.role in (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)}
+    updatable = {v.name: v for v in graph.inputs if v.role in PERSISTENT_ROLES}
     differentiable = {v.name: v for v in graph.inputs
                       if v.role is Role.INPUT and v.type.dtype.is_floating_point}
     for out in graph.outputs:

@@ -143,3 +143,26 @@ def test_layer_solves_that_hit_the_time_limit_are_reported_with_one_warning_line
         f"plan, of {len(shapes)} layer ILP solves (counted); logical mesh 1x2 left out of "
         f"every layering with those layers (examples: {tmp_path / 'out' / 'report.json'}, "
         "pipeline.layer_solves)"]
+
+
+def test_the_users_limits_reach_every_stage_ilp(tmp_path, capsys, ilp_limits):
+    # One stage on both devices: the stage search solves each layer with --time-limit (its DP
+    # holds the stage to --memory-limit), and --run-cpu re-solves each of the stage's phases
+    # on its logical mesh under both limits, not the device's memory and a fixed 10 s.
+    from graphpar.cost.limits import PlanLimits
+
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", "--pipeline", "1",
+                             "--microbatches", "2", "--memory-limit", "3GB",
+                             "--time-limit", "7", "--run-cpu", "2", "--run-cpu-steps", "1",
+                             "--out", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (stage,) = report["pipeline"]["stages"]
+    assert stage["memory_bytes_per_device_estimated"] <= 3e9
+    logical = tuple(int(n) for n in stage["logical_mesh"].split("x"))
+    assert ilp_limits["layers"] and set(ilp_limits["layers"]) == {(None, 7.0)}
+    # the stage's phases (forward, backward, update at least), each re-solved on its mesh
+    assert len(ilp_limits["plans"]) >= 3
+    assert set(ilp_limits["plans"]) == {(logical, PlanLimits(3e9, 7.0))}
+    assert report["run_cpu"]["within_tolerance"], report["run_cpu"]["error_lines"]

@@ -5,6 +5,7 @@ import pytest
 from graphpar.capture import capture_inference
 from graphpar.cost.cluster import mesh_for
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import MemoryLimitError, TimeLimitError
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
@@ -57,13 +58,13 @@ def test_fused_qkv_splits_by_heads_and_the_roofline_shards_the_residual_stream()
     PassManager(parse_pipeline("cleanup")).run(graph, PassContext())
     mesh = mesh_for("4", "dgx-a100")
     roof = Roofline.of(mesh.cluster, "fp32")
-    by_flops = solve(graph, mesh, mesh.cluster.peak_flops("fp32"), time_limit=20)
+    _, by_flops = solve(graph, mesh, mesh.cluster.peak_flops("fp32"), PlanLimits(None, 20))
     assert _layouts(graph, by_flops)[:5] == [
         ("embedding", "{R}"), ("layer_norm", "{R}"),
         ("linear", "{S(2)}"),  # column-parallel qkv: output features split ...
         ("attention", "{S(1)}"),  # ... which are the heads: no reshard in between
         ("linear", "{S(1)}")]  # row-parallel proj, reduce-scattered into the sequence
-    by_roofline = solve(graph, mesh, roof, time_limit=20)
+    _, by_roofline = solve(graph, mesh, roof, PlanLimits(None, 20))
     assert by_roofline.stats["status"] == "OPTIMAL"
     assert _layouts(graph, by_roofline)[:5] == [
         ("embedding", "{S(1)}"), ("layer_norm", "{S(1)}"),  # sequence-parallel

@@ -5,6 +5,7 @@ import pytest
 from graphpar.capture.optim import optimizer_from_name
 from graphpar.cli.common import example_spec
 from graphpar.compiler.driver import compile_model
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import ShardingError
 from graphpar.passes.autoshard import AutoShard
 from graphpar.passes.autoshard.explain import Explainer, explain, strategy_text
@@ -23,7 +24,7 @@ def mlp_train():
 
 def test_node_costs_add_up_to_the_plan(mlp_train):
     reduced, plan = mlp_train
-    ex = Explainer(reduced, plan, None, 30.0)
+    ex = Explainer(reduced, plan, PlanLimits(None, 30.0))
     compute = sum(ex.compute.values())
     resharding = sum(ex.resharding.values())
     assert compute == pytest.approx(plan.compute_seconds, rel=1e-12)
@@ -44,7 +45,7 @@ def test_forcing_a_choice_never_beats_the_optimum(mlp_train):
     optimum (up to the memory tie-break), and the forced node and its copies take it."""
     reduced, plan = mlp_train
     assert plan.stats["status"] == "OPTIMAL"
-    explanation = explain(reduced, plan, None, 30.0, top=4, tries=2)
+    explanation = explain(reduced, plan, PlanLimits(None, 30.0), top=4, tries=2)
     assert len(explanation.rows) == 4
     solved = 0
     for row in explanation.rows:
@@ -66,7 +67,7 @@ def test_forcing_a_choice_never_beats_the_optimum(mlp_train):
 
 def test_a_forced_strategy_that_fits_no_memory_says_so(mlp_train):
     reduced, plan = mlp_train
-    ex = Explainer(reduced, plan, memory_limit=1, time_limit=30.0)
+    ex = Explainer(reduced, plan, PlanLimits(memory_bytes=1, time_seconds=30.0))
     row = ex.explain_row(ex.costliest(1)[0], tries=1)
     (forced,) = row.tried
     assert forced.plan is None
@@ -75,7 +76,7 @@ def test_a_forced_strategy_that_fits_no_memory_says_so(mlp_train):
 
 def test_nodes_and_strategies_are_found_by_name(mlp_train):
     reduced, plan = mlp_train
-    ex = Explainer(reduced, plan, None, 30.0)
+    ex = Explainer(reduced, plan, PlanLimits(None, 30.0))
     node = ex.node("layers.0:matmul")
     assert node.op == "matmul" and node.module == "layers.0"
     assert ex.node("%1") is node  # the value number the IR printer gives it
@@ -94,7 +95,7 @@ def test_nodes_of_one_ilp_variable_share_their_re_solves(mlp_train):
     """Optimizer ops that follow the same state are decided by one ILP variable: forcing any
     of them to the same layouts is the same restriction, solved once."""
     reduced, plan = mlp_train
-    ex = Explainer(reduced, plan, None, 30.0)
+    ex = Explainer(reduced, plan, PlanLimits(None, 30.0))
     rows = ex.costliest(len(reduced.problem.graph.nodes))
     by_class = {}
     for row in rows:

@@ -66,10 +66,11 @@ ALPA_TABLE5 = {"compilation": 1582.66, "profiling": 804.48, "stage_construction_
 
 
 def cli_limits() -> tuple[str, float]:
-    """The `graphpar compile` defaults of --memory-limit and --time-limit."""
-    from graphpar.cli.common import plan_limits
+    """The `graphpar compile` defaults of --memory-limit and --time-limit, as text and
+    seconds (a row keeps the text)."""
+    from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS
 
-    return plan_limits(argparse.Namespace(memory_limit=None, time_limit=None))
+    return DEFAULT_MEMORY, DEFAULT_TIME_SECONDS
 
 
 def settings_of(args: argparse.Namespace) -> dict:

@@ -3,27 +3,28 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from graphpar.cost.cluster import get_cluster, mesh_for
+from graphpar.cost.cluster import mesh_for
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimits
 from graphpar.errors import ShardingError
+from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
+from graphpar.passes.autoshard import ilp
 from graphpar.passes.autoshard.apply import shard_graph
-from graphpar.passes.autoshard.ilp import Deadline, Plan, Reduced, build_reduced
+from graphpar.passes.autoshard.ilp import Deadline, Plan, Reduced
 from graphpar.passes.autoshard.strategies import node_strategies
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
-from graphpar.units import parse_bytes
 
 
 class ShardingPlans(dict[str, Plan]):
     """auto-shard's result: the solved plan of each graph, by graph name."""
 
 
-def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
+def _check_mesh_divides(graph: Graph, mesh: Mesh) -> None:
     """A mesh on which no heavy op can be split is a user error, not a plan."""
     heavy = [n for n in graph.nodes if get_op(n.op).kind in (OpKind.MATMUL, OpKind.COMPOSITE)]
     if mesh.size == 1 or not heavy:
@@ -32,7 +33,7 @@ def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
         return
     sizes = sorted({d for n in heavy for o in n.outputs for d in o.type.shape if d > 1})
     raise ShardingError(
-        f"mesh {text} divides no dimension of graph @{graph.name} usefully: no matmul, "
+        f"mesh {mesh} divides no dimension of graph @{graph.name} usefully: no matmul, "
         f"attention, norm or convolution can be split along any of its axes "
         f"({' x '.join(map(str, mesh.shape))}). Dimension sizes in the graph: "
         f"{', '.join(map(str, sizes[:12]))}{' ...' if len(sizes) > 12 else ''}. Choose mesh "
@@ -42,34 +43,41 @@ def _check_mesh_divides(graph: Graph, mesh: Mesh, text: str) -> None:
 @register_pass("auto-shard")
 @dataclass
 class AutoShard(GraphPass):
-    """Choose a layout for every value by Alpa's ILP (OR-Tools) and mark reshards."""
+    """Choose a layout for every value by Alpa's ILP (OR-Tools) and mark reshards.
 
-    mesh: str = "1x4"
-    cluster: str = "dgx-a100"
-    # "device": the cluster's memory per device (a plan a user can run); "none": no limit
-    # (the solver then replicates weights freely); or a size like "40GB".
-    memory_limit: str = "device"
-    time_limit: float = 30.0
+    Its options come as objects (`AutoShard.of(mesh, limits)`) or as text from a pipeline
+    string (`auto-shard{mesh=2x4,memory_limit=40GB}`): text is read once, when the pass is
+    made, and the fields hold the objects from then on."""
+
+    # the mesh to plan on; text ("2x4") is laid on `cluster` (`mesh_for`)
+    mesh: Mesh | str = "1x4"
+    # the cluster a mesh given as text is laid on (a `Mesh` brings its own); then the mesh's
+    cluster: Cluster | str = "dgx-a100"
+    # bytes per device (None: no limit), or as text: "device" (the cluster's memory per
+    # device, a plan a user can run), "none" (the solver then replicates weights freely) or a
+    # size like "40GB"
+    memory_limit: float | str | None = DEFAULT_MEMORY
+    time_limit: float = DEFAULT_TIME_SECONDS  # seconds for the whole pass: build and solve
     dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         """Bad options fail when the pass is made (a pipeline string is parsed), not after the
         model is captured."""
-        mesh_for(self.mesh, get_cluster(self.cluster)).cluster.peak_flops(self.dtype)
-        if self.memory_limit not in ("", "device", "none"):
-            parse_bytes(self.memory_limit)
-        if not (isinstance(self.time_limit, (int, float)) and math.isfinite(self.time_limit)
-                and self.time_limit > 0):
-            raise ShardingError(f"time_limit={self.time_limit}: give a positive number of "
-                                "seconds")
+        self.mesh = mesh_for(self.mesh, self.cluster)
+        self.cluster = self.mesh.cluster
+        self.cluster.peak_flops(self.dtype)
+        limits = PlanLimits.parse(self.memory_limit, self.time_limit, self.cluster)
+        self.memory_limit, self.time_limit = limits.memory_bytes, limits.time_seconds
 
-    def memory_bytes(self, mesh) -> int | None:
-        """The per-device limit the plan must meet, in bytes (None: unconstrained)."""
-        if self.memory_limit == "none":
-            return None
-        if self.memory_limit in ("", "device"):
-            return mesh.cluster.device_memory
-        return parse_bytes(self.memory_limit)
+    @classmethod
+    def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32") -> AutoShard:
+        """The pass for `mesh` (on its cluster) under `limits`."""
+        return cls(mesh=mesh, memory_limit=limits.memory_bytes, time_limit=limits.time_seconds,
+                   dtype=dtype)
+
+    @property
+    def limits(self) -> PlanLimits:
+        return PlanLimits(self.memory_limit, self.time_limit)
 
     def solve(self, graph: Graph) -> tuple[Reduced, Plan]:
         """The reduced ILP of `graph` under these options and its cheapest plan, both within
@@ -77,10 +85,9 @@ class AutoShard(GraphPass):
         deadline = Deadline(self.time_limit)  # the limit covers the whole pass, not the solver
         if graph.mesh is not None:
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
-        mesh = mesh_for(self.mesh, get_cluster(self.cluster))
-        _check_mesh_divides(graph, mesh, self.mesh)
-        reduced = build_reduced(graph, mesh, Roofline.of(mesh.cluster, self.dtype), deadline)
-        return reduced, reduced.solve(self.memory_bytes(mesh), max(deadline.left(), 1e-3))
+        _check_mesh_divides(graph, self.mesh)
+        return ilp.solve(graph, self.mesh, Roofline.of(self.cluster, self.dtype), self.limits,
+                         deadline=deadline)
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         reduced, plan = self.solve(graph)

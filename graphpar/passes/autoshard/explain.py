@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import MemoryLimitError, ShardingError
 from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.printer import node_numbers
@@ -129,11 +130,11 @@ class Row:
 class Explainer:
     """Costs per node under a solved plan, and counterfactual re-solves of the same ILP."""
 
-    def __init__(self, reduced: Reduced, plan: Plan, memory_limit: float | None,
-                 time_limit: float, solver: str = DEFAULT_SOLVER):
+    def __init__(self, reduced: Reduced, plan: Plan, limits: PlanLimits,
+                 solver: str = DEFAULT_SOLVER):
         self.reduced, self.plan = reduced, plan
         self.problem = problem = reduced.problem
-        self.memory_limit, self.time_limit, self.solver = memory_limit, time_limit, solver
+        self.limits, self.solver = limits, solver  # each re-solve's: the plan's own
         self.graph = problem.graph
         self.names = node_names(self.graph)
         self.by_name = {name: node for node, name in self.names.items()}
@@ -272,8 +273,8 @@ class Explainer:
             return None if item not in copies else _key(choice) == want
 
         try:
-            return self.reduced.solve(self.memory_limit, self.time_limit, self.solver,
-                                      allow=allow, name="forced")
+            return self.reduced.solve(self.limits.memory_bytes, self.limits.time_seconds,
+                                      self.solver, allow=allow, name="forced")
         except MemoryLimitError:
             return "no plan with it fits the memory limit"
         except ShardingError as e:
@@ -317,10 +318,11 @@ def plan_dict(p: Plan) -> dict:
     }
 
 
-def explain(reduced: Reduced, plan: Plan, memory_limit: float | None, time_limit: float,
-            top: int = DEFAULT_TOP, tries: int = DEFAULT_TRIES) -> Explanation:
+def explain(reduced: Reduced, plan: Plan, limits: PlanLimits, top: int = DEFAULT_TOP,
+            tries: int = DEFAULT_TRIES) -> Explanation:
     """The `top` costliest nodes of `plan` (solved on `reduced`), each with up to `tries`
-    counterfactual re-solves, each bounded by `time_limit` seconds and `memory_limit`."""
-    explainer = Explainer(reduced, plan, memory_limit, time_limit)
+    counterfactual re-solves, each within `limits` (the plan's own: its memory per device and
+    its time limit per re-solve)."""
+    explainer = Explainer(reduced, plan, limits)
     rows = [explainer.explain_row(r, tries) for r in explainer.costliest(top)]
     return Explanation(plan, rows, tries)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from graphpar.errors import MemoryLimitError, ShardingError
-from graphpar.ir.graph import Graph, Node, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, Role, Value
 from graphpar.ir.layout import Layout, Replicate, Shard
+from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard.factors import factor_spec
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
 from graphpar.passes.autoshard.strategies import Strategy, is_follower
@@ -159,9 +160,8 @@ class _Filter:
 
     def __call__(self, item, choice) -> bool | None:
         if isinstance(item, Value):
-            return self._input(item, choice) if item.role in (
-                Role.PARAM, Role.OPTIM_STATE, Role.BUFFER) else None
-        if is_follower(item) or item.op in ("full", "arange"):
+            return self._input(item, choice) if item.role in PERSISTENT_ROLES else None
+        if is_follower(item) or get_op(item.op).kind is OpKind.CREATION:
             return None
         return self._heavy(item, choice)
 

@@ -35,8 +35,9 @@ import numpy as np
 
 from graphpar.cost.communication import resharding_cost_matrix
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import NO_MEMORY_LIMIT, PlanLimits
 from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
@@ -53,9 +54,7 @@ from graphpar.passes.autoshard.strategies import (
 
 OBJECTIVE_UNIT = 1e-10  # seconds per integer objective unit (CP-SAT works in integers)
 MEMORY_TIEBREAK = 1.0 / (1 << 20)  # objective units per byte: ties go to the plan using less memory
-PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
-SOLVERS = ("cp-sat", "scip", "cbc", "highs")
-DEFAULT_SOLVER = "highs"  # the fastest on our graphs (docs/autoshard.md)
+DEFAULT_SOLVER = "highs"  # the fastest on our graphs (docs/autoshard.md); all: `SOLVERS`
 
 # A hand plan's filter: (item, its choice) -> False to forbid that choice, True or None to allow.
 Allow = Callable[[object, object], "bool | None"]
@@ -197,7 +196,7 @@ class Problem:
         reads."""
         graph, mesh, terms = self.graph, self.mesh, {}
         for v in graph.inputs:
-            if v.role in PERSISTENT:
+            if v.role in PERSISTENT_ROLES:
                 factor = 2 if (self.training and v.role is Role.PARAM) else 1
                 i = self.index[v]
                 terms[i] = np.array([factor * lay.local_bytes(v.type.shape, v.type.itemsize, mesh)
@@ -352,7 +351,7 @@ class Reduced:
 
         def anchored(v: Value) -> bool:  # in a group led by a parameter or optimizer state
             lead = p.items[self.root[p._src(v)]]
-            return isinstance(lead, Value) and lead.role in PERSISTENT
+            return isinstance(lead, Value) and lead.role in PERSISTENT_ROLES
 
         # Results the user reads count as uses; new state written back does not.
         returned = {o.value for o in p.graph.outputs
@@ -519,7 +518,7 @@ class Reduced:
               solver: str = DEFAULT_SOLVER, allow: Allow | None = None,
               name: str = "ilp") -> Plan:
         """The cheapest plan (restricted by `allow`), costed on the full graph."""
-        if solver not in _SOLVERS:
+        if solver not in SOLVERS:
             raise ShardingError(f"unknown ILP solver {solver!r}; choose one of "
                                 f"{', '.join(SOLVERS)}")
         start = time.perf_counter()
@@ -529,7 +528,7 @@ class Reduced:
         if memory_limit is not None and inst.least_memory() > memory_limit:
             raise _memory_error(self, inst, memory_limit)
         if any(inst.free(c) for c in range(len(inst.keep))):
-            result = _SOLVERS[solver](inst, memory_limit, time_limit)
+            result = SOLVERS[solver](inst, memory_limit, time_limit)
         else:  # one choice each (and within memory, checked above): nothing to solve, and a
             # MIP solver given no variables but a memory row answers neither optimal nor not
             result = _Result("OPTIMAL", [0] * len(inst.keep), 0.0, 0.0, 0, 0)
@@ -787,20 +786,23 @@ def _row(solver, rhs: float, plus: Sequence, minus: Sequence) -> None:
         row.SetCoefficient(v, -1.0)
 
 
-_SOLVERS = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"), "cbc": _solve_mip("CBC"),
-            "highs": _solve_mip("HIGHS")}
+# The solvers by name: `Reduced.solve(solver=...)`, `graphpar.passes.autoshard.explain`.
+SOLVERS: dict[str, Callable] = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP"),
+                                "cbc": _solve_mip("CBC"), "highs": _solve_mip("HIGHS")}
 
 
 def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
-          memory_limit: float | None = None,
-          time_limit: float = 30.0, tie_layers: bool = True, simplify: bool = True,
-          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None) -> Plan:
-    """The cheapest plan for `graph` on `mesh` (see the module docstring). `time_limit` bounds
-    the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
-    building the problem leaves of it is the solver's."""
-    deadline = deadline or Deadline(time_limit)
+          limits: PlanLimits = NO_MEMORY_LIMIT, *, tie_layers: bool = True, simplify: bool = True,
+          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None
+          ) -> tuple[Reduced, Plan]:
+    """The reduced problem of `graph` on `mesh` (see the module docstring) and its cheapest
+    plan within `limits.memory_bytes` per device (None: no limit). `limits.time_seconds`
+    bounds the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
+    building the problem leaves of it is the solver's. The `auto-shard` pass solves through
+    here, and so does every stage's re-solve on its sub-mesh."""
+    deadline = deadline or Deadline(limits.time_seconds)
     reduced = build_reduced(graph, mesh, roofline, deadline, tie_layers, simplify)
-    return reduced.solve(memory_limit, max(deadline.left(), 1e-3), solver)
+    return reduced, reduced.solve(limits.memory_bytes, max(deadline.left(), 1e-3), solver)
 
 
 def build_reduced(graph: Graph, mesh: Mesh, roofline: Roofline | float, deadline: Deadline,

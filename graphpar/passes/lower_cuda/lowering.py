@@ -55,8 +55,6 @@ from graphpar.passes.lower_cuda.values import (
 
 __all__ = ["HANDLERS", "Lowering", "UnsupportedLowering", "lower_to_listing"]
 
-STATE_ROLES = (Role.INPUT, Role.PARAM, Role.BUFFER, Role.OPTIM_STATE, Role.CONST)
-
 HANDLERS: dict[str, Any] = {}
 """op name -> handler(lowering, node), filled by the op modules (shape_ops, compute_ops,
 comm_ops); "<elementwise>" lowers every op of OpKind.ELEMENTWISE without its own entry."""
@@ -264,7 +262,7 @@ class Lowering:
     def _place_inputs(self) -> list[tuple[Value, View]]:
         placed, top = [], 0
         for value in self.graph.inputs:
-            if value.role not in STATE_ROLES:
+            if not isinstance(value.role, Role):  # every input of any role lives in state
                 raise UnsupportedLowering(f"lower-cuda: input %{value.name} has role "
                                           f"{value.role}")
             t = value.type

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import PassError
 from graphpar.ir.cross_mesh import TileTransfer, stage_devices, tile_transfer
 from graphpar.ir.graph import Graph, OutputRole, Program, Value
@@ -215,11 +216,11 @@ class ShardedPhase:
     mesh: Mesh
 
 
-def shard_stages(programs: PipelinePrograms, submeshes: Mapping[int, str], *,
-                 cluster: str = "cpu", memory_limit: str = "", time_limit: float = 10.0
-                 ) -> dict[int, dict[str, ShardedPhase]]:
-    """Each phase program of the stages in `submeshes` (stage -> mesh text such as "1x2")
-    sharded by the auto-shard ILP on that mesh and lowered to its SPMD device program.
+def shard_stages(programs: PipelinePrograms, submeshes: Mapping[int, Mesh],
+                 limits: PlanLimits) -> dict[int, dict[str, ShardedPhase]]:
+    """Each phase program of the stages in `submeshes` (stage -> its mesh, on a cluster)
+    sharded by the auto-shard ILP on that mesh within `limits` (the user's: memory per device,
+    seconds per solve) and lowered to its SPMD device program.
 
     Phases are planned one by one; what crosses between them (the stash, the gradients, what
     other stages send) is a whole tensor at the phase boundary, gathered from and scattered to
@@ -228,16 +229,14 @@ def shard_stages(programs: PipelinePrograms, submeshes: Mapping[int, str], *,
     from graphpar.passes.manager import PassContext, PassManager, parse_pipeline
 
     sharded: dict[int, dict[str, ShardedPhase]] = {}
-    for s, mesh_text in submeshes.items():
+    for s, mesh in submeshes.items():
         phases = {}
         for phase in ("F", "B", "I", "W", "U"):
             graph = programs.stages[s].program(phase)
             if graph is None:
                 continue
             ctx = PassContext()
-            planned = PassManager([AutoShard(mesh=mesh_text, cluster=cluster,
-                                             memory_limit=memory_limit,
-                                             time_limit=time_limit)]).run(graph.copy(), ctx)
+            planned = PassManager([AutoShard.of(mesh, limits)]).run(graph.copy(), ctx)
             global_graph = next(iter(planned))
             device = next(iter(PassManager(parse_pipeline("lower-spmd")).run(
                 global_graph.copy(), ctx)))

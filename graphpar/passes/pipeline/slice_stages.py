@@ -37,9 +37,10 @@ import numpy as np
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.communication import resharding_cost
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimits
 from graphpar.errors import MemoryLimitError, PassError, ShardingError, TimeLimitError
 from graphpar.ir.cluster import Cluster
-from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
+from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
 from graphpar.ir.structure import canonical_order, layer_signature
 from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
@@ -67,10 +68,7 @@ from graphpar.passes.pipeline.stage_dp import (
     solve_stages,
     submesh_shapes,
 )
-from graphpar.units import format_bytes, parse_bytes
-
-PERSISTENT = (Role.PARAM, Role.BUFFER, Role.OPTIM_STATE)
-
+from graphpar.units import format_bytes
 
 LogicalMeshes = Callable[[tuple[int, int]], list[tuple[int, int]]]
 
@@ -193,21 +191,25 @@ def _affordable(candidates: list[_Clustered]) -> list[_Clustered]:
     return kept
 
 
-def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster = "dgx-a100",
+def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
+                 cluster: str | Cluster = "dgx-a100",
                  microbatches: int = 4, stages: int = 0, layers: int = 0,
                  delta: float = DEFAULT_DELTA, epsilon: float = 1e-6,
-                 memory_limit: int | None = None, dtype: str = "fp32",
-                 time_limit: float = 30.0, forward_layers: Sequence[tuple[int, int]] | None = None,
+                 limits: PlanLimits | None = None, dtype: str = "fp32",
+                 forward_layers: Sequence[tuple[int, int]] | None = None,
                  families: Sequence[str | None] = (None,),
                  logical: LogicalMeshes = logical_meshes,
                  fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None,
                  power_of_two_hosts: bool = False) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
-    `mesh`. `stages` 0 lets the DP choose; `layers` 0 clusters into the model's blocks plus
-    one. The DP runs on Eq. 6's layers, on them with each block-long layer cut once more
-    (FINER) or only those next to the first plan's stage ends (LOCAL), and on as many layers
-    of equal op counts (when `_affordable`); the fastest plan is kept (`StageSearch.clustering`
-    says whose).
+    `mesh` (a `Mesh` or its shape; a `Mesh` on a cluster brings its own). `stages` 0 lets the
+    DP choose; `layers` 0 clusters into the model's blocks plus one. `limits`: each stage's
+    memory per device (None: no limit; each layer's ILP is solved without one, the DP bounds
+    the stage's sum) and each layer ILP solve's seconds (default: the cluster's memory per
+    device, 30 s). The DP runs on Eq. 6's layers, on them with each block-long layer cut once
+    more (FINER) or only those next to the first plan's stage ends (LOCAL), and on as many
+    layers of equal op counts (when `_affordable`); the fastest plan is kept
+    (`StageSearch.clustering` says whose).
 
     For baselines under the same cost model: `forward_layers` (op index ranges of the forward,
     in order) replaces the clustering; `families` are the ways a stage may be sharded, each
@@ -218,11 +220,15 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
     multi-host sub-meshes of 2, 4, 8, ... hosts only (fewer ILP solves). `cache` shares layer costs
     between calls on the same graph, cluster, dtype and microbatch count."""
     started = time.perf_counter()
+    if isinstance(mesh, Mesh):
+        mesh, cluster = mesh.shape, mesh.cluster or cluster
     hosts, per_host = _physical(mesh)
     cluster = get_cluster(cluster)
     if microbatches < 1:
         raise PassError(f"microbatches={microbatches}: give at least 1")
-    limit = int(memory_limit) if memory_limit else cluster.device_memory
+    limits = limits or PlanLimits.parse(cluster=cluster)
+    # no limit: more than any plan needs, so the Eq. 5 check never binds
+    limit = limits.memory_bytes if limits.memory_bytes is not None else 2**62
     forward_set, _, optimizer = forward_backward_optimizer(graph)
     forward = [n for n in graph.nodes if n in forward_set]
     if forward_layers is None:
@@ -244,7 +250,7 @@ def slice_stages(graph: Graph, mesh: str | Sequence[int], cluster: str | Cluster
         raise PassError(f"stages={stages} needs at least as many devices; the mesh "
                         f"{hosts}x{per_host} has {hosts * per_host}")
     shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
-    solver = _LayerCosts(graph, cluster, dtype, time_limit, microbatches, forward_set,
+    solver = _LayerCosts(graph, cluster, dtype, limits.time_seconds, microbatches, forward_set,
                          optimizer, cache)
     clusterings = _affordable([_Clustered.of(graph, name, bounds, forward, forward_set)
                                for name, bounds in candidates])
@@ -489,7 +495,7 @@ class _LayerCosts:
         seconds = plan.step_seconds - update + update / self.microbatches
         persistent = 0
         for v in costed.inputs:
-            if v.role in PERSISTENT:
+            if v.role in PERSISTENT_ROLES:
                 per = plan.input_layout[v].local_bytes(v.type.shape, v.type.itemsize, mesh)
                 persistent += per * (2 if v.role is Role.PARAM and self.gradients else 1)
         stashed = 0
@@ -641,38 +647,47 @@ def _no_plan(options: _StageOptions, devices: int, microbatches: int, stages: in
 @dataclass
 class SliceStages(GraphPass):
     """Slice a training step into pipeline stages on sub-meshes (Alpa's inter-op pass); the
-    result is `ctx.result(StagePlan)`; the IR is not changed."""
+    result is `ctx.result(StagePlan)`; the IR is not changed. As auto-shard's, its mesh and
+    limits come as objects or as text that is read once, when the pass is made."""
 
-    mesh: str = "1x8"  # the physical mesh: hosts x devices per host
-    cluster: str = "dgx-a100"
+    # the physical mesh: hosts x devices per host; text ("2x8") is laid on `cluster`
+    mesh: Mesh | str = "1x8"
+    cluster: Cluster | str = "dgx-a100"  # for a mesh given as text; then the mesh's
     stages: str = "auto"  # auto, or a number of stages
     microbatches: int = 4
     layers: int = 0  # 0: the model's blocks plus one
     delta: float = DEFAULT_DELTA
     epsilon: float = 1e-6
-    # as auto-shard's: "device" (the cluster's memory per device), "none" or a size
-    memory_limit: str = "device"
+    # bytes per device of each stage (None: no limit), or as auto-shard's text: "device"
+    # (the cluster's memory per device), "none" or a size
+    memory_limit: float | str | None = DEFAULT_MEMORY
     dtype: str = "fp32"
-    time_limit: float = 30.0  # per ILP solve
+    time_limit: float = DEFAULT_TIME_SECONDS  # per ILP solve
     power_of_two_hosts: bool = False  # multi-host sub-meshes of 2, 4, 8 ... hosts only
 
     def __post_init__(self) -> None:
-        _physical(self.mesh)
-        get_cluster(self.cluster).peak_flops(self.dtype)
+        _physical(self.mesh.shape if isinstance(self.mesh, Mesh) else self.mesh)
+        self.mesh = mesh_for(self.mesh, self.cluster)
+        self.cluster = self.mesh.cluster
+        self.cluster.peak_flops(self.dtype)
         self._stages()
-        self._memory_bytes()
+        limits = PlanLimits.parse(self.memory_limit, self.time_limit, self.cluster)
+        self.memory_limit, self.time_limit = limits.memory_bytes, limits.time_seconds
         if self.microbatches < 1:
             raise PassError(f"microbatches={self.microbatches}: give at least 1")
         if self.layers < 0:
             raise PassError(f"layers={self.layers}: give a positive number, or 0 for auto")
 
-    def _memory_bytes(self) -> int | None:
-        """The per-device bound for `slice_stages` (None: the cluster's device memory)."""
-        if self.memory_limit in ("", "device"):
-            return None
-        if self.memory_limit == "none":
-            return 2**62  # more than any plan needs: the Eq. 5 check never binds
-        return parse_bytes(self.memory_limit)
+    @classmethod
+    def of(cls, mesh: Mesh, limits: PlanLimits, **options) -> SliceStages:
+        """The pass for the physical `mesh` (on its cluster) under `limits`; `options` are the
+        other fields."""
+        return cls(mesh=mesh, memory_limit=limits.memory_bytes,
+                   time_limit=limits.time_seconds, **options)
+
+    @property
+    def limits(self) -> PlanLimits:
+        return PlanLimits(self.memory_limit, self.time_limit)
 
     def _stages(self) -> int:
         if str(self.stages) == "auto":
@@ -688,9 +703,8 @@ class SliceStages(GraphPass):
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         search = slice_stages(
             graph, self.mesh, self.cluster, self.microbatches, self._stages(), self.layers,
-            self.delta, self.epsilon,
-            self._memory_bytes(), self.dtype,
-            self.time_limit, power_of_two_hosts=self.power_of_two_hosts)
+            self.delta, self.epsilon, self.limits, self.dtype,
+            power_of_two_hosts=self.power_of_two_hosts)
         ctx.set_result(search.plan)
         return False
 

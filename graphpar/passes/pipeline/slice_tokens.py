@@ -21,6 +21,7 @@ import numpy as np
 from graphpar.cost.cluster import get_cluster
 from graphpar.cost.compute import Roofline
 from graphpar.errors import PassError, UsageError
+from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.verify import describe
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -51,7 +52,7 @@ class SliceTokens(GraphPass):
     slices: int = 0  # 0: the DP chooses
     granularity: int = 1
     epsilon: float = 0.0  # seconds
-    cluster: str = "dgx-a100"
+    cluster: Cluster | str = "dgx-a100"  # a preset or cluster file, or a `Cluster`
     dtype: str = "fp32"
     ffn: int = 0  # the MLP's width; 0: 4 x hidden (GPT)
 

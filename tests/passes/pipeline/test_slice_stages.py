@@ -9,6 +9,7 @@ import pytest
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.compute import Roofline
+from graphpar.cost.limits import PlanLimits
 from graphpar.errors import (
     MemoryLimitError,
     PassError,
@@ -78,7 +79,7 @@ def test_plan_puts_each_layer_forward_backward_and_update_on_one_stage(mlp_step)
 def test_one_device_one_microbatch_costs_what_the_whole_graph_ilp_costs(mlp_step):
     # On one device there is nothing to reshard or send: the layers' times add up exactly.
     search = slice_stages(mlp_step, "1x1", microbatches=1)
-    whole = solve(mlp_step, mesh_for("1x1"), Roofline.of(get_cluster("dgx-a100"), "fp32"))
+    _, whole = solve(mlp_step, mesh_for("1x1"), Roofline.of(get_cluster("dgx-a100"), "fp32"))
     assert len(search.plan.stages) == 1
     assert search.plan.est_step_seconds == pytest.approx(whole.step_seconds, rel=1e-9)
 
@@ -145,7 +146,7 @@ def test_time_limit_hits_are_counted_and_reported(monkeypatch, mlp_step):
                              f"{time_limit:.3g} s it had")
 
     seen = _forced_solves(monkeypatch, {(2, 1): not_proven, (1, 2): no_plan})
-    plan = slice_stages(mlp_step, "1x2", time_limit=0.5).plan
+    plan = slice_stages(mlp_step, "1x2", limits=PlanLimits.parse("device", 0.5)).plan
     solves = plan.layer_solves
     assert dict(solves.counts) == {
         "optimal": seen.count((1, 1)), "time_limit_not_proven_optimal": seen.count((2, 1)),

@@ -1,6 +1,6 @@
 """The `slice-stages` pass: Alpa's inter-operator pass over a training step.
 
-1. Cluster the forward ops into L layers (Eq. 6, `layers.py`); backward ops and optimizer
+1. Cluster the forward ops into L layers (Eq. 6, `clustering.py`); backward ops and optimizer
    updates follow their forward ops (`partition.follow_forward`). Further candidates: Eq.
    6's layers with each block-long one cut once more, the same cut only next to Eq. 6's
    plan's stage ends, and layers of equal op counts where they add few kinds of layers.

@@ -113,8 +113,29 @@ def problem_of(spec: PlaceSpec, profiles: Mapping[str, LayerProfile] | None = No
     memory = s.memory_per_device or float(get_cluster(s.preset).device_memory)
     slo = {m: (s.slo_seconds if s.slo_seconds is not None else s.slo_scale * p.latency)
            for m, p in profiles.items()}
-    return Problem(profiles, s.devices, memory, _workload(s, names), slo, s.preset, s.warmup,
+    workload = _workload(s, names)
+    if s.trace is not None:  # a generated workload's were checked with the SPEC
+        _check_trace_span(s, workload)
+    return Problem(profiles, s.devices, memory, workload, slo, s.preset, s.warmup,
                    s.max_batch, s.batch_growth)
+
+
+def _check_trace_span(spec: PlaceSpec, workload: Workload) -> None:
+    """The warm-up and the clockwork++ windows of a trace, once its span is known."""
+    from graphpar.errors import PlacementSpecError
+    from graphpar.placement.spec import MAX_WINDOWS
+
+    if spec.warmup >= workload.duration:
+        raise PlacementSpecError(
+            f"workload.warmup: {spec.warmup:g} s is not shorter than the trace "
+            f"{spec.trace} ({workload.duration:g} s): no request would be counted; give a "
+            "shorter warmup")
+    windows = int(np.ceil(workload.duration / spec.window))
+    if "clockwork++" in spec.policies and windows > MAX_WINDOWS:
+        raise PlacementSpecError(
+            f"workload.window: {spec.window:g} s cuts the trace's {workload.duration:g} s "
+            f"into {windows:,} windows, more than {MAX_WINDOWS:,} (each re-placed); give a "
+            "longer window")
 
 
 def _sweeps(spec: PlaceSpec, profiles, policies) -> dict[str, dict[str, list[float]]]:
@@ -165,6 +186,22 @@ def place(spec: PlaceSpec | Mapping | str | Path, out: str | Path | None = None,
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "placement.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
-        (out / "placement.html").write_text(html(report.to_json()))
+        data = report.to_json()
+        _write_whole(out / "placement.json", json.dumps(data, indent=1) + "\n")
+        _write_whole(out / "placement.html", html(data))
     return report
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` written beside `path` and renamed over it: the file is whole or absent."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -33,9 +33,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     _check_compile_options(args)  # every option is checked before any slow work
     passes = parse_pipeline(args.passes)
-    from graphpar.cli.pipeline import check_token_slices_need_pipeline
+    from graphpar.cli.pipeline import check_pipeline_options_need_pipeline
 
-    check_token_slices_need_pipeline(args)
+    check_pipeline_options_need_pipeline(args)
     if args.pipeline:
         from graphpar.cli.pipeline import check_pipeline_options, cmd_compile_pipeline
 

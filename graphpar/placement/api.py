@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from graphpar.errors import PlacementError
-from graphpar.placement.configs import LayerProfile, profile_example, profile_file
+from graphpar.placement.configs import (
+    LayerProfile,
+    example_weight_bytes,
+    profile_example,
+    profile_file,
+    weight_bytes,
+)
 from graphpar.placement.place import Placement, Problem
 from graphpar.placement.place import place as place_problem
 from graphpar.placement.spec import PlaceSpec, parse_spec, read_spec
@@ -75,15 +81,30 @@ class PlaceReport:
 
 
 def _profiles(spec: PlaceSpec) -> dict[str, LayerProfile]:
+    from graphpar.cost.cluster import get_cluster
     from graphpar.errors import GraphparError, PlacementSpecError
+    from graphpar.placement.place import group_sizes
 
+    memory = spec.memory_per_device or float(get_cluster(spec.preset).device_memory)
+    most = max(group_sizes(spec.devices))
     out = {}
     for i, m in enumerate(spec.models):
+        def fits(weights: float, i=i, m=m) -> None:  # before the model is captured and priced
+            if weights / most > memory:
+                raise PlacementError(
+                    f"models[{i}] ({m.name}): {weights / 1e9:.2f} GB of weights "
+                    f"({spec.dtype}) fit no device group: the largest, {most} device(s) of "
+                    f"{memory / 1e9:.2f} GB, holds {most * memory / 1e9:.2f} GB; give more "
+                    "cluster.devices or cluster.memory_per_device")
         try:
             if m.example is not None:
+                fits(example_weight_bytes(m.example, spec.dtype))
                 out[m.name] = profile_example(m.example, spec.dtype, spec.preset)
             else:
-                out[m.name] = profile_file(m.path, spec.dtype, spec.preset)
+                out[m.name] = profile_file(m.path, spec.dtype, spec.preset, check=lambda mod:
+                                           fits(weight_bytes(mod, spec.dtype)))
+        except PlacementError:
+            raise
         except GraphparError as exc:
             what = f"example {m.example!r}" if m.example else f"path {m.path}"
             raise PlacementSpecError(f"models[{i}] ({m.name}, {what}): {exc}") from None

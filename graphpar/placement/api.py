@@ -194,6 +194,8 @@ def place(spec: PlaceSpec | Mapping | str | Path, out: str | Path | None = None,
         spec = read_spec(spec)
     elif isinstance(spec, Mapping):
         spec = parse_spec(spec)
+    if spec.trace is not None:  # a bad trace is found before any model is captured
+        load_trace(spec.trace, [m.name for m in spec.models])
     profiles = _profiles(spec)
     problem = problem_of(spec, profiles)
     placements = {p: place_problem(problem, p, window=spec.window) for p in spec.policies}

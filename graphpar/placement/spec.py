@@ -303,20 +303,10 @@ def check_budget(spec: PlaceSpec, where: str = "spec") -> None:
     if requests * models > MAX_REQUEST_MODELS:
         raise _fail(at, f"about {requests:,.0f} requests (estimated: {how}) x {models} models, "
                         f"more than {MAX_REQUEST_MODELS:,} the search can try; {fix}")
-    free = _free_memory()
+    from graphpar.cost.cluster import host_memory_available
+
+    free = host_memory_available()
     need = requests * BYTES_PER_REQUEST
     if free is not None and need > free:
         raise _fail(at, f"about {requests:,.0f} requests need about {need / 2**30:.1f} GiB "
                         f"(estimated), more than the {free / 2**30:.1f} GiB free here; {fix}")
-
-
-def _free_memory() -> float | None:
-    """Bytes of memory this machine has available now (Linux), or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -309,9 +309,11 @@ def _ints(kv: dict[str, Value], key: str) -> tuple[int, ...]:
 
 
 def _word(value: Value, what: str) -> str:
-    if not isinstance(value, str) or not re.fullmatch(r"[\w.\-:/@\[\]]+", value):
-        raise ValueError(f"{what} {_format_shown(value)}: expected a name (letters, digits, "
-                         "_ . - : / @ [ ])")
+    """`value`, a name `print_listing` can print back: text with no space and no '#'."""
+    if not isinstance(value, str) or not value or "#" in value or any(
+            c.isspace() for c in value):
+        raise ValueError(f"{what} {_format_shown(value)}: expected a name with no spaces "
+                         "and no '#'")
     return value
 
 

@@ -166,7 +166,7 @@ def test_corrupted_pipeline_programs_and_cuda_listings(tmp_path):
     _assert_refused(listing, 1, "rank0.calls:2: malformed input line: shape=5: expected a "
                                 "list of whole numbers")
     _assert_refused(odd, 1, "odd.calls:2: malformed input line: value name 'x#1': expected "
-                            "a name")
+                            "a name with no spaces and no '#'")
     assert not (tmp_path / "p.html").exists()
 
 

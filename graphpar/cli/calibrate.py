@@ -35,6 +35,28 @@ def add_calibrate_parser(sub) -> None:
     p.set_defaults(fn=cmd_calibrate)
 
 
+RANKS_PER_CORE = 4  # CPU ranks beyond this many per core measure contention, not the machine
+RANK_BYTES = 0.5 * 2**30  # what one rank process (torch, gloo, its tensors) holds, estimated
+
+
+def check_cpu_ranks(ranks: int) -> None:
+    """Refuse, before any process starts, more CPU ranks than this machine's cores and memory
+    can hold: `RANKS_PER_CORE` per core, `RANK_BYTES` each."""
+    cores = os.cpu_count() or 1
+    if ranks > cores * RANKS_PER_CORE:
+        raise UsageError(f"--ranks {ranks}: more than {RANKS_PER_CORE} CPU ranks per core on "
+                         f"this machine's {cores} cores; give --ranks {cores * RANKS_PER_CORE} "
+                         "or fewer")
+    from graphpar.cost.cluster import host_memory_available
+
+    free = host_memory_available()
+    if free is not None and ranks * RANK_BYTES > free:
+        raise UsageError(f"--ranks {ranks}: about {ranks * RANK_BYTES / 2**30:.1f} GiB for "
+                         f"{ranks} rank processes (estimated, {RANK_BYTES / 2**30:.1f} GiB "
+                         f"each), more than the {free / 2**30:.1f} GiB free here; give "
+                         f"--ranks {max(2, int(free // RANK_BYTES))} or fewer")
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -46,6 +68,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks {args.ranks}: collectives need at least 2 ranks; give "
                          "--ranks 2 or more")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        check_cpu_ranks(args.ranks)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
     if device == "cuda" and args.ranks > torch.cuda.device_count():

@@ -161,16 +161,44 @@ def staging_dir(out: Path) -> Path:
         raise OutputError(f"{out}: cannot write --out there: {exc.strerror or exc}") from None
 
 
+def check_output_dir(out: str, option: str = "--out", files: tuple[str, ...] = ()) -> Path:
+    """Refuse an output folder that cannot be one, before any slow work: an empty name, a
+    file, a path through a file, or (for `files`, the names the command writes there) a
+    folder or device where one of its files goes."""
+    if not out:
+        raise UsageError(f"{option}: give a directory name")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {path} exists and is not a directory; give a directory")
+    if not _existing_parent(path).is_dir() or (path.parent.exists()
+                                               and not path.parent.is_dir()):
+        raise OutputError(f"{path}: cannot write {option} there: a path component is a file")
+    for name in files:
+        target = path / name
+        if target.exists() and not target.is_file():
+            raise UsageError(f"{option} {path}: {target} exists and is not a file; remove it "
+                             f"or give another {option}")
+    return path
+
+
 def _publish(staging: Path, out: Path) -> None:
-    """Move finished files into `out`: a failed compile leaves nothing half-written there."""
+    """Move finished files into `out`: a failed compile leaves nothing half-written there.
+    Ctrl-C and SIGTERM wait until every file is moved, so `out` is never half-updated."""
+    import signal
+
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    for item in staging.iterdir():
-        target = out / item.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(item, target)
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for item in staging.iterdir():
+            target = out / item.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
 
 @contextmanager
@@ -183,6 +211,11 @@ def staged_output(out: Path) -> Iterator[Path]:
         yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Every file staged moved into `out` as one output (`staged_output`)."""
+    _publish(staging, out)
 
 
 def publish_report(summary: dict, staging: Path, out: Path) -> None:

@@ -8,11 +8,11 @@ from pathlib import Path
 from graphpar.cli.common import (
     TIMED_STEPS,
     WARMUP_STEPS,
-    _existing_parent,
     _names,
     auto_shard_pass,
     bytes_sent_text,
     certified,
+    check_output_dir,
     check_plan_options,
     load_target,
     publish_report,
@@ -21,7 +21,7 @@ from graphpar.cli.common import (
     step_time_line,
     step_time_report,
 )
-from graphpar.errors import OutputError, UsageError
+from graphpar.errors import UsageError
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -33,9 +33,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     _check_compile_options(args)  # every option is checked before any slow work
     passes = parse_pipeline(args.passes)
-    from graphpar.cli.pipeline import check_token_slices_need_pipeline
+    from graphpar.cli.pipeline import check_pipeline_options_need_pipeline
 
-    check_token_slices_need_pipeline(args)
+    check_pipeline_options_need_pipeline(args)
     if args.pipeline:
         from graphpar.cli.pipeline import check_pipeline_options, cmd_compile_pipeline
 
@@ -138,13 +138,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 def _check_compile_options(args: argparse.Namespace) -> None:
     """Usage errors in compile's options, found before the model is loaded."""
-    if not args.out:
-        raise UsageError("--out: give a directory name")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory; give a directory")
-    if not _existing_parent(out).is_dir() or (out.parent.exists() and not out.parent.is_dir()):
-        raise OutputError(f"{out}: cannot write --out there: a path component is a file")
+    check_output_dir(args.out)
     check_plan_options(args)
     if args.run_cpu is not None and args.run_cpu < 1:
         raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")

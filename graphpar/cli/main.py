@@ -89,7 +89,7 @@ def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per step with --pipeline (default: 4, or the "
                              "largest number below 4 that divides the batch)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default=None,
                         help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
     parser.add_argument("--token-slices", metavar="auto|N",
                         help="with --pipeline, a causal LM: cut each sequence into token slices "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphpar.cli.common import (
+    check_output_file,
     load_target,
     plan_limits,
     plan_mesh,
@@ -35,8 +36,19 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
                          "(e.g. --mesh 2x4)")
     if args.pipeline != "auto" and not (args.pipeline.isdigit() and int(args.pipeline) >= 1):
         raise UsageError(f"--pipeline {args.pipeline}: give 'auto' or a number of stages")
+    devices = plan_mesh(args).size
+    if args.pipeline != "auto" and int(args.pipeline) > devices:
+        raise UsageError(f"--pipeline {args.pipeline}: more stages than the {devices} devices "
+                         f"of --mesh {args.mesh}; give at most {devices} stages or 'auto'")
     if args.microbatches is not None and args.microbatches < 1:
         raise UsageError(f"--microbatches {args.microbatches}: give at least 1")
+    if args.microbatches is not None and args.microbatches > MAX_MICROBATCHES:
+        raise UsageError(f"--microbatches {args.microbatches}: more than {MAX_MICROBATCHES:,}; "
+                         "give a number of microbatches that divides the batch")
+    if args.schedule is None:
+        args.schedule = DEFAULT_SCHEDULE
+    if getattr(args, "trace", None):
+        check_output_file(Path(args.trace), "--trace")
     if getattr(args, "run_cpu_steps", 1) < 1:
         raise UsageError(f"--run-cpu-steps {args.run_cpu_steps}: give the number of steps to "
                          "compare (>= 1)")
@@ -60,12 +72,31 @@ def default_microbatches(batch: int, most: int = 4) -> int:
     return max(d for d in range(1, min(most, batch) + 1) if batch % d == 0)
 
 
-def check_token_slices_need_pipeline(args: argparse.Namespace) -> None:
-    """--token-slices pipelines token slices through stages: without --pipeline it is an
-    error, not silently ignored."""
-    if getattr(args, "token_slices", None) is not None and not args.pipeline:
-        raise UsageError("--token-slices sends token slices through pipeline stages: give "
-                         "--pipeline auto|S too (and --mode train)")
+DEFAULT_SCHEDULE = "1f1b"  # --schedule when none is given
+MAX_MICROBATCHES = 65_536  # more than any batch a step is cut into; the batch bounds it after
+
+
+def check_pipeline_options_need_pipeline(args: argparse.Namespace) -> None:
+    """--token-slices, --microbatches, --schedule and --trace only act on a pipeline: without
+    --pipeline each is an error that says so, not silently ignored."""
+    if args.pipeline:
+        return
+    for option, what in (("token_slices", "sends token slices through pipeline stages"),
+                         ("microbatches", "cuts the step for pipeline stages"),
+                         ("schedule", "orders the pipeline stages' work"),
+                         ("trace", "writes the pipeline's measured timeline")):
+        if getattr(args, option, None) is not None:
+            raise UsageError(f"--{option.replace('_', '-')} {what}: give --pipeline auto|S "
+                             "too (and --mode train); without it, it has no effect")
+
+
+def check_microbatches_fit(args: argparse.Namespace, spec: ModelSpec) -> None:
+    """--microbatches against the model's batch, once it is loaded and before capture."""
+    batch = len(spec.inputs[0]) if spec.inputs and spec.inputs[0].dim() else 1
+    n = args.microbatches
+    if n is not None and (n > batch or batch % n):
+        raise UsageError(f"--microbatches {n}: the batch of {batch} cannot be cut into {n} "
+                         f"equal microbatches; give a divisor of {batch}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,7 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
                          f"({mesh.size} devices): run one CPU rank per device")
     with step("loading the model"):
         spec = load_target(args.model, args.example, args.mode)
+    check_microbatches_fit(args, spec)
     if args.microbatches is None:
         args.microbatches = default_microbatches(len(spec.inputs[0]))
     optimizer = optimizer_from_name(args.optimizer)

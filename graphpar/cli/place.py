@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+FILES = ("placement.json", "placement.html")  # what place writes into --out, as one output
+
 
 def add_place_parser(sub) -> None:
     p = sub.add_parser("place", help="place many models on a cluster for a serving workload "
@@ -18,14 +20,14 @@ def add_place_parser(sub) -> None:
 
 
 def cmd_place(args: argparse.Namespace) -> int:
-    import dataclasses
-
+    from graphpar.cli.common import check_output_dir, publish, staged_output
     from graphpar.placement.api import place
     from graphpar.placement.spec import read_spec
 
-    spec = read_spec(args.spec)
-    if args.no_plots:
-        spec = dataclasses.replace(spec, plots=False)
-    place(spec, out=args.out, echo=True)
-    print(f"wrote {args.out}/placement.json and {args.out}/placement.html")
+    out = check_output_dir(args.out, "--out", FILES)  # before the SPEC's models are priced
+    spec = read_spec(args.spec, plots=False if args.no_plots else None)
+    with staged_output(out) as staging:
+        place(spec, out=staging, echo=True)
+        publish(staging, out)
+    print(f"wrote {out / FILES[0]} and {out / FILES[1]}")
     return 0

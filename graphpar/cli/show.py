@@ -39,9 +39,9 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     check_output_file(out, "-o")
-    from graphpar.cli.pipeline import check_token_slices_need_pipeline
+    from graphpar.cli.pipeline import check_pipeline_options_need_pipeline
 
-    check_token_slices_need_pipeline(args)
+    check_pipeline_options_need_pipeline(args)
     if args.pipeline:
         page = _pipeline_page(args)
     elif args.target.endswith(".py") or args.example:
@@ -84,7 +84,7 @@ def _pipeline_page(args: argparse.Namespace) -> str:
     program = Program.of([*compiled.program, compiled.result.graph])
     estimates = [{"est_seconds": s.est_seconds, "mem_bytes": s.mem_bytes} for s in plan.stages]
     title = (f"{compiled.spec.name}: {len(plan.stages)} stages, {plan.microbatches} "
-             f"microbatches, {args.schedule}")
+             f"microbatches, {options.schedule}")
     return render_html(program, title, stage_of=plan.stage_of, stage_estimates=estimates)
 
 

@@ -460,3 +460,16 @@ def mesh_for(shape: str | Sequence[int] | Mesh, cluster: Cluster | str | Path = 
         nodes = math.ceil(size / cluster.devices_per_node)
         cluster = dataclasses.replace(cluster, num_nodes=nodes)
     return Mesh.from_cluster(cluster, shape, axis_names=axis_names)
+
+
+def host_memory_available() -> float | None:
+    """Bytes of memory this host has available now (Linux's MemAvailable), or None where it
+    cannot be read: what a command checks its estimated needs against before it starts."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -292,8 +292,54 @@ def _key_values(tokens: list[str], where: str) -> dict[str, Value]:
     return out
 
 
+def _int(kv: dict[str, Value], key: str, low: int = 0) -> int:
+    value = kv[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key}={_format_shown(value)}: expected a whole number >= {low}")
+    return value
+
+
+def _ints(kv: dict[str, Value], key: str) -> tuple[int, ...]:
+    value = kv[key]
+    if not isinstance(value, tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{key}={_format_shown(value)}: expected a list of whole numbers "
+                         "like [8,16]")
+    return value
+
+
+def _word(value: Value, what: str) -> str:
+    """`value`, a name `print_listing` can print back: text with no space and no '#'."""
+    if not isinstance(value, str) or not value or "#" in value or any(
+            c.isspace() for c in value):
+        raise ValueError(f"{what} {_format_shown(value)}: expected a name with no spaces "
+                         "and no '#'")
+    return value
+
+
+def _addr(text: str) -> Addr:
+    value = _parse_value(text)
+    if not isinstance(value, Addr):
+        raise ValueError(f"{text!r}: expected an address, arena+N or state+N")
+    return value
+
+
+def _format_shown(value: Value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _printable(params: dict[str, Value]) -> dict[str, Value]:
+    """`params`, each of which `print_listing` can print back on one line."""
+    for key, value in params.items():
+        _word(key, "parameter name")
+        _format_value(value)
+    return params
+
+
 def parse_listing(text: str, source: str = "<listing>") -> Listing:
-    """The listing `print_listing` printed."""
+    """The listing `print_listing` printed; every field is checked for its type, and a line
+    that is not what the printer writes is an IRParseError naming it."""
     listing: Listing | None = None
     for number, raw in enumerate(text.splitlines(), 1):
         where = f"{source}:{number}"
@@ -305,28 +351,33 @@ def parse_listing(text: str, source: str = "<listing>") -> Listing:
         try:
             if kind == "listing":
                 kv = _key_values(tokens[2:], where)
-                listing = Listing(tokens[1].lstrip("@"), kv["rank"], tuple(kv["mesh"]),
-                                  kv["arena"], kv["state"], kv["lower_bound"])
+                listing = Listing(_word(tokens[1].lstrip("@"), "listing name"),
+                                  _int(kv, "rank"), _ints(kv, "mesh"), _int(kv, "arena"),
+                                  _int(kv, "state"), _int(kv, "lower_bound"))
                 continue
             if listing is None:
                 raise IRParseError(f"{where}: a listing starts with a 'listing @name' line")
             if kind in ("input", "output"):
                 kv = _key_values(tokens[3:], where)
-                ref = TensorRef(tokens[1], _parse_value(tokens[2]), kv["dtype"],
-                                tuple(kv["shape"]), tuple(kv["strides"]), kv["role"])
+                ref = TensorRef(_word(tokens[1], "value name"), _addr(tokens[2]),
+                                _word(kv["dtype"], "dtype"), _ints(kv, "shape"),
+                                _ints(kv, "strides"), _word(kv["role"], "role"))
                 (listing.inputs if kind == "input" else listing.outputs).append(ref)
             elif kind == "buffer":
                 kv = _key_values(tokens[3:], where)
                 first, last = (int(x) for x in str(kv["live"]).split(".."))
-                listing.buffers.append(BufferSlot(tokens[1], _parse_value(tokens[2]),
-                                                  kv["bytes"], first, last))
+                listing.buffers.append(BufferSlot(_word(tokens[1], "buffer name"),
+                                                  _addr(tokens[2]), _int(kv, "bytes"), first,
+                                                  last))
             elif kind == "call":
-                params = tuple(_key_values(tokens[2:], where).items())
-                listing.calls.append(Call(tokens[1], params, note.strip()))
+                params = tuple(_printable(_key_values(tokens[2:], where)).items())
+                listing.calls.append(Call(_word(tokens[1], "call"), params, note.strip()))
             else:
                 raise IRParseError(f"{where}: unknown record {kind!r} (listing, input, buffer, "
                                    "call, output)")
-        except (KeyError, ValueError, IndexError) as exc:
+        except KeyError as exc:
+            raise IRParseError(f"{where}: malformed {kind} line: missing {exc}") from None
+        except (ValueError, IndexError, TypeError) as exc:
             raise IRParseError(f"{where}: malformed {kind} line: {exc}") from None
     if listing is None:
         raise IRParseError(f"{source}: empty listing")

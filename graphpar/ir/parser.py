@@ -217,6 +217,10 @@ class _Parser:
         if unknown:
             self.fail(f"unknown mesh attribute(s) {', '.join(sorted(unknown))}; "
                       "a mesh takes bandwidth, latency and devices", start)
+        for key, value in attrs.items():
+            if not isinstance(value, (tuple, list)):
+                self.fail(f"mesh attribute {key}={value!r}: expected a list, one entry per "
+                          f"{'device' if key == 'devices' else 'mesh axis'}", start)
         try:
             self.meshes[name] = Mesh(tuple(shape), attrs.get("devices", ()),
                                      attrs.get("bandwidth", ()), attrs.get("latency", ()),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from graphpar.errors import GraphparError, ShardingError, VerificationError
@@ -109,6 +110,7 @@ def verify(graph: Graph, check_types: bool = True,
         names.add(v.name)
         defined.add(v)
     check_structure(graph)
+    _check_graph_attrs(graph)
     total = len(graph)
     for index, node in enumerate(graph):
         if on_progress is not None and index and index % _PROGRESS_NODES == 0:
@@ -123,6 +125,34 @@ def verify(graph: Graph, check_types: bool = True,
             if user.graph is not graph:
                 raise VerificationError(f"graph @{graph.name}: {v!r} lists a user not in it", v)
     _check_outputs(graph, defined)
+
+
+# Graph attributes that passes write and readers (the pipeline view, reports) read back from
+# a file: what each must be. Other attributes are free-form.
+_GRAPH_ATTRS = {
+    "token_slices": ("a list of token counts >= 1", "counts"),
+    "batch_slices": ("a list of sequence counts >= 1", "counts"),
+    "est_seconds": ("a number of seconds >= 0", "amount"),
+    "mem_bytes": ("a number of bytes >= 0", "amount"),
+}
+
+
+def _check_graph_attrs(graph: Graph) -> None:
+    for key, (want, kind) in _GRAPH_ATTRS.items():
+        if key not in graph.attrs:
+            continue
+        value = graph.attrs[key]
+        if kind == "counts":
+            ok = isinstance(value, (tuple, list)) and bool(value) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+        else:
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and math.isfinite(value) and value >= 0)
+        if not ok:
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise VerificationError(f"graph @{graph.name}: attribute {key}={shown}: expected "
+                                    f"{want}", graph)
 
 
 def _check_node(node: Node, graph: Graph, defined: set[Value], check_types: bool) -> str | None:

@@ -13,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from graphpar.errors import PlacementError
-from graphpar.placement.configs import LayerProfile, profile_example, profile_file
+from graphpar.placement.configs import (
+    LayerProfile,
+    example_weight_bytes,
+    profile_example,
+    profile_file,
+    weight_bytes,
+)
 from graphpar.placement.place import Placement, Problem
 from graphpar.placement.place import place as place_problem
 from graphpar.placement.spec import PlaceSpec, parse_spec, read_spec
@@ -75,15 +81,30 @@ class PlaceReport:
 
 
 def _profiles(spec: PlaceSpec) -> dict[str, LayerProfile]:
+    from graphpar.cost.cluster import get_cluster
     from graphpar.errors import GraphparError, PlacementSpecError
+    from graphpar.placement.place import group_sizes
 
+    memory = spec.memory_per_device or float(get_cluster(spec.preset).device_memory)
+    most = max(group_sizes(spec.devices))
     out = {}
     for i, m in enumerate(spec.models):
+        def fits(weights: float, i=i, m=m) -> None:  # before the model is captured and priced
+            if weights / most > memory:
+                raise PlacementError(
+                    f"models[{i}] ({m.name}): {weights / 1e9:.2f} GB of weights "
+                    f"({spec.dtype}) fit no device group: the largest, {most} device(s) of "
+                    f"{memory / 1e9:.2f} GB, holds {most * memory / 1e9:.2f} GB; give more "
+                    "cluster.devices or cluster.memory_per_device")
         try:
             if m.example is not None:
+                fits(example_weight_bytes(m.example, spec.dtype))
                 out[m.name] = profile_example(m.example, spec.dtype, spec.preset)
             else:
-                out[m.name] = profile_file(m.path, spec.dtype, spec.preset)
+                out[m.name] = profile_file(m.path, spec.dtype, spec.preset, check=lambda mod:
+                                           fits(weight_bytes(mod, spec.dtype)))
+        except PlacementError:
+            raise
         except GraphparError as exc:
             what = f"example {m.example!r}" if m.example else f"path {m.path}"
             raise PlacementSpecError(f"models[{i}] ({m.name}, {what}): {exc}") from None
@@ -113,8 +134,29 @@ def problem_of(spec: PlaceSpec, profiles: Mapping[str, LayerProfile] | None = No
     memory = s.memory_per_device or float(get_cluster(s.preset).device_memory)
     slo = {m: (s.slo_seconds if s.slo_seconds is not None else s.slo_scale * p.latency)
            for m, p in profiles.items()}
-    return Problem(profiles, s.devices, memory, _workload(s, names), slo, s.preset, s.warmup,
+    workload = _workload(s, names)
+    if s.trace is not None:  # a generated workload's were checked with the SPEC
+        _check_trace_span(s, workload)
+    return Problem(profiles, s.devices, memory, workload, slo, s.preset, s.warmup,
                    s.max_batch, s.batch_growth)
+
+
+def _check_trace_span(spec: PlaceSpec, workload: Workload) -> None:
+    """The warm-up and the clockwork++ windows of a trace, once its span is known."""
+    from graphpar.errors import PlacementSpecError
+    from graphpar.placement.spec import MAX_WINDOWS
+
+    if spec.warmup >= workload.duration:
+        raise PlacementSpecError(
+            f"workload.warmup: {spec.warmup:g} s is not shorter than the trace "
+            f"{spec.trace} ({workload.duration:g} s): no request would be counted; give a "
+            "shorter warmup")
+    windows = int(np.ceil(workload.duration / spec.window))
+    if "clockwork++" in spec.policies and windows > MAX_WINDOWS:
+        raise PlacementSpecError(
+            f"workload.window: {spec.window:g} s cuts the trace's {workload.duration:g} s "
+            f"into {windows:,} windows, more than {MAX_WINDOWS:,} (each re-placed); give a "
+            "longer window")
 
 
 def _sweeps(spec: PlaceSpec, profiles, policies) -> dict[str, dict[str, list[float]]]:
@@ -152,6 +194,8 @@ def place(spec: PlaceSpec | Mapping | str | Path, out: str | Path | None = None,
         spec = read_spec(spec)
     elif isinstance(spec, Mapping):
         spec = parse_spec(spec)
+    if spec.trace is not None:  # a bad trace is found before any model is captured
+        load_trace(spec.trace, [m.name for m in spec.models])
     profiles = _profiles(spec)
     problem = problem_of(spec, profiles)
     placements = {p: place_problem(problem, p, window=spec.window) for p in spec.policies}
@@ -165,6 +209,22 @@ def place(spec: PlaceSpec | Mapping | str | Path, out: str | Path | None = None,
 
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "placement.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
-        (out / "placement.html").write_text(html(report.to_json()))
+        data = report.to_json()
+        _write_whole(out / "placement.json", json.dumps(data, indent=1) + "\n")
+        _write_whole(out / "placement.html", html(data))
     return report
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` written beside `path` and renamed over it: the file is whole or absent."""
+    import os
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

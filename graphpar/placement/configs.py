@@ -197,12 +197,39 @@ def profile_example(example: str, dtype: str = "fp16", cluster: str = "dgx-a100"
     return profile_module(example, model.module, model.inputs, dtype, cluster, ilp)
 
 
+@functools.cache
+def example_weight_bytes(example: str, dtype: str = "fp16") -> float:
+    """Bytes of a bundled model's parameters and buffers at `dtype`, from a meta build: what
+    must fit before it is worth capturing and pricing it."""
+    from graphpar.models import get_model
+
+    name, _, preset = example.partition(":")
+    try:
+        model = get_model(name, preset or "tiny", device="meta")
+    except (KeyError, ValueError) as exc:
+        raise PlacementSpecError(f"model example {example!r}: {exc}") from None
+    return weight_bytes(model.module, dtype)
+
+
+def weight_bytes(module, dtype: str = "fp16") -> float:
+    """Bytes of `module`'s parameters and buffers at `dtype` (floating ones; others as they
+    are)."""
+    total = 0.0
+    for t in [*module.parameters(), *module.buffers()]:
+        total += t.numel() * (DTYPE_BYTES.get(dtype, 4) if t.is_floating_point()
+                              else t.element_size())
+    return total
+
+
 def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100",
-                 ilp: bool = True) -> LayerProfile:
-    """The layer profile of a model file defining build(), as `graphpar compile` reads it."""
+                 ilp: bool = True, check=None) -> LayerProfile:
+    """The layer profile of a model file defining build(), as `graphpar compile` reads it;
+    `check(module)` runs once it is built, before it is captured."""
     from graphpar.compiler.model_file import load_model_file
 
     spec = load_model_file(path)
+    if check is not None:
+        check(spec.module)
     return profile_module(spec.name, spec.module, spec.inputs, dtype, cluster, ilp)
 
 

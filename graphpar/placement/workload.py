@@ -4,12 +4,14 @@ splits across models, and CSV traces of (model, arrival_s). Plain numpy, determi
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from graphpar.datafile import read_text, shown
 from graphpar.errors import PlacementSpecError
 
 
@@ -34,8 +36,9 @@ class Workload:
 
     def window(self, start: float, end: float) -> Workload:
         """The requests arriving in [start, end), times kept as they are."""
-        keep = (self.arrivals >= start) & (self.arrivals < end)
-        return Workload(self.models, self.arrivals[keep], self.model_ids[keep], self.duration)
+        lo, hi = np.searchsorted(self.arrivals, (start, end), side="left")  # sorted: a slice
+        return Workload(self.models, self.arrivals[lo:hi], self.model_ids[lo:hi],
+                        self.duration)
 
 
 def gamma_arrivals(rate: float, cv: float, duration: float, rng: np.random.Generator
@@ -93,42 +96,60 @@ def gamma_workload(models: Sequence[str], total_rate: float, cv: float, duration
                      duration, seed)
 
 
-def load_trace(path: str | Path, models: Sequence[str] | None = None) -> Workload:
-    """A CSV trace with a header `model,arrival_s` and one request per line. `models` fixes
-    the model order (and rejects unknown names); otherwise models are ordered by first use."""
+MAX_TRACE_REQUESTS = 2_000_000  # as many as a generated workload may have (spec.MAX_REQUESTS)
+
+
+def load_trace(path: str | Path, models: Sequence[str] | None = None,
+               max_requests: int = MAX_TRACE_REQUESTS) -> Workload:
+    """A UTF-8 CSV trace with a header `model,arrival_s` and one request per line, at most
+    `max_requests`. `models` fixes the model order (and rejects unknown names); otherwise
+    models are ordered by first use."""
     path = Path(path)
     if not path.is_file():
         raise PlacementSpecError(f"trace {path}: no such file (a CSV with columns "
                                  f"model,arrival_s)")
+    text = read_text(path, PlacementSpecError, "trace CSV",
+                     max_bytes=64 * (max_requests + 1))
+    try:
+        return _parse_trace(path, text, models, max_requests)
+    except csv.Error as exc:
+        raise PlacementSpecError(f"{path}: not a CSV trace: {shown(str(exc), 120)}") from None
+
+
+def _parse_trace(path: Path, text: str, models: Sequence[str] | None, max_requests: int
+                 ) -> Workload:
     names = list(models) if models is not None else []
     arrivals, ids = [], []
-    with path.open(newline="") as f:
-        rows = csv.reader(f)
-        header = next(rows, None)
-        if header is None or [h.strip() for h in header[:2]] != ["model", "arrival_s"]:
-            raise PlacementSpecError(f"{path}:1: the header must be 'model,arrival_s' "
-                                     f"(got {','.join(header or [])!r})")
-        for line, row in enumerate(rows, start=2):
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) != 2:
-                raise PlacementSpecError(f"{path}:{line}: expected 'model,arrival_s', got "
-                                         f"{','.join(row)!r}")
-            name, when = row[0].strip(), row[1].strip()
-            try:
-                t = float(when)
-            except ValueError:
-                t = float("nan")
-            if not np.isfinite(t) or t < 0:
-                raise PlacementSpecError(f"{path}:{line}: arrival_s {when!r} is not a "
-                                         f"non-negative number of seconds")
-            if name not in names:
-                if models is not None:
-                    raise PlacementSpecError(f"{path}:{line}: unknown model {name!r} (the "
-                                             f"placement serves {', '.join(models)})")
-                names.append(name)
-            arrivals.append(t)
-            ids.append(names.index(name))
+    rows = csv.reader(io.StringIO(text, newline=""))
+    header = next(rows, None)
+    if header is None or [h.strip() for h in header[:2]] != ["model", "arrival_s"]:
+        raise PlacementSpecError(f"{path}:1: the header must be 'model,arrival_s' "
+                                 f"(got {shown(','.join(header or []))})")
+    for line, row in enumerate(rows, start=2):
+        if not row or not "".join(row).strip():
+            continue
+        if len(row) != 2:
+            raise PlacementSpecError(f"{path}:{line}: expected 'model,arrival_s', got "
+                                     f"{shown(','.join(row))}")
+        name, when = row[0].strip(), row[1].strip()
+        try:
+            t = float(when)
+        except ValueError:
+            t = float("nan")
+        if not np.isfinite(t) or t < 0:
+            raise PlacementSpecError(f"{path}:{line}: arrival_s {shown(when)} is not a "
+                                     f"non-negative number of seconds")
+        if name not in names:
+            if models is not None:
+                raise PlacementSpecError(f"{path}:{line}: unknown model {shown(name)} (the "
+                                         f"placement serves {', '.join(models)})")
+            names.append(name)
+        if len(arrivals) == max_requests:
+            raise PlacementSpecError(f"{path}:{line}: more than {max_requests:,} requests, "
+                                     "more than the simulator replays per placement; give "
+                                     "a shorter trace")
+        arrivals.append(t)
+        ids.append(names.index(name))
     if not arrivals:
         raise PlacementSpecError(f"{path}: the trace has no requests")
     times = np.array(arrivals)
@@ -162,6 +183,8 @@ def fit_windows(workload: Workload, window: float) -> WindowFit:
     cvs = np.ones((count, len(workload.models)))
     for w in range(count):
         part = workload.window(w * window, (w + 1) * window)
+        if not len(part):
+            continue
         for m in range(len(workload.models)):
             times = part.arrivals[part.model_ids == m]
             rates[w, m] = times.size / window

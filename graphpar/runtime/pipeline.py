@@ -57,13 +57,14 @@ class MicrobatchError(GraphparError):
 def split_microbatches(tensors: Mapping[str, torch.Tensor], microbatches: int
                        ) -> list[dict[str, torch.Tensor]]:
     """The user inputs cut along dimension 0 (the batch) into `microbatches` equal parts."""
-    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
-    for name, t in tensors.items():
+    for name, t in tensors.items():  # checked before any part is made
         if t.dim() == 0 or t.shape[0] % microbatches:
             raise MicrobatchError(
                 f"input {name!r} of shape {tuple(t.shape)} cannot be cut into {microbatches} "
                 f"microbatches: its batch dimension (dimension 0) must be a multiple of "
                 f"{microbatches}; choose a number of microbatches that divides the batch")
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+    for name, t in tensors.items():
         for m, chunk in enumerate(t.chunk(microbatches, dim=0)):
             parts[m][name] = chunk.contiguous()
     return parts

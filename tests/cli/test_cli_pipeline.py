@@ -59,12 +59,17 @@ def test_two_stage_mlp_runs_on_two_ranks_equal_to_eager(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--pipeline", "2", "--microbatches", "3"], "--microbatches 3: input 'input 0' of shape"),
-    (["--pipeline", "9", "--microbatches", "2"], "stages=9 is more than the"),
+    (["--pipeline", "2", "--microbatches", "3"], "--microbatches 3: the batch of 2 cannot be "
+                                                 "cut into 3 equal microbatches"),
+    (["--pipeline", "9", "--microbatches", "2"], "--pipeline 9: more stages than the 2 devices "
+                                                 "of --mesh 2"),
     (["--pipeline", "2", "--microbatches", "1", "--schedule", "1f1b"],
      "needs at least as many microbatches as stages"),
     (["--pipeline", "2", "--microbatches", "2", "--memory-limit", "1KB"],
      "the leanest one needs about"),
+    (["--pipeline", "2", "--microbatches", "2", "--memory-limit", "1KB"],
+     "a larger --memory-limit (slice-stages{memory_limit=...} when the pass is given in "
+     "--passes), or more, smaller --microbatches"),
 ])
 def test_impossible_pipelines_are_refused_with_what_to_change(tmp_path, capsys, argv, says):
     code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
@@ -143,6 +148,26 @@ def test_layer_solves_that_hit_the_time_limit_are_reported_with_one_warning_line
         f"plan, of {len(shapes)} layer ILP solves (counted); logical mesh 1x2 left out of "
         f"every layering with those layers (examples: {tmp_path / 'out' / 'report.json'}, "
         "pipeline.layer_solves)"]
+
+
+def test_a_stage_search_whose_every_solve_ran_out_of_time_exits_1(tmp_path, capsys,
+                                                                   monkeypatch):
+    from graphpar.errors import TimeLimitError
+    from graphpar.passes.autoshard.ilp import Reduced
+
+    def solve(self, memory_limit=None, time_limit=30.0, *args, **kwargs):
+        raise TimeLimitError(f"the sharding ILP found no plan (UNKNOWN) within the "
+                             f"{time_limit:.3g} s it had")
+
+    monkeypatch.setattr(Reduced, "solve", solve)
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                             "--mesh", "2", "--cluster", "cpu", "--pipeline", "auto",
+                             "--microbatches", "2", "--time-limit", "0.01",
+                             "--out", tmp_path / "out")
+    assert code == 1
+    assert "no stage could be priced: every one of the" in err
+    assert "hit the time limit of 0.01 s before any plan; raise --time-limit" in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_users_limits_reach_every_stage_ilp(tmp_path, capsys, ilp_limits):

@@ -79,6 +79,29 @@ def test_graphpar_place_replays_a_trace(tmp_path):
     (lambda s: s.update(policies=["alpaserve", "magic"]), r"spec.policies\[1\]: unknown policy"),
     (lambda s: s.update(slo={"scale": 5, "seconds": 1}), r"spec.slo: give one of"),
     (lambda s: s.update(extra=1), r"spec.extra: unknown field"),
+    (lambda s: s["workload"].update(total_rate=float("inf")),
+     r"spec.workload.total_rate: expected a positive number, got inf"),
+    (lambda s: s["workload"].update(duration=float("nan")),
+     r"spec.workload.duration: expected a positive number, got nan"),
+    (lambda s: s["workload"].update(cv=1e300), r"spec.workload.cv: 1e\+300 is out of range: "
+                                               r"give a positive number from 0.01 to 100"),
+    (lambda s: s["cluster"].update(devices=100000), r"spec.cluster.devices: 100000 is out of "
+                                                    r"range: give a positive whole number from "
+                                                    r"1 to 1024"),
+    (lambda s: s["cluster"].update(memory_per_device="1e400GB"), r"memory_per_device"),
+    (lambda s: s.update(plots={"points": 100000}), r"spec.plots.points: 100000 is out of range"),
+    (lambda s: s["workload"].update(warmup=61), r"spec.workload.warmup: 61 s is not shorter "
+                                                r"than the duration \(60 s\)"),
+    (lambda s: s["workload"].update(total_rate=1e5), r"spec.workload: about 12,000,000 requests "
+                                                     r"\(estimated: total_rate x duration, x2 "
+                                                     r"for the plots' rate sweep\), more than "
+                                                     r"the 2,000,000"),
+    (lambda s: s["workload"].update(arrival="maf2", window=0.001),
+     r"spec.workload.window: 0.001 s cuts the 60 s into 60,000 windows"),
+    (lambda s: s["models"][0].update(name=5), r"spec.models\[0\].name: expected a name or "
+                                              r"text on one line, got 5"),
+    (lambda s: s["models"][0].update(example=["gpt"] * 1000), r"spec.models\[0\].example: "
+                                                              r"expected a name .{0,100}$"),
 ])
 def test_spec_errors_name_the_field(tmp_path, change, message):
     spec = _small_spec(tmp_path)

@@ -59,7 +59,13 @@ from graphpar.passes.pipeline.partition import (
     forward_backward_optimizer,
     stage_subgraph,
 )
-from graphpar.passes.pipeline.plan import LayerSolve, LayerSolves, PipelineStage, StagePlan
+from graphpar.passes.pipeline.plan import (
+    PLANNED,
+    LayerSolve,
+    LayerSolves,
+    PipelineStage,
+    StagePlan,
+)
 from graphpar.passes.pipeline.stage_dp import (
     StageCosts,
     StageSolution,
@@ -289,7 +295,7 @@ def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
                     graph, LOCAL, bounds, forward, forward_set))
     if best is None:
         raise _no_plan(clusterings[0].options, hosts * per_host, microbatches, stages, epsilon,
-                       limit)
+                       limit, solver)
     options, costs, chosen, solution = best.options, best.costs, best.chosen, best.solution
     units, layer_of, forward_layers = best.units, best.layer_of, best.bounds
 
@@ -616,11 +622,19 @@ def _sending_bandwidth(shape: tuple[int, int], hosts: int, per_host: int,
 
 
 def _no_plan(options: _StageOptions, devices: int, microbatches: int, stages: int,
-             epsilon: float, limit: int) -> ShardingError:
-    """The error when no pipeline fits: how much memory per device the leanest pipeline needs
-    (the least limit under which the DP finds a plan, by bisection)."""
+             epsilon: float, limit: int, solver: _LayerCosts | None = None) -> ShardingError:
+    """The error when no pipeline fits: every layer's solve out of time (the time limit to
+    raise), or how much memory per device the leanest pipeline needs (the least limit under
+    which the DP finds a plan, by bisection)."""
     what = f"{stages} stages" if stages else "any number of stages"
     finite = np.isfinite(options.seconds)
+    counts = solver.outcomes.counts if solver is not None else {}
+    if counts and not any(counts[k] for k in PLANNED) and counts["time_limit_no_plan"]:
+        return TimeLimitError(
+            f"no stage could be priced: every one of the {solver.outcomes.counted} layer ILP "
+            f"solves (counted) hit the time limit of {solver.time_limit:g} s before any plan; "
+            "raise --time-limit (slice-stages{time_limit=...} when the pass is given in "
+            "--passes)")
     if not finite.any():
         return ShardingError(f"no layer range can be sharded on any sub-mesh of {devices} "
                              "devices; check the mesh divides the model's dimensions")
@@ -639,8 +653,8 @@ def _no_plan(options: _StageOptions, devices: int, microbatches: int, stages: in
         f"no pipeline of {what} on {devices} devices fits {format_bytes(limit)} per device: "
         f"the leanest one needs about {format_bytes(high)} per device on its fullest stage "
         f"(weights, gradients, optimizer state and {microbatches} microbatches' activations "
-        "at most). Use more devices, a larger memory limit (slice-stages{memory_limit=...}), "
-        "or more, smaller microbatches.")
+        "at most). Use more devices, a larger --memory-limit (slice-stages{memory_limit=...} "
+        "when the pass is given in --passes), or more, smaller --microbatches.")
 
 
 @register_pass("slice-stages")

@@ -13,7 +13,7 @@ from contextlib import suppress
 
 import graphpar.cli.show as show
 from graphpar.cli.calibrate import add_calibrate_parser
-from graphpar.cli.common import _Parser, add_model_options, add_plan_options
+from graphpar.cli.common import _Parser, add_model_options, add_plan_options, add_size_options
 from graphpar.cli.compile import cmd_compile
 from graphpar.cli.explain import add_explain_parser
 from graphpar.cli.generate import add_generate_parser
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny")
     v.add_argument("-o", "--output", default="graph.html")
     v.add_argument("--mode", choices=["infer", "train"], default="infer")
+    add_size_options(v)
     v.add_argument("--passes", default="cleanup")
     v.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     v.add_argument("--mesh", help="with --pipeline: the devices to slice over, e.g. 1x4")

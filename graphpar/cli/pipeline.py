@@ -100,7 +100,8 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
         raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
                          f"({mesh.size} devices): run one CPU rank per device")
     with step("loading the model"):
-        spec = load_target(args.model, args.example, args.mode)
+        spec = load_target(args.model, args.example, args.mode, weights=bool(run_cpu),
+                           batch=args.batch, seq_len=args.seq_len)
     if args.microbatches is None:
         args.microbatches = default_microbatches(len(spec.inputs[0]))
     optimizer = optimizer_from_name(args.optimizer)

@@ -90,6 +90,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per step with --pipeline (default: 4, or the "
                              "largest number below 4 that divides the batch)")
+    parser.add_argument("--power-of-two-hosts", action="store_true",
+                        help="with --pipeline: stages span 1, 2, 4, 8 ... hosts only, as Alpa's "
+                             "search does (fewer ILP solves on many hosts)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default="1f1b",
                         help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
     parser.add_argument("--token-slices", metavar="auto|N",

@@ -112,7 +112,8 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
                 spec, mesh, limits, stages=args.pipeline, microbatches=args.microbatches,
                 schedule=args.schedule, optimizer=optimizer, passes=passes,
                 keep_grads=bool(run_cpu),
-                token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "))
+                token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "),
+                power_of_two_hosts=getattr(args, "power_of_two_hosts", False))
         except MicrobatchError as exc:
             raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
     plan, pipe = sliced.plan, sliced.pipe

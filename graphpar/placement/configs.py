@@ -202,7 +202,7 @@ def profile_file(path: str, dtype: str = "fp16", cluster: str = "dgx-a100",
     """The layer profile of a model file defining build(), as `graphpar compile` reads it."""
     from graphpar.compiler.model_file import load_model_file
 
-    spec = load_model_file(path)
+    spec = load_model_file(path, weights=False)  # planning: built on meta
     return profile_module(spec.name, spec.module, spec.inputs, dtype, cluster, ilp)
 
 

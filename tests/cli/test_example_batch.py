@@ -62,3 +62,12 @@ def test_batch_options_a_model_file_or_a_model_cannot_take_are_usage_errors(
     code, out, err = run_cli(capsys, command, *argv, *out_option)
     assert code == 2
     assert says.format(model=model) in err, err
+
+
+def test_power_of_two_hosts_leaves_out_a_stage_on_3_hosts(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
+                           "--mesh", "3x1", "--cluster", "cpu", "--pipeline", "1",
+                           "--microbatches", "2", "--power-of-two-hosts",
+                           "--out", tmp_path / "out")
+    assert code == 1  # without the flag the one stage may span the 3 hosts
+    assert "no pipeline of 1 stages covers exactly 3 devices with the allowed sub-meshes" in err

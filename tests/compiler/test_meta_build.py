@@ -151,3 +151,38 @@ def test_a_large_tensor_is_checked_again_before_it_is_allocated(tmp_path, capsys
     assert code == 1
     assert "(one tensor [4096, 4096] float32, after 8 B made): 67.1 MB needed, 21.0 MB " \
            "available" in err, err
+
+
+def test_a_meta_build_captures_the_same_ir_as_a_real_one(tmp_path):
+    """Parameters, a buffer, a plain tensor attribute (a constant) and an input made
+    explicitly on the CPU: on meta all of them, captured to the same IR text."""
+    from graphpar.capture import capture_inference
+    from graphpar.compiler.model_file import load_model_file
+    from graphpar.ir.printer import print_graph
+
+    model = write(tmp_path, """
+        import torch
+        from torch import nn
+
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+                self.scale = torch.tensor(0.5)
+                self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
+
+            def forward(self, x):
+                return self.fc(x) * self.scale + x @ self.mask.to(x.device)
+
+        def build():
+            return M().cpu(), (torch.randn(4, 8, device="cpu"),)
+        """)
+    planned = load_model_file(model, weights=False)
+    real = load_model_file(model, weights=True)
+    assert all(t.is_meta for t in (*planned.module.parameters(), *planned.module.buffers(),
+                                   planned.module.scale, *planned.inputs))
+    assert not any(t.is_meta for t in (*real.module.parameters(), real.module.scale))
+    texts = [print_graph(capture_inference(spec.module, spec.inputs).graph)
+             for spec in (planned, real)]
+    assert texts[0] == texts[1]
+    assert "%scale: f32[] const" in texts[0] and "%mask: f32[8,8]" in texts[0]

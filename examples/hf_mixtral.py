@@ -1,9 +1,10 @@
 """Hugging Face Mixtral as a model file: `graphpar compile examples/hf_mixtral.py --mesh 8x8`.
 
 By default the full-size Mixtral-8x7B (32 layers, hidden 4096, 8 experts of 14336, top-2,
-bfloat16) is built from its config under `torch.device("meta")`: shapes only, no weights, no
-download, so planning it takes seconds and little memory. `GRAPHPAR_HF_MIXTRAL=tiny` builds a
-two-layer Mixtral with random weights instead, small enough for `--run-cpu`.
+bfloat16) is built plainly from its config, with no meta device: graphpar runs `build()` on
+the meta device when nothing will run (shapes only, no weights, no download), so planning it
+takes seconds and little memory. `GRAPHPAR_HF_MIXTRAL=tiny` builds a two-layer Mixtral
+instead, small enough for `--run-cpu`.
 Requires `transformers`.
 """
 
@@ -40,13 +41,12 @@ def build():
     tiny = os.environ.get("GRAPHPAR_HF_MIXTRAL", "full") == "tiny"
     cfg = config(tiny)
     cfg._attn_implementation = "sdpa"  # attention stays one op
+    torch.manual_seed(0)
     if tiny:
-        torch.manual_seed(0)
         model = transformers.MixtralForCausalLM(cfg)
         batch, seq = TINY_BATCH, TINY_SEQ
     else:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         batch, seq = BATCH, SEQ
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
     return CausalLM(model).eval(), (ids,)

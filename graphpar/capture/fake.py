@@ -25,8 +25,9 @@ def fake_tensors(module: torch.nn.Module, args: Sequence[torch.Tensor]
     shapes, dtypes, strides and ties (one fake per distinct tensor, as torch.export needs to
     see a tied weight as one), and the yielded arguments are fakes of `args`. torch.export
     traces them as it would real ones and allocates nothing; on the way out the module gets
-    its own tensors back. This is torchtitan's build-on-meta, with autoparallel's move of the
-    parameters to fake for tracing."""
+    its own tensors back. Meta tensors held as plain attributes (constants a module made on
+    the meta device) are faked too. This is torchtitan's build-on-meta, with autoparallel's
+    move of the parameters to fake for tracing."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes: dict[int, torch.Tensor] = {}
 
@@ -48,6 +49,11 @@ def fake_tensors(module: torch.nn.Module, args: Sequence[torch.Tensor]
                     if tensor is not None:
                         swapped.append((table, key, tensor))
                         table[key] = fake(tensor)
+            constants = [(key, t) for key, t in vars(sub).items()  # plain tensor attributes
+                         if isinstance(t, torch.Tensor) and t.is_meta]
+            for key, tensor in constants:
+                swapped.append((vars(sub), key, tensor))
+                vars(sub)[key] = fake(tensor)
         yield tuple(fake(a) if a.is_meta else mode.from_tensor(a) for a in args)
     finally:
         for table, key, tensor in swapped:

@@ -114,32 +114,68 @@ def atomic_output(path: str | os.PathLike[str], option: str) -> Iterator[IO[str]
         raise
 
 
-def example_spec(text: str, train: bool = False):
+def example_spec(text: str, train: bool = False, batch: int | None = None,
+                 seq_len: int | None = None):
     """`gpt` or `gpt:125M` -> the bundled example model as a ModelSpec (in train mode for
     `train`: batch norm then normalizes by the batch, as a training step does). The module is
     built on the meta device, so a model of any size compiles; its real weights, the same as
     a CPU build's, are made only to run it (`ModelSpec.real_module`). The example batch is
-    real: it is small."""
+    real: `batch` sequences or samples (default 2) of `seq_len` tokens (default the
+    preset's, for token models: it is also the model's context length)."""
     from graphpar.compiler.driver import ModelSpec
     from graphpar.models import example_batch, get_model
 
     name, _, preset = text.partition(":")
-    example = get_model(name, preset or "tiny", train=train, device="meta")
-    inputs, targets = example_batch(name, example.config)
+    overrides = {} if seq_len is None else {"seq_len": seq_len}
+    example = get_model(name, preset or "tiny", train=train, device="meta", **overrides)
+    inputs, targets = example_batch(name, example.config, batch_size=batch or 2)
     return ModelSpec(f"{name}_{example.preset}", example.module, tuple(inputs),
                      example.loss_fn, tuple(targets),
                      f"graphpar.models:{name}/{example.preset}",
-                     make_real=lambda: get_model(name, example.preset, train=train).module)
+                     make_real=lambda: get_model(name, example.preset, train=train,
+                                                 **overrides).module)
 
 
-def load_target(path: str | None, example: str | None, mode: str = "infer"):
+def load_target(path: str | None, example: str | None, mode: str = "infer", *,
+                weights: bool = True, batch: int | None = None, seq_len: int | None = None):
+    """The model a command works on: a model file, or --example (default DEFAULT_EXAMPLE)
+    at --batch and --seq-len. `weights=False` when nothing will run: a model file is then
+    built on the meta device (`load_model_file`)."""
     from graphpar.compiler.model_file import load_model_file
 
     if path and example:
         raise UsageError("give a model file or --example, not both")
     if example or not path:
-        return example_spec(example or DEFAULT_EXAMPLE, mode == "train")
-    return load_model_file(path, mode)
+        return example_spec(example or DEFAULT_EXAMPLE, mode == "train", batch, seq_len)
+    for option, value in (("--batch", batch), ("--seq-len", seq_len)):
+        if value is not None:
+            raise UsageError(f"{option} {value}: only for a bundled --example; a model file's "
+                             f"build() decides its own example inputs ({path}: change the "
+                             "shapes it returns)")
+    return load_model_file(path, mode, weights=weights)
+
+
+def check_size_options(args: argparse.Namespace) -> None:
+    """--batch and --seq-len, before any slow work: positive, --seq-len for token models."""
+    target = getattr(args, "model", None) or getattr(args, "target", None)
+    for option in ("batch", "seq_len"):
+        value = getattr(args, option, None)
+        name = f"--{option.replace('_', '-')} {value}"
+        if value is not None and value < 1:
+            raise UsageError(f"{name}: give at least 1")
+        if value is not None and target and not getattr(args, "example", None):
+            raise UsageError(f"{name}: only for a bundled --example; {target} decides its own "
+                             "example inputs (a model file's build() returns them)")
+    if getattr(args, "seq_len", None) is not None and getattr(args, "example", None):
+        import dataclasses
+
+        from graphpar.models import get_config
+
+        name, _, preset = args.example.partition(":")
+        config = get_config(name, preset or "tiny")
+        if "seq_len" not in {f.name for f in dataclasses.fields(config)}:
+            raise UsageError(f"--seq-len {args.seq_len}: {args.example} is not a token model "
+                             "(its inputs have no sequence); give --batch alone")
 
 
 def _names(value: str | None) -> list[str]:
@@ -320,6 +356,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                                           f"when no file is given: {DEFAULT_EXAMPLE})")
     parser.add_argument("--mode", choices=["infer", "train"], default="infer")
     parser.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    add_size_options(parser)
+
+
+def add_size_options(parser: argparse.ArgumentParser) -> None:
+    """--batch and --seq-len: the example batch of a bundled --example."""
+    parser.add_argument("--batch", type=int, metavar="N",
+                        help="with --example: the global batch, in sequences or samples "
+                             "(default 2); a model file's build() decides its own")
+    parser.add_argument("--seq-len", type=int, metavar="L",
+                        help="with --example, a token model: tokens per sequence, also the "
+                             "model's context length (default the preset's)")
 
 
 def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:

@@ -14,6 +14,7 @@ from graphpar.cli.common import (
     certified,
     check_output_dir,
     check_plan_options,
+    check_size_options,
     load_target,
     publish_report,
     staged_output,
@@ -32,6 +33,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from graphpar.passes import parse_pipeline
 
     _check_compile_options(args)  # every option is checked before any slow work
+    check_size_options(args)
     passes = parse_pipeline(args.passes)
     from graphpar.cli.pipeline import check_pipeline_options_need_pipeline
 
@@ -54,7 +56,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                              f"pass of this pipeline ({', '.join(p.name for p in passes)}) "
                              "nor 'all'")
     with step("loading the model"):
-        spec = load_target(args.model, args.example, args.mode)
+        spec = load_target(args.model, args.example, args.mode, weights=bool(args.run_cpu),
+                           batch=args.batch, seq_len=args.seq_len)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     out = Path(args.out)
     with staged_output(out) as staging:

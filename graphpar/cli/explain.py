@@ -15,6 +15,7 @@ from graphpar.cli.common import (
     auto_shard_pass,
     check_output_file,
     check_plan_options,
+    check_size_options,
     load_target,
     step,
 )
@@ -48,6 +49,7 @@ def _check_options(args: argparse.Namespace) -> None:
     if not args.mesh:
         raise UsageError("explain needs --mesh: the device mesh to plan on, e.g. --mesh 2x4")
     check_plan_options(args)
+    check_size_options(args)
     for option in ("top", "tries"):
         if getattr(args, option) < 1:
             raise UsageError(f"--{option} {getattr(args, option)}: give a number >= 1")
@@ -66,7 +68,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     auto_shard = auto_shard_pass(args)  # a bad mesh too is an error before any slow work
     started, cpu_started = time.perf_counter(), time.process_time()
     with step("loading the model"):
-        spec = load_target(args.model, args.example, args.mode)
+        spec = load_target(args.model, args.example, args.mode, weights=False,
+                           batch=args.batch, seq_len=args.seq_len)
     optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
     with step(f"capturing {spec.name} ({args.mode})"):
         graph = compile_model(spec, args.mode, "cleanup", optimizer=optimizer).graph

@@ -13,7 +13,7 @@ from contextlib import suppress
 
 import graphpar.cli.show as show
 from graphpar.cli.calibrate import add_calibrate_parser
-from graphpar.cli.common import _Parser, add_model_options, add_plan_options
+from graphpar.cli.common import _Parser, add_model_options, add_plan_options, add_size_options
 from graphpar.cli.compile import cmd_compile
 from graphpar.cli.explain import add_explain_parser
 from graphpar.cli.generate import add_generate_parser
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny")
     v.add_argument("-o", "--output", default="graph.html")
     v.add_argument("--mode", choices=["infer", "train"], default="infer")
+    add_size_options(v)
     v.add_argument("--passes", default="cleanup")
     v.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     v.add_argument("--mesh", help="with --pipeline: the devices to slice over, e.g. 1x4")
@@ -89,6 +90,9 @@ def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--microbatches", type=int, default=None,
                         help="microbatches per step with --pipeline (default: 4, or the "
                              "largest number below 4 that divides the batch)")
+    parser.add_argument("--power-of-two-hosts", action="store_true",
+                        help="with --pipeline: stages span 1, 2, 4, 8 ... hosts only, as Alpa's "
+                             "search does (fewer ILP solves on many hosts)")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default=None,
                         help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
     parser.add_argument("--token-slices", metavar="auto|N",

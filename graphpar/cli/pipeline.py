@@ -131,7 +131,8 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
         raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
                          f"({mesh.size} devices): run one CPU rank per device")
     with step("loading the model"):
-        spec = load_target(args.model, args.example, args.mode)
+        spec = load_target(args.model, args.example, args.mode, weights=bool(run_cpu),
+                           batch=args.batch, seq_len=args.seq_len)
     check_microbatches_fit(args, spec)
     if args.microbatches is None:
         args.microbatches = default_microbatches(len(spec.inputs[0]))
@@ -143,7 +144,8 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
                 spec, mesh, limits, stages=args.pipeline, microbatches=args.microbatches,
                 schedule=args.schedule, optimizer=optimizer, passes=passes,
                 keep_grads=bool(run_cpu),
-                token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "))
+                token_slices=slice_count(getattr(args, "token_slices", None), "--token-slices "),
+                power_of_two_hosts=getattr(args, "power_of_two_hosts", False))
         except MicrobatchError as exc:
             raise UsageError(f"--microbatches {args.microbatches}: {exc}") from None
     plan, pipe = sliced.plan, sliced.pipe

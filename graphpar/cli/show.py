@@ -9,6 +9,7 @@ from pathlib import Path
 from graphpar.cli.common import (
     atomic_output,
     check_output_file,
+    check_size_options,
     load_target,
     progress_printer,
     step,
@@ -39,6 +40,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
     out = Path(args.output)
     check_output_file(out, "-o")
+    check_size_options(args)
     from graphpar.cli.pipeline import check_pipeline_options_need_pipeline
 
     check_pipeline_options_need_pipeline(args)
@@ -49,7 +51,8 @@ def cmd_viz(args: argparse.Namespace) -> int:
         from graphpar.passes import parse_pipeline
 
         passes = parse_pipeline(args.passes)
-        spec = load_target(None if args.example else args.target, args.example, args.mode)
+        spec = load_target(None if args.example else args.target, args.example, args.mode,
+                           weights=False, batch=args.batch, seq_len=args.seq_len)
         with step(f"capturing {spec.name} ({args.mode})"):
             program = compile_model(spec, args.mode, passes).program
     else:

@@ -25,15 +25,13 @@ from pathlib import Path
 import torch
 
 from graphpar.compiler.driver import ModelSpec
-from graphpar.errors import GraphparError, UsageError
-from graphpar.models.memory import allocating
+from graphpar.compiler.meta_build import on_meta
+from graphpar.errors import GraphparError, OutOfMemoryError, UsageError
+from graphpar.models import memory
+from graphpar.units import format_bytes
 
 CONVENTION = ("a model file defines build() -> (module, example_inputs); for --mode train also "
               "loss(output, *targets) and targets() (see README, 'Model files')")
-
-BUILD_ON_META = ("compiling needs no weights: build the module under `with "
-                 "torch.device('meta'):` and graphpar makes real ones only to run it")
-
 
 def _where(exc: BaseException, path: Path) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -75,8 +73,15 @@ def _own_folder_importable(path: Path) -> Iterator[None]:
                 del sys.modules[name]
 
 
-def load_model_file(path: str | Path, mode: str = "infer") -> ModelSpec:
-    """The model a file's build() returns; targets() is called only for mode "train"."""
+def load_model_file(path: str | Path, mode: str = "infer", weights: bool = True) -> ModelSpec:
+    """The model a file's build() returns; targets() is called only for mode "train".
+
+    With `weights=False` (planning: nothing will run) build() and targets() run on the meta
+    device (`graphpar.compiler.meta_build`): no weights, no data, so a model of any size
+    loads in seconds. With `weights=True`, or when build() cannot run on meta, it runs for
+    real, after a memory check: the bytes a meta build made (or made before it failed) must
+    fit the memory left, and every large tensor is checked again before it is allocated
+    (`graphpar.models.memory.checked_allocations`)."""
     path = Path(path)
     if not path.exists():
         raise UsageError(f"{path}: no such file; {CONVENTION}")
@@ -89,15 +94,48 @@ def load_model_file(path: str | Path, mode: str = "infer") -> ModelSpec:
         build = getattr(module, "build", None)
         if not callable(build):
             raise UsageError(f"{path}: no build() function found; {CONVENTION}")
-        try:
-            with allocating(f"{path}: build()", how_to_avoid=BUILD_ON_META):
-                built = build()
-        except GraphparError:
-            raise
-        except Exception as exc:
-            raise UsageError(f"{_where(exc, path)}build() failed: {type(exc).__name__}: {exc}"
-                             f"{_failed_import(exc, path)}") from None
-        return _spec_from(built, module, path, mode)
+        meta_failure, needed = None, 0
+        with on_meta() as made:
+            try:
+                spec = _spec_from(_call_build(build, path), module, path, mode)
+            except GraphparError as exc:
+                meta_failure = exc
+        needed = made.made
+        if meta_failure is None and not weights:
+            return spec
+        what = f"{path}: build()"
+        if meta_failure is not None:
+            # the bytes made before it failed: a lower bound of what a real build makes
+            why = str(meta_failure).removeprefix(f"{path}:").replace("build() failed: ", "")
+            what = (f"{path}: build() cannot run on the meta device (line {why}), and "
+                    f"building it for real")
+            needed_text = f"at least {format_bytes(needed)}"
+        else:
+            needed_text = format_bytes(needed)
+        available = memory.available_bytes()
+        if available is not None and needed > available:
+            raise OutOfMemoryError(f"{what} needs {needed_text} ({format_bytes(available)} "
+                                   f"available); {_HOW_TO_AVOID[weights]}")
+        with memory.checked_allocations(what, how_to_avoid=_HOW_TO_AVOID[weights]):
+            return _spec_from(_call_build(build, path), module, path, mode)
+
+
+_HOW_TO_AVOID = {
+    True: ("running a model needs its weights: leave out --run-cpu to plan only (planning "
+           "builds on the meta device), or make the model smaller"),
+    False: ("planning needs no weights: make build() run on the meta device (no .item() or "
+            "branch on a tensor's value, no weights file read) and graphpar builds it there"),
+}
+
+
+def _call_build(build, path: Path):
+    try:
+        return build()
+    except GraphparError:
+        raise
+    except Exception as exc:
+        raise UsageError(f"{_where(exc, path)}build() failed: {type(exc).__name__}: {exc}"
+                         f"{_failed_import(exc, path)}") from None
 
 
 def _module_name(path: Path) -> str:

@@ -328,21 +328,23 @@ class SlicedPipeline:
 def slice_and_build(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, *,
                     stages: str | int = "auto", microbatches: int = 4, schedule: str = "1f1b",
                     optimizer: Optimizer | None = None, passes: Sequence = (),
-                    keep_grads: bool = False, token_slices: int | None = None
-                    ) -> SlicedPipeline:
+                    keep_grads: bool = False, token_slices: int | None = None,
+                    power_of_two_hosts: bool = False) -> SlicedPipeline:
     """Capture `spec`'s training step at the microbatch size (its example batch cut into
     `microbatches` along dimension 0), run `passes` then `slice-stages` on the physical `mesh`
     (hosts x devices per host, or devices for one host; on its cluster) within `limits`, and
     build the stages' programs and `schedule`; the pipeline keeps `mesh` and `limits` for its
     stages' re-solves. `token_slices` (0: the DP chooses, N: N equal slices; None: off) then
     runs `slice-tokens` for the stage plan, which records `token_slices` and `batch_slices` in
-    the step graph's attrs."""
+    the step graph's attrs. `power_of_two_hosts` limits multi-host sub-meshes to 2, 4, 8 ...
+    hosts, as Alpa's search does by default (fewer ILP solves)."""
     from graphpar.compiler.driver import compile_model
     from graphpar.passes.pipeline.plan import StagePlan
     from graphpar.passes.pipeline.slice_stages import SliceStages
 
     micro = first_microbatch(spec, microbatches)
-    slicer = SliceStages.of(mesh, limits, stages=str(stages), microbatches=microbatches)
+    slicer = SliceStages.of(mesh, limits, stages=str(stages), microbatches=microbatches,
+                            power_of_two_hosts=power_of_two_hosts)
     after = []
     if token_slices is not None:
         from graphpar.passes.pipeline.slice_tokens import SliceTokens

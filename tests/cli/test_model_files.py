@@ -117,17 +117,18 @@ def test_compiling_makes_no_weights_and_running_says_when_they_do_not_fit(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_build_the_allocator_refuses_is_the_users_error(tmp_path, capsys):
+def test_running_a_build_that_cannot_fit_is_the_users_error(tmp_path, capsys):
     model = write(tmp_path, "model.py", """
         import torch
 
         def build():
             return torch.nn.Linear(2**30, 2**30), (torch.randn(2, 2**30),)
         """)
-    code, err = compile_file(capsys, model, "--out", tmp_path / "out")
+    code, err = compile_file(capsys, model, "--mesh", "2", "--run-cpu", "2",
+                             "--out", tmp_path / "out")
     assert code == 1
-    assert f"{model}: build(): did not fit in memory" in err and "graphpar bug" not in err
-    assert "torch.device('meta')" in err
+    assert f"{model}: build() needs 4611.7 PB (" in err and "graphpar bug" not in err
+    assert "leave out --run-cpu to plan only" in err
 
 
 def test_a_model_file_that_builds_on_meta_compiles_and_runs_with_its_own_init(tmp_path, capsys):

@@ -931,9 +931,16 @@ class BlockManager:
             s.prefix_entry = self._prefixes.get(s.prefix)
         prefix_shared = self._shared_prefix_blocks(first.num_tokens, first.prefix)
         group_shared = self._group_shared_blocks(g, shared_tokens)
+        hits = self._resume_hits(g)
         for i, seq in enumerate(g.seqs):
             s = self._seqs[seq]
-            if i and group_shared > prefix_shared:
+            if hits:  # a lone sequence maps what the cache still holds of its blocks
+                for block in hits:
+                    self._device.take(block)
+                copies = self._fill_from(s, hits, taken=True)
+                s.num_keyed = len(hits)
+                cached = len(hits) * self.block_size
+            elif i and group_shared > prefix_shared:
                 copies = self._fill_from(s, first.blocks[:group_shared])
                 cached = group_shared * self.block_size
             else:
@@ -1139,6 +1146,10 @@ class BlockManager:
         :meth:`resume` builds them): the first sequence maps its live prefix; the others map
         the first one's full blocks of ``shared_tokens`` when that shares more."""
         first = self._seqs[g.seqs[0]]
+        hits = self._resume_hits(g)
+        if hits:
+            held = sum(self._device.refcount(b) > 0 for b in hits)
+            return [self.blocks_for_tokens(first.num_tokens) - held]
         prefix_shared = self._shared_prefix_blocks(first.num_tokens, self._live_prefix(first))
         group_shared = self._group_shared_blocks(g, shared_tokens)
         needs = []
@@ -1149,6 +1160,23 @@ class BlockManager:
             else:
                 needs.append(self._blocks_to_allocate(s.num_tokens, self._live_prefix(s)))
         return needs
+
+    def _resume_hits(self, g: _Group) -> list[int]:
+        """Cached blocks a recompute group of one sequence without a live prefix maps on
+        resume: its leading full blocks the cache still holds (by the keys it had), never the
+        block of its last token. Empty otherwise (groups re-share as :meth:`resume` says)."""
+        if not self.prefix_caching or len(g.seqs) != 1:
+            return []
+        s = self._seqs[g.seqs[0]]
+        if self._live_prefix(s) is not None:
+            return []
+        hits = []
+        for key in s.keys[:(s.num_tokens - 1) // self.block_size]:
+            block = self._device.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _group_shared_blocks(self, g: _Group, shared_tokens: int) -> int:
         """Full blocks of the first ``shared_tokens`` tokens every sequence of ``g`` holds."""

@@ -72,6 +72,18 @@ def test_eviction_takes_plain_free_blocks_first_then_the_least_recently_freed():
     m.check_invariants()
 
 
+def test_a_recomputed_sequence_maps_what_the_cache_still_holds():
+    m = manager()
+    prompt = list(range(10))
+    blocks = m.allocate("a", 10, tokens=prompt).blocks
+    m.cache_blocks("a", prompt, 10)
+    m.preempt("a", "recompute")  # its blocks are free, the two full ones still cached
+    assert m.blocks_to_resume("a") == 3  # the cached ones are taken back from the free ones
+    resumed = m.resume("a").allocations[0]
+    assert resumed.num_cached_tokens == 8 and resumed.blocks[:2] == blocks[:2]
+    m.check_invariants()
+
+
 def test_without_prefix_caching_nothing_is_kept():
     m = BlockManager(8, 0, 4)
     m.allocate("a", 9, tokens=list(range(9)))

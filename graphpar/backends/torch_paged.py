@@ -11,7 +11,8 @@ layer built from scratch); here each call is a handful of tensor ops over the wh
   heads of a kv head as its query rows and a context-length mask;
 * prefill: the new tokens are scattered into a ``[seqs, max_new, heads, D]`` batch, attend to
   their sequence's gathered context under a causal mask at their absolute positions, and are
-  gathered back.
+  gathered back. A mixed step (prompts or prompt chunks beside decode rows) pads the two kinds
+  apart, so a decode row costs one query, not a long prompt's length.
 
 Results are computed in fp32 and cast back to the query's dtype, like the reference.
 """
@@ -133,20 +134,60 @@ def _prefill_metadata(block_tables, context_lens, query_start_loc, tokens, block
     return seq_of, row, max_new, blocks, mask[:, None]
 
 
+def _prefill_groups(block_tables, context_lens, query_start_loc, tokens, block_size, device):
+    """The step's sequences in groups padded apart: those with several new tokens (prompts
+    and prompt chunks) and those with at most one (decode rows of a mixed step, padding), so a
+    decode row is not padded to a long prompt's length. Each group: the query rows it takes
+    (None: all of them, in order) and its :func:`_prefill_metadata`."""
+    starts = query_start_loc.to(device=device, dtype=torch.long)
+    new = starts[1:] - starts[:-1]
+    several = new > 1
+    if bool(several.all()) or not bool(several.any()):
+        return [(None, _prefill_metadata(block_tables, context_lens, query_start_loc, tokens,
+                                         block_size, device))]
+    groups = []
+    for chosen in (several, ~several):
+        seqs = chosen.nonzero().flatten()
+        sub_new = new[seqs]
+        count = int(sub_new.sum())
+        if count == 0:  # padding sequences only
+            continue
+        sub_starts = torch.zeros(len(seqs) + 1, dtype=torch.long, device=device)
+        sub_starts[1:] = torch.cumsum(sub_new, 0)
+        rows = torch.repeat_interleave(starts[seqs] - sub_starts[:-1], sub_new) + \
+            torch.arange(count, device=device)
+        groups.append((rows, _prefill_metadata(block_tables[seqs.to(block_tables.device)],
+                                               context_lens[seqs.to(context_lens.device)],
+                                               sub_starts, count, block_size, device)))
+    return groups
+
+
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             context_lens: torch.Tensor, query_start_loc: torch.Tensor,
                             scale: float, num_kv_heads: int | None = None) -> torch.Tensor:
     """Prefill attention: sequence s's new tokens (rows ``query_start_loc[s]:[s+1]``, the last of
     its ``context_lens[s]`` cached tokens) attend causally to its whole context."""
-    tokens, heads, head_size = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
+    tokens = query.shape[0]
+    block_size = key_cache.shape[1]
     if tokens == 0:
         return torch.zeros_like(query)
-    seq_of, row, max_new, blocks, mask = _prefill_memo.get(
-        lambda: _prefill_metadata(block_tables, context_lens, query_start_loc, tokens,
-                                  block_size, query.device),
+    groups = _prefill_memo.get(
+        lambda: _prefill_groups(block_tables, context_lens, query_start_loc, tokens,
+                                block_size, query.device),
         block_tables, context_lens, query_start_loc, extra=(tokens, block_size, query.device))
+    if groups[0][0] is None:
+        return _prefill_group(query, key_cache, value_cache, groups[0][1], scale)
+    out = torch.empty_like(query)
+    for rows, metadata in groups:
+        out[rows] = _prefill_group(query[rows], key_cache, value_cache, metadata, scale)
+    return out
+
+
+def _prefill_group(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    tokens, heads, head_size = query.shape
+    kv_heads = key_cache.shape[2]
+    seq_of, row, max_new, blocks, mask = metadata
     q = query.new_zeros(blocks.shape[0], max_new, heads, head_size)
     q[seq_of, row] = query
     k = _gather(key_cache, blocks).transpose(1, 2)  # [N, Hkv, T, D]

@@ -56,7 +56,11 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     e = g.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="at most N tokens a step: longer prompts are prefilled in chunks beside "
+                        "the running decodes (default: prompts prefill whole)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep and reuse the KV blocks of earlier prompts' prefixes")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--num-blocks", type=int, default=0,
                    help="device KV blocks (default: from --kv-memory, or max-num-seqs full "
@@ -299,6 +303,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_bytes=_bytes(args.kv_memory) if args.kv_memory else 0,
         swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=None if args.preemption == "auto" else args.preemption,
         kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
         tp_cluster=args.cluster)
@@ -369,6 +374,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
                                   "finish_reason": c.finish_reason,
                                   "cumulative_logprob": round(c.cumulative_logprob, 6)}
                                  for c in result.outputs]
+            record["cached_tokens"] = result.num_cached_tokens
             record["latency_s"] = round(result.latency or 0.0, 6)
         records.append(json.dumps(record) + "\n")
     if args.out:
@@ -380,7 +386,9 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
     print(f"graphpar generate: {len(lines) - failed}/{len(lines)} requests served, "
           f"{stats.generated_tokens} tokens generated in {seconds:.2f} s "
           f"({stats.generated_tokens / max(seconds, 1e-9):.1f} tokens/s, measured), "
-          f"{stats.preemptions} preemptions" + (f", wrote {args.out}" if args.out else ""),
+          f"{stats.preemptions} preemptions, {stats.prefix_cache_hits}/"
+          f"{stats.prefix_cache_queries} prompt tokens from the prefix cache (counted)"
+          + (f", wrote {args.out}" if args.out else ""),
           file=sys.stderr)
     return 1 if failed else 0
 

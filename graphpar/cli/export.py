@@ -1,0 +1,113 @@
+"""`graphpar export`: a plan handed to PyTorch: a torch program, DTensor placements, torch-mlir."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from graphpar.cli.common import (
+    _existing_parent,
+    add_model_options,
+    add_pipeline_options,
+    add_plan_options,
+    auto_shard_pass,
+    check_plan_options,
+    load_target,
+    publish_report,
+    staged_output,
+    step,
+)
+from graphpar.errors import OutputError, UsageError
+
+FORMATS = ("torch", "dtensor", "mlir")
+
+
+def add_export_parser(sub) -> None:
+    e = sub.add_parser("export", help="hand a plan to PyTorch: a standalone per-rank torch "
+                                      "program, DTensor placements, or torch-mlir stages")
+    add_model_options(e)
+    e.add_argument("--to", required=True, metavar="|".join(FORMATS),
+                   help="torch: program.py for torchrun (imports torch only); dtensor: "
+                        "plan.json for graphpar.export.apply_plan; mlir: each stage graph in "
+                        "torch-mlir's torch dialect")
+    e.add_argument("--out", required=True, help="output directory (new or empty)")
+    e.add_argument("--passes", default="cleanup", help="pipeline before auto-shard, as for "
+                                                       "compile")
+    add_plan_options(e, "the device mesh to plan on, e.g. 2x2 (2-D) or 4 (1-D); required")
+    add_pipeline_options(e, "slice the training step into pipeline stages on sub-meshes of "
+                            "--mesh, as compile does: 'auto' or a number of stages")
+    e.set_defaults(fn=cmd_export, trace=None)
+
+
+def check_export_options(args: argparse.Namespace) -> None:
+    """Usage errors, found before the model is loaded."""
+    if args.to not in FORMATS:
+        raise UsageError(f"--to {args.to}: unknown format; give one of {', '.join(FORMATS)}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory; give a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise UsageError(f"--out {out} exists and is not empty; give a new or empty directory "
+                         "(export never mixes its files with others)")
+    if not _existing_parent(out).is_dir():
+        raise OutputError(f"{out}: cannot write --out there: a path component is a file")
+    if not args.mesh:
+        raise UsageError("export needs --mesh: the device mesh to plan on, e.g. --mesh 2x2")
+    check_plan_options(args)
+    if args.token_slices is not None:
+        raise UsageError("--token-slices: token-sliced pipelines are not exported yet; export "
+                         "the pipeline without it")
+    if args.pipeline:
+        from graphpar.cli.pipeline import check_pipeline_options
+
+        check_pipeline_options(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from graphpar.passes import parse_pipeline
+
+    check_export_options(args)
+    passes = parse_pipeline(args.passes)
+    out = Path(args.out)
+    with staged_output(out) as staging:
+        if args.pipeline:
+            raise UsageError("--pipeline: pipelines are not exported yet")
+        summary = _export_spmd(args, passes, staging)
+        publish_report(summary, staging, out)
+    print(f"graphpar export: {summary['model']} ({summary['mode']}) on mesh {args.mesh} "
+          f"--to {args.to}")
+    for line in summary.get("lines", []):
+        print(f"  {line}")
+    print(f"  wrote      {', '.join(str(out / f) for f in summary['files'])}")
+    return 0
+
+
+def _export_spmd(args: argparse.Namespace, passes: list, staging: Path) -> dict:
+    """Auto-shard the model on --mesh and write the chosen format into `staging`."""
+    from graphpar.capture.optim import optimizer_from_name
+    from graphpar.compiler.api import lower
+    from graphpar.compiler.driver import compile_model
+
+    auto_shard = auto_shard_pass(args)
+    with step("loading the model"):
+        spec = load_target(args.model, args.example, args.mode)
+    optimizer = optimizer_from_name(args.optimizer) if args.mode == "train" else None
+    with step(f"capturing and planning {spec.name} ({args.mode}) on mesh {args.mesh}"):
+        result = compile_model(spec, args.mode, [*passes, auto_shard], optimizer=optimizer,
+                               on_pass=lambda p, i, n: None)
+        compiled = lower(result.captured, result.context, spec=result.spec,
+                         optimizer=result.optimizer)
+    summary = {"model": spec.name, "mode": args.mode, "mesh": list(compiled.mesh.shape),
+               "format": args.to}
+    if args.to == "torch":
+        from graphpar.export.torch_program import write_spmd_program
+
+        with step("writing the torch program"):
+            write_spmd_program(compiled.spmd, compiled.graph, compiled.mesh,
+                               compiled.captured.state, staging, spec.name)
+        summary["launch"] = (f"torchrun --nproc-per-node {compiled.mesh.size} program.py "
+                             "--inputs IN.pt --outputs OUT.pt")
+        summary["lines"] = [f"launch     {summary['launch']}"]
+    else:
+        raise UsageError(f"--to {args.to}: not written yet")
+    return summary

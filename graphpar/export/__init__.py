@@ -1,0 +1,1 @@
+"""The export wing: a plan handed to PyTorch (a torch program, DTensor placements, torch-mlir)."""

@@ -71,8 +71,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     with staged_output(out) as staging:
         if args.pipeline:
-            raise UsageError("--pipeline: pipelines are not exported yet")
-        summary = _export_spmd(args, passes, staging)
+            summary = _export_pipeline(args, passes, staging)
+        else:
+            summary = _export_spmd(args, passes, staging)
         publish_report(summary, staging, out)
     print(f"graphpar export: {summary['model']} ({summary['mode']}) on mesh {args.mesh} "
           f"--to {args.to}")
@@ -110,4 +111,33 @@ def _export_spmd(args: argparse.Namespace, passes: list, staging: Path) -> dict:
         summary["lines"] = [f"launch     {summary['launch']}"]
     else:
         raise UsageError(f"--to {args.to}: not written yet")
+    return summary
+
+
+def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> dict:
+    """Slice the training step into stages on sub-meshes of --mesh (as `compile --pipeline`),
+    shard each stage on its sub-mesh as planned, and write the chosen format."""
+    from graphpar.cli.pipeline import compile_pipeline
+
+    if args.to != "torch":
+        raise UsageError(f"--to {args.to} with --pipeline: not written yet; pipelines export "
+                         "--to torch")
+    compiled = compile_pipeline(args, passes)
+    with step("sharding the stages on their sub-meshes"):
+        compiled.spec.real_module()  # the weights, made only now, to be written
+        pipe = compiled.pipe.sharded_as_planned()
+    world = sum(len(d) for d in pipe.devices)
+    summary = {"model": compiled.spec.name, "mode": args.mode, "mesh": list(pipe.mesh.shape),
+               "format": args.to, "stages": pipe.stages, "schedule": pipe.schedule_name,
+               "microbatches": pipe.microbatches,
+               "stage_ranks": [list(d) for d in pipe.devices]}
+    from graphpar.export.torch_program import write_pipeline_program
+
+    with step("writing the torch program"):
+        write_pipeline_program(pipe, pipe.captured.state, staging, compiled.spec.name)
+    summary["launch"] = (f"torchrun --nproc-per-node {world} program.py --inputs IN.pt "
+                         "--outputs OUT.pt")
+    summary["lines"] = [f"stages     {pipe.stages} ({pipe.schedule_name}, {pipe.microbatches} "
+                        f"microbatches), ranks {summary['stage_ranks']}",
+                        f"launch     {summary['launch']}"]
     return summary

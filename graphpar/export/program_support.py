@@ -15,44 +15,49 @@ import os
 import torch
 import torch.distributed as dist
 
-MESH_SHAPE: tuple = ()  # set by the generated program before `init`
+MESH_SHAPE: tuple = ()  # this rank's (sub-)mesh: its shape and global ranks, row-major
+MESH_RANKS: tuple = ()
 DEVICE = torch.device("cpu")
 RANK = 0
-COORD: tuple = ()
+COORD: tuple = ()  # this rank's coordinate on its mesh
 GROUPS: dict = {}  # axes -> (process group, the group's global ranks in order)
 PENDING: list = []  # sends in flight: waited for at the end of the step
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def coordinate(rank, shape):
+def coordinate(index, shape):
     coord = []
     for size in reversed(shape):
-        coord.append(rank % size)
-        rank //= size
+        coord.append(index % size)
+        index //= size
     return tuple(reversed(coord))
 
 
-def group_ranks(rank, axes, shape):
-    """The ranks that differ from `rank` only along `axes`, in row-major order."""
-    coord = coordinate(rank, shape)
-    ranks = []
+def group_positions(coord, axes, shape):
+    """The row-major positions on the mesh of the devices that differ from `coord` only along
+    `axes`, in row-major order over those axes."""
+    positions = []
     for index in range(math.prod(shape[a] for a in axes)):
         c = list(coord)
         for a in reversed(axes):
             c[a] = index % shape[a]
             index //= shape[a]
-        r = 0
+        position = 0
         for a, size in enumerate(shape):
-            r = r * size + c[a]
-        ranks.append(r)
-    return ranks
+            position = position * size + c[a]
+        positions.append(position)
+    return positions
 
 
-def init(mesh_shape, axes_used):
+def init(meshes, axes_used):
     """Join the job (torchrun's environment), pick the device and backend (NCCL on CUDA,
-    gloo on CPU) and build one process group per mesh-axes group the program uses."""
-    global MESH_SHAPE, DEVICE, RANK, COORD
-    MESH_SHAPE = tuple(mesh_shape)
+    gloo on CPU) and build one process group per mesh-axes group the program uses.
+
+    `meshes`: every (sub-)mesh as (shape, global ranks); `axes_used[i]`: the axes mesh i's
+    collectives run along. Every rank creates every group, in the same order (new_group is
+    collective over the world), and keeps those of its own mesh."""
+    global MESH_SHAPE, MESH_RANKS, DEVICE, RANK, COORD
+    world = sum(math.prod(shape) for shape, _ in meshes)
     if torch.cuda.is_available():
         DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(DEVICE)
@@ -60,22 +65,25 @@ def init(mesh_shape, axes_used):
     else:
         dist.init_process_group("gloo")
     RANK = dist.get_rank()
-    if dist.get_world_size() != math.prod(MESH_SHAPE):
-        raise SystemExit(f"this program runs on {math.prod(MESH_SHAPE)} ranks (a "
-                         f"{'x'.join(map(str, MESH_SHAPE))} mesh), not "
-                         f"{dist.get_world_size()}: torchrun --nproc-per-node "
-                         f"{math.prod(MESH_SHAPE)}")
-    COORD = coordinate(RANK, MESH_SHAPE)
-    for axes in axes_used:  # every rank creates every group, in the same order
-        seen = set()
-        for r in range(math.prod(MESH_SHAPE)):
-            ranks = tuple(group_ranks(r, axes, MESH_SHAPE))
-            if ranks in seen:
-                continue
-            seen.add(ranks)
-            group = dist.new_group(list(ranks))
-            if RANK in ranks:
-                GROUPS[tuple(axes)] = (group, ranks)
+    if dist.get_world_size() != world:
+        raise SystemExit(f"this program runs on {world} ranks, not {dist.get_world_size()}: "
+                         f"torchrun --nproc-per-node {world}")
+    for (shape, ranks), axes_list in zip(meshes, axes_used):
+        mine = RANK in ranks
+        if mine:
+            MESH_SHAPE, MESH_RANKS = tuple(shape), tuple(ranks)
+            COORD = coordinate(ranks.index(RANK), shape)
+        for axes in axes_list:
+            seen = set()
+            for position in range(math.prod(shape)):
+                members = tuple(ranks[p] for p in group_positions(
+                    coordinate(position, shape), axes, shape))
+                if members in seen:
+                    continue
+                seen.add(members)
+                group = dist.new_group(list(members)) if len(members) > 1 else None
+                if RANK in members:
+                    GROUPS[tuple(axes)] = (group, members)
 
 
 def _group(axes):
@@ -197,19 +205,21 @@ def shard(t, placements, coord=None):
 
 
 def unshard(local, placements):
-    """The full tensor from every rank's local one (a collective: every rank calls it)."""
+    """The full tensor from the local ones of every rank of this rank's mesh (a collective:
+    each of them calls it)."""
     for axis, p in enumerate(placements):
         if p.startswith("P"):
-            op = p[2:-1] if "(" in p else "sum"
-            local = all_reduce(local, (axis,), op)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, local.contiguous())
+            local = all_reduce(local, (axis,), p[2:-1] if "(" in p else "sum")
     dims = _shard_dims(placements)
+    if not dims:
+        return local
+    every = tuple(range(len(MESH_SHAPE)))
+    parts = all_gather(local.unsqueeze(0), every, 0)  # mesh positions in row-major order
     shape = [s * math.prod(MESH_SHAPE[a] for a in dims.get(d, [])) for d, s in
              enumerate(local.shape)]
     full = local.new_empty(shape)
-    for rank, part in enumerate(parts):
-        coord = coordinate(rank, MESH_SHAPE)
+    for position, part in enumerate(parts):
+        coord = coordinate(position, MESH_SHAPE)
         view = full
         for dim, axes in dims.items():
             index = 0

@@ -22,7 +22,7 @@ from graphpar.ir.graph import Graph, OutputRole, Role, Value
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.spmd_ops import GROUP_OPS, LOCAL_OPS, node_axes
 
-__all__ = ["graph_function", "program_support_text", "write_spmd_program"]
+__all__ = ["graph_function", "support_text", "write_pipeline_program", "write_spmd_program"]
 
 
 class _Names:
@@ -96,16 +96,13 @@ def graph_function(graph: Graph, name: str, doc: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def program_support_text() -> str:
-    """`program_support.py` without its docstring: the fixed part of every program."""
-    text = (Path(__file__).parent / "program_support.py").read_text()
-    return text.split('"""', 2)[2].lstrip("\n")
-
-
 def axes_used(graphs: Sequence[Graph]) -> list[tuple[int, ...]]:
-    """Every mesh-axes group the graphs' collectives and local steps run along, and each
-    single axis (outputs are put back together axis by axis)."""
-    found = {(a,) for g in graphs for a in range(len(g.mesh.shape) if g.mesh else 0)}
+    """Every mesh-axes group the graphs' collectives and local steps run along, each single
+    axis and all axes together (what `unshard` reduces and gathers along)."""
+    found = set()
+    for g in graphs:
+        ndim = len(g.mesh.shape) if g.mesh else 0
+        found |= {(a,) for a in range(ndim)} | ({tuple(range(ndim))} if ndim else set())
     for g in graphs:
         for node in g.nodes:
             if node.op in GROUP_OPS or node.op in LOCAL_OPS:
@@ -127,7 +124,7 @@ def _table(name: str, entries: dict) -> str:
 MAIN = '''
 def main():
     args = command_line(__doc__.splitlines()[0])
-    init(MESH_SHAPE_OF_PLAN, AXES_USED)
+    init([(MESH_SHAPE_OF_PLAN, tuple(range(math.prod(MESH_SHAPE_OF_PLAN))))], [AXES_USED])
     state = torch.load(args.weights, map_location="cpu")
     batch = torch.load(args.inputs, map_location="cpu")
     given = [*batch.get("inputs", []), *batch.get("targets", [])]
@@ -187,7 +184,7 @@ def write_spmd_program(spmd: Graph, global_graph: Graph, mesh: Mesh,
     step = graph_function(spmd, "step", f"The device program every rank runs: {spmd.name}.")
     text = "\n".join([
         f'"""{doc}"""\n',
-        program_support_text(),
+        support_text("program_support"),
         f"\nMESH_SHAPE_OF_PLAN = {tuple(mesh.shape)!r}",
         f"AXES_USED = {axes_used([spmd])!r}",
         f"USER_INPUTS = {user_inputs!r}",
@@ -227,3 +224,122 @@ the step starts from, full tensors by name) and keeps its own shard. Rank 0 writ
 `program.py` is one function, `step`, that every rank runs on its shards: one torch call per
 node of graphpar's device program, the model's source line as a comment.
 """
+
+
+def support_text(name: str) -> str:
+    """The fixed part `name` (a module of this folder) of a program: its text without its
+    docstring and without its imports of graphpar (program.py defines those names itself)."""
+    text = (Path(__file__).parent / f"{name}.py").read_text().split('"""', 2)[2]
+    lines = [line for line in text.splitlines() if not line.startswith("from graphpar")]
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+_FUNCTION_NAMES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",
+                   "U": "update"}
+
+PIPELINE_MAIN = '''
+def main():
+    args = command_line(__doc__.splitlines()[0])
+    init(MESHES, AXES_USED)
+    state = {k: t.to(DEVICE) for k, t in torch.load(args.weights, map_location="cpu").items()}
+    batch = torch.load(args.inputs, map_location="cpu")
+    given = [*batch.get("inputs", []), *batch.get("targets", [])]
+    if len(given) != len(USER_INPUTS):
+        raise SystemExit(f"{args.inputs}: the step takes {len(USER_INPUTS)} tensors "
+                         f"({', '.join(USER_INPUTS)}): inputs then targets; got {len(given)}")
+    chunks = [t.to(DEVICE).chunk(MICROBATCHES) for t in given]
+    microbatch_inputs = [dict(zip(USER_INPUTS, parts)) for parts in zip(*chunks)]
+    run = run_pipeline(state, microbatch_inputs, MICROBATCHES)
+    loss, updates = gather_results(run)
+    if RANK == 0:
+        save_atomically({"loss": loss, "state": updates,
+                         "parameters": {k: t for k, t in updates.items() if k in PARAMETERS}},
+                        args.outputs)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def write_pipeline_program(pipe, state: dict[str, torch.Tensor], out: Path, title: str
+                           ) -> list[str]:
+    """Write `program.py`, `weights.pt` and `README.md` for a pipelined training step `pipe`
+    (a `PipelineCompiled`, its stages sharded on their sub-meshes as planned)."""
+    from graphpar.ir.schedule import ActionKind
+    from graphpar.runtime.pipeline import stage_meshes
+
+    programs = pipe.programs
+    meshes = stage_meshes(pipe.stages, pipe.sharded)
+    world = sum(m.size for m in meshes)
+    global_graph = pipe.captured.graph
+    user_inputs = [v.name for v in global_graph.inputs_with_role(Role.INPUT)]
+    params = sorted(v.name for v in global_graph.inputs_with_role(Role.PARAM))
+    functions, stages, axes = [], [], []
+    types = {n: (list(t.shape), t.dtype) for n, t in programs.types.items()}
+    for program, mesh in zip(programs.stages, meshes):
+        s = program.stage
+        phases, device_graphs = {}, []
+        for phase, suffix in _FUNCTION_NAMES.items():
+            graph = program.program(phase)
+            if graph is None:
+                continue
+            sharded = pipe.sharded.get(s, {}).get(phase)
+            runs = sharded.device_program if sharded is not None else graph
+            if sharded is not None:
+                device_graphs.append(runs)
+            name = f"stage{s}_{suffix}"
+            functions.append(graph_function(runs, name, f"Stage {s}, {suffix}: {runs.name}."))
+            phases[phase] = {
+                "inputs": [v.name for v in graph.inputs],
+                "outputs": [(o.role.value, o.target) for o in graph.outputs],
+                "placements_in": None if sharded is None else {
+                    v.name: _placements(v.layout, sharded.mesh) for v in runs.inputs},
+                "placements_out": None if sharded is None else [
+                    _placements(o.value.layout, sharded.mesh) for o in runs.outputs]}
+            if phase == "U":
+                types.update({v.name: (list(v.type.shape), v.type.dtype) for v in graph.inputs
+                              if v.name not in types})
+        axes.append(axes_used(device_graphs))
+        stages.append({
+            "ranks": tuple(mesh.device_ids), "phases": phases,
+            "send_forward": list(program.send_forward),
+            "send_backward": list(program.send_backward),
+            "keep_after_forward": sorted(program.keep_after_forward),
+            "grads": list(program.grads),
+            "grads_in": [(a, n) for a, b, n in programs.grad_transfers if b == s],
+            "grads_out": [(b, n) for a, b, n in programs.grad_transfers if a == s],
+            "actions": [(a.kind.value, a.microbatch) for a in pipe.schedule[s]
+                        if a.kind in ActionKind]})
+    shape = "x".join(map(str, pipe.mesh.shape)) if pipe.mesh is not None else str(world)
+    doc = (f"{title}: a {pipe.stages}-stage pipeline ({pipe.schedule_name}, "
+           f"{pipe.microbatches} microbatches) on {world} ranks: one training step, exported "
+           "by graphpar.\n\n"
+           f"torchrun --nproc-per-node {world} program.py --inputs IN.pt --outputs OUT.pt\n\n"
+           "Imports torch only. Each rank runs its stage's action list; a stage planned on a\n"
+           "sub-mesh runs its phases' device programs over process groups of that sub-mesh.\n")
+    phase_table = "".join(f"    ({s}, {p!r}): stage{s}_{_FUNCTION_NAMES[p]},\n"
+                          for s, st in enumerate(stages) for p in st["phases"])
+    text = "\n".join([
+        f'"""{doc}"""\n',
+        support_text("program_support"),
+        support_text("pipeline_support"),
+        f"MESHES = {[(tuple(m.shape), tuple(m.device_ids)) for m in meshes]!r}",
+        f"AXES_USED = {axes!r}",
+        f"USER_INPUTS = {user_inputs!r}",
+        f"PARAMETERS = set({params!r})",
+        f"MICROBATCHES = {pipe.microbatches}",
+        "TYPES.update({\n" + "".join(f"    {n!r}: ({s!r}, {d}),\n"
+                                     for n, (s, d) in sorted(types.items())) + "})",
+        "STAGES.extend([\n" + "".join(f"    {st!r},\n" for st in stages) + "])\n\n",
+        *functions,
+        "\nPHASE_FUNCTIONS.update({\n" + phase_table + "})\n",
+        PIPELINE_MAIN,
+    ])
+    (out / "program.py").write_text(text)
+    torch.save({k: t.detach().cpu() for k, t in state.items()}, out / "weights.pt")
+    (out / "README.md").write_text(readme(f"{title} ({pipe.stages}-stage pipeline)", shape,
+                                          world, user_inputs, True))
+    return ["program.py", "weights.pt", "README.md"]

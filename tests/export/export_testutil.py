@@ -51,9 +51,19 @@ def run_torchrun(folder: Path, ranks: int, inputs, targets=(), timeout: float = 
 
 
 def eager_sgd_step(module: torch.nn.Module, inputs, targets, loss_fn, lr: float = 0.01):
-    """One eager torch.optim.SGD step: (loss, {fqn: updated parameter})."""
+    """One eager torch.optim.SGD step: (loss, {fqn: updated parameter}), a tied parameter
+    under each of its names (the plan keeps one of them)."""
     optimizer = torch.optim.SGD(module.parameters(), lr=lr)
     loss = loss_fn(module(*inputs), *targets)
     loss.backward()
     optimizer.step()
-    return loss.detach(), {k: p.detach() for k, p in module.named_parameters()}
+    return loss.detach(), {k: p.detach() for k, p in
+                           module.named_parameters(remove_duplicate=False)}
+
+
+def assert_parameters_equal(exported: dict, module: torch.nn.Module, eager: dict) -> None:
+    """Every parameter of `module` (once per tied group) is in `exported` and equals eager."""
+    assert exported.keys() <= eager.keys(), sorted(exported.keys() - eager.keys())
+    assert len(exported) == len(list(module.parameters())), sorted(exported)
+    for name, p in exported.items():
+        torch.testing.assert_close(p, eager[name], msg=name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from graphpar.cli.common import (
@@ -109,9 +110,45 @@ def _export_spmd(args: argparse.Namespace, passes: list, staging: Path) -> dict:
         summary["launch"] = (f"torchrun --nproc-per-node {compiled.mesh.size} program.py "
                              "--inputs IN.pt --outputs OUT.pt")
         summary["lines"] = [f"launch     {summary['launch']}"]
+    elif args.to == "dtensor":
+        import json
+
+        from graphpar.export.dtensor_plan import plan_json
+
+        plan = plan_json(compiled.spmd, compiled.graph, compiled.mesh, spec.name, args.mode,
+                         len(spec.inputs))
+        (staging / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+        (staging / "README.md").write_text(dtensor_readme(plan))
+        sharded = sum(any(p.startswith("Shard") for p in e["placements"])
+                      for e in plan["parameters"].values())
+        planned = ", ".join(f"{k} {n}" for k, n in plan["collectives_planned"].items())
+        summary["lines"] = [f"parameters {len(plan['parameters'])}, {sharded} sharded",
+                            f"planned    {planned or 'no collectives'} per step (counted in "
+                            "the device program)"]
     else:
         raise UsageError(f"--to {args.to}: not written yet")
     return summary
+
+
+def dtensor_readme(plan: dict) -> str:
+    shape = tuple(plan["mesh"]["shape"])
+    return f"""# {plan['model']} ({plan['mode']}): a graphpar plan for DTensor
+
+`plan.json` places every parameter of the module on a {'x'.join(map(str, shape))} device mesh
+(`mesh.dim_names` {plan['mesh']['dim_names']}). Put it on your own module, in your own loop:
+
+```python
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from graphpar.export import apply_plan
+
+dist.init_process_group()   # under torchrun --nproc-per-node {math.prod(shape)}
+mesh = init_device_mesh("cuda", {shape})
+apply_plan(model, "plan.json", mesh)   # parameters become DTensors; inputs laid out as planned
+loss = loss_fn(model(*inputs), *targets)   # outputs come back as full tensors
+loss.backward()
+```
+"""
 
 
 def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> dict:

@@ -62,6 +62,9 @@ def check_export_options(args: argparse.Namespace) -> None:
         from graphpar.cli.pipeline import check_pipeline_options
 
         check_pipeline_options(args)
+        if args.to != "torch":
+            raise UsageError(f"--to {args.to} with --pipeline: pipelines export --to torch for "
+                             "now; export the plan without --pipeline for DTensor or MLIR")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -156,9 +159,6 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
     shard each stage on its sub-mesh as planned, and write the chosen format."""
     from graphpar.cli.pipeline import compile_pipeline
 
-    if args.to != "torch":
-        raise UsageError(f"--to {args.to} with --pipeline: not written yet; pipelines export "
-                         "--to torch")
     compiled = compile_pipeline(args, passes)
     with step("sharding the stages on their sub-meshes"):
         compiled.spec.real_module()  # the weights, made only now, to be written

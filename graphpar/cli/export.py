@@ -62,9 +62,13 @@ def check_export_options(args: argparse.Namespace) -> None:
         from graphpar.cli.pipeline import check_pipeline_options
 
         check_pipeline_options(args)
-        if args.to != "torch":
-            raise UsageError(f"--to {args.to} with --pipeline: pipelines export --to torch for "
-                             "now; export the plan without --pipeline for DTensor or MLIR")
+        if args.to == "dtensor":
+            raise UsageError("--to dtensor with --pipeline: pipelines export --to torch or "
+                             "--to mlir for now; export the plan without --pipeline for DTensor")
+    if args.to == "mlir":
+        from graphpar.export.mlir import require_torch_mlir
+
+        require_torch_mlir()
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -129,8 +133,17 @@ def _export_spmd(args: argparse.Namespace, passes: list, staging: Path) -> dict:
                             f"planned    {planned or 'no collectives'} per step (counted in "
                             "the device program)"]
     else:
-        raise UsageError(f"--to {args.to}: not written yet")
+        _write_mlir({compiled.graph.name: compiled.graph}, staging, summary)
     return summary
+
+
+def _write_mlir(graphs: dict, staging: Path, summary: dict) -> None:
+    from graphpar.export.mlir import mlir_module
+
+    with step(f"importing {len(graphs)} graph(s) into torch-mlir"):
+        (staging / "stages.mlir").write_text(mlir_module(graphs))
+    summary["functions"] = list(graphs)
+    summary["lines"] = [f"func.func  {', '.join('@' + n for n in graphs)} (torch dialect)"]
 
 
 def dtensor_readme(plan: dict) -> str:
@@ -164,6 +177,15 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
         compiled.spec.real_module()  # the weights, made only now, to be written
         pipe = compiled.pipe.sharded_as_planned()
     world = sum(len(d) for d in pipe.devices)
+    if args.to == "mlir":  # each stage's graphs, whole: torch-mlir has no collectives
+        from graphpar.export.torch_program import PHASE_NAMES
+
+        summary = {"model": compiled.spec.name, "mode": args.mode, "format": args.to,
+                   "stages": pipe.stages}
+        _write_mlir({f"stage{p.stage}_{suffix}": graph for p in pipe.programs.stages
+                     for phase, suffix in PHASE_NAMES.items()
+                     if (graph := p.program(phase)) is not None}, staging, summary)
+        return summary
     summary = {"model": compiled.spec.name, "mode": args.mode, "mesh": list(pipe.mesh.shape),
                "format": args.to, "stages": pipe.stages, "schedule": pipe.schedule_name,
                "microbatches": pipe.microbatches,

@@ -234,7 +234,7 @@ def support_text(name: str) -> str:
     return "\n".join(lines).strip("\n") + "\n"
 
 
-_FUNCTION_NAMES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",
+PHASE_NAMES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",
                    "U": "update"}
 
 PIPELINE_MAIN = '''
@@ -282,7 +282,7 @@ def write_pipeline_program(pipe, state: dict[str, torch.Tensor], out: Path, titl
     for program, mesh in zip(programs.stages, meshes):
         s = program.stage
         phases, device_graphs = {}, []
-        for phase, suffix in _FUNCTION_NAMES.items():
+        for phase, suffix in PHASE_NAMES.items():
             graph = program.program(phase)
             if graph is None:
                 continue
@@ -320,7 +320,7 @@ def write_pipeline_program(pipe, state: dict[str, torch.Tensor], out: Path, titl
            f"torchrun --nproc-per-node {world} program.py --inputs IN.pt --outputs OUT.pt\n\n"
            "Imports torch only. Each rank runs its stage's action list; a stage planned on a\n"
            "sub-mesh runs its phases' device programs over process groups of that sub-mesh.\n")
-    phase_table = "".join(f"    ({s}, {p!r}): stage{s}_{_FUNCTION_NAMES[p]},\n"
+    phase_table = "".join(f"    ({s}, {p!r}): stage{s}_{PHASE_NAMES[p]},\n"
                           for s, st in enumerate(stages) for p in st["phases"])
     text = "\n".join([
         f'"""{doc}"""\n',

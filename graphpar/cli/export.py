@@ -62,9 +62,6 @@ def check_export_options(args: argparse.Namespace) -> None:
         from graphpar.cli.pipeline import check_pipeline_options
 
         check_pipeline_options(args)
-        if args.to == "dtensor":
-            raise UsageError("--to dtensor with --pipeline: pipelines export --to torch or "
-                             "--to mlir for now; export the plan without --pipeline for DTensor")
     if args.to == "mlir":
         from graphpar.export.mlir import require_torch_mlir
 
@@ -190,6 +187,9 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
                "format": args.to, "stages": pipe.stages, "schedule": pipe.schedule_name,
                "microbatches": pipe.microbatches,
                "stage_ranks": [list(d) for d in pipe.devices]}
+    if args.to == "dtensor":
+        _write_pipeline_plan(pipe, compiled, staging, summary)
+        return summary
     from graphpar.export.torch_program import write_pipeline_program
 
     with step("writing the torch program"):
@@ -200,3 +200,29 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
                         f"microbatches), ranks {summary['stage_ranks']}",
                         f"launch     {summary['launch']}"]
     return summary
+
+
+def _write_pipeline_plan(pipe, compiled, staging: Path, summary: dict) -> None:
+    """plan.json with the pipeline section and torchtitan.toml."""
+    import json
+
+    from graphpar.export.dtensor_pipeline import pipeline_plan, torchtitan_toml
+    from graphpar.export.dtensor_plan import FORMAT
+    from graphpar.runtime.pipeline import stage_meshes
+
+    pipeline = pipeline_plan(pipe, stage_meshes(pipe.stages, pipe.sharded),
+                             len(compiled.spec.inputs[0]))
+    parameters = {}
+    for st in pipeline["stages"]:
+        for name, placements in st["parameters"].items():
+            parameters.setdefault(name, {"placements": placements})
+    plan = {"format": FORMAT, "model": compiled.spec.name, "mode": "train",
+            "mesh": {"dim_names": ["pp", "axis0"], "shape": list(pipe.mesh.shape)},
+            "parameters": parameters, "buffers": {}, "inputs": [], "outputs": None,
+            "pipeline": pipeline}
+    (staging / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+    (staging / "torchtitan.toml").write_text(torchtitan_toml(pipeline))
+    summary["lines"] = [f"stage {s:<4} ranks {st['ranks']}, modules {', '.join(st['module_fqns'])}"
+                        for s, st in enumerate(pipeline["stages"])]
+    summary["lines"].append(f"schedule   {pipeline['schedule']}, {pipeline['microbatches']} "
+                            "microbatches (torch.distributed.pipelining); torchtitan.toml")

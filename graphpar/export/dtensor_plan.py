@@ -175,18 +175,28 @@ def apply_plan(module: torch.nn.Module, plan: str | Path | dict, device_mesh,
     layouts = [_dtensor_placements(i["placements"], f"{where}: input {i['name']}")
                for i in plan["inputs"]]
 
+    # plain tensors a model makes inside its forward (position ids from arange, masks) meet
+    # DTensor parameters: DTensor takes them as replicated while the module runs
+    entered = []
+
     def lay_out_inputs(_module, args):
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        entered.append(implicit_replication())
+        entered[-1].__enter__()
         return tuple(distribute_tensor(a, device_mesh, layouts[i])
                      if isinstance(a, torch.Tensor) and not isinstance(a, DTensor)
                      and i < len(layouts) else a for i, a in enumerate(args))
 
     def hand_back(_module, _args, result):
-        if outputs == "dtensor":
+        if entered:
+            entered.pop().__exit__(None, None, None)
+        if outputs == "dtensor" or result is None:
             return result
         return _full(result)
 
     module.register_forward_pre_hook(lay_out_inputs)
-    module.register_forward_hook(hand_back)
+    module.register_forward_hook(hand_back, always_call=True)
     return module
 
 

@@ -6,6 +6,7 @@ import copy
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -16,6 +17,7 @@ from graphpar.export import apply_plan, count_collectives
 plan, model_file, result_file = sys.argv[1:4]
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (2, 2))
+sys.path.insert(0, str(Path(model_file).parent))  # hf_gpt2 imports its sibling hf_opt
 spec = importlib.util.spec_from_file_location("model", model_file)
 model = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(model)

@@ -46,21 +46,26 @@ def test_a_plan_on_a_2x2_device_mesh_of_gloo_ranks_equals_eager(tmp_path, capsys
     """apply_plan on a (2, 2) DeviceMesh of 4 gloo ranks under torchrun: parameters sharded
     as planned, forward and every gradient equal to eager; DTensor's collectives counted."""
     out, plan = _export(tmp_path, capsys)
-    result = tmp_path / "result.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    done = subprocess.run([torchrun, "--nproc-per-node", "4", str(HERE / "dtensor_check.py"),
-                           str(out / "plan.json"), str(MLP), str(result)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(result.read_text())
+    found = _run_check(tmp_path, out / "plan.json", MLP)
     assert set(found["sharded"]) == {n for n, e in plan["parameters"].items()
                                      if any(p.startswith("Shard") for p in e["placements"])}
     assert found["sharded"]
     assert max(found["errors"].values()) < 1e-5, found["errors"]
     assert found["errors"].keys() >= {f"grad {n}" for n in plan["parameters"]}
     assert found["counts"].get("all_gather", 0) > 0  # what DTensor issued, counted
+
+
+def _run_check(tmp_path, plan, model_file) -> dict:
+    """dtensor_check.py under torchrun on 4 gloo ranks: what rank 0 found."""
+    result = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--nproc-per-node", "4", str(HERE / "dtensor_check.py"),
+                           str(plan), str(model_file), str(result)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(result.read_text())
 
 
 @pytest.fixture
@@ -120,3 +125,48 @@ def test_a_file_that_is_not_a_plan_is_refused(tmp_path):
     path.write_text('{"parameters": {}}')
     with pytest.raises(UsageError, match="not a graphpar DTensor plan"):
         apply_plan(module, path, None)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_causal_lms_plan_on_a_2x2_device_mesh_equals_eager(tmp_path, capsys):
+    out = tmp_path / "out"
+    hf_gpt2 = ROOT / "examples" / "hf_gpt2.py"
+    code, _, _ = run_cli(capsys, "export", hf_gpt2, "--mode", "train", "--optimizer", "sgd",
+                         "--mesh", "2x2", "--cluster", "cpu", "--to", "dtensor", "--out", out)
+    assert code == 0
+    found = _run_check(tmp_path, out / "plan.json", hf_gpt2)
+    assert found["sharded"]
+    assert max(found["errors"].values()) < 1e-4, found["errors"]
+
+
+@pytest.mark.slow
+def test_a_pipelined_plan_runs_with_torch_distributed_pipelining_equal_to_eager(tmp_path,
+                                                                               capsys):
+    """--pipeline 2 --to dtensor: the stages in torchtitan's words, and apply_pipeline's
+    stage and Schedule1F1B under torchrun on 4 gloo ranks (two pipelines of two stages): the
+    loss and every gradient equal eager PyTorch."""
+    out = tmp_path / "out"
+    code, stdout, _ = run_cli(capsys, "export", MLP, "--mode", "train", "--optimizer", "sgd",
+                              "--mesh", "2x2", "--cluster", "cpu", "--pipeline", "2",
+                              "--to", "dtensor", "--out", out)
+    assert code == 0
+    assert "stage 1    ranks [2, 3], modules down" in stdout
+    assert (out / "torchtitan.toml").read_text().splitlines()[1:] == [
+        "[parallelism]", "pipeline_parallel_degree = 2",
+        'pipeline_parallel_schedule = "1F1B"', "pipeline_parallel_microbatch_size = 16",
+        'module_fqns_per_model_part = [["up"], ["down"]]', "tensor_parallel_degree = 2"]
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    done = subprocess.run([torchrun, "--nproc-per-node", "4", str(HERE / "pipeline_check.py"),
+                           str(out / "plan.json"), str(MLP), str(results)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stages = [json.loads((results / f"stage{s}.json").read_text()) for s in range(2)]
+    assert [s["parameters"] for s in stages] == [["up.bias", "up.weight"],
+                                                 ["down.bias", "down.weight"]]
+    errors = {**stages[0]["errors"], **stages[1]["errors"]}
+    assert "loss" in errors and len(errors) == 5
+    assert max(errors.values()) < 1e-6, errors

@@ -62,9 +62,10 @@ def expression(node: Node, args: list[str]) -> str:
     """The torch expression of `node` on operand expressions `args`."""
     emit = _TABLE.get(node.op)
     if emit is None:
+        where = f" in module {node.module}" if node.module else ""
         raise UnsupportedOpError(
-            f"node {node.outputs[0].name if node.outputs else node.op} ({node.op}) has no plain "
-            f"torch form in graphpar export: {node.op} runs only in graphpar's own runtime")
+            f"op {node.op}{where} has no plain torch form in graphpar export: it runs only in "
+            "graphpar's own runtime (serving's paged ops, MoE's grouped_mm)")
     return emit(node, args, dict(node.attrs))
 
 

@@ -74,3 +74,21 @@ def test_a_pipelines_stages_become_one_func_each(tmp_path, capsys):
     assert _func_names((out / "stages.mlir").read_text()) == [
         "stage0_forward", "stage0_backward", "stage0_update",
         "stage1_forward", "stage1_backward", "stage1_update"]
+
+
+def test_an_op_with_no_torch_form_is_named_with_its_graph():
+    from graphpar.errors import UnsupportedOpError
+    from graphpar.export.torch_program import graph_function
+    from graphpar.ir.graph import Graph, Role
+    from graphpar.ir.types import TensorType
+
+    graph = Graph("experts")
+    a = graph.add_input("a", TensorType((4, 8), torch.float32), Role.INPUT)
+    b = graph.add_input("b", TensorType((2, 8, 3), torch.float32), Role.PARAM)
+    starts = graph.add_input("starts", TensorType((2,), torch.int64), Role.INPUT)
+    ends = graph.add_input("ends", TensorType((2,), torch.int64), Role.INPUT)
+    node = graph.create("grouped_mm", [a, b, starts, ends], module="moe.experts")
+    graph.add_output(node.output)
+    with pytest.raises(UnsupportedOpError, match=r"graph @experts: op grouped_mm in module "
+                                                 r"moe.experts has no plain torch form"):
+        graph_function(graph, "step")

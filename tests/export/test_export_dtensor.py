@@ -47,6 +47,7 @@ def test_a_plan_on_a_2x2_device_mesh_of_gloo_ranks_equals_eager(tmp_path, capsys
     as planned, forward and every gradient equal to eager; DTensor's collectives counted."""
     out, plan = _export(tmp_path, capsys)
     found = _run_check(tmp_path, out / "plan.json", MLP)
+    assert found["backward_error"] is None
     assert set(found["sharded"]) == {n for n, e in plan["parameters"].items()
                                      if any(p.startswith("Shard") for p in e["placements"])}
     assert found["sharded"]
@@ -136,7 +137,13 @@ def test_a_hugging_face_causal_lms_plan_on_a_2x2_device_mesh_equals_eager(tmp_pa
     assert code == 0
     found = _run_check(tmp_path, out / "plan.json", hf_gpt2)
     assert found["sharded"]
+    assert found["errors"].keys() == {"output", "loss"}
     assert max(found["errors"].values()) < 1e-4, found["errors"]
+    # not yet: the backward of GPT-2's position embedding meets the position ids the model made
+    # in its forward as a plain tensor, and DTensor refuses them there even under
+    # implicit_replication (docs/export.md); when DTensor takes them, compare the gradients
+    assert "embedding_dense_backward.default got mixed torch.Tensor and DTensor" in \
+        found["backward_error"]
 
 
 @pytest.mark.slow

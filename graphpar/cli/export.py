@@ -174,19 +174,18 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
         compiled.spec.real_module()  # the weights, made only now, to be written
         pipe = compiled.pipe.sharded_as_planned()
     world = sum(len(d) for d in pipe.devices)
-    if args.to == "mlir":  # each stage's graphs, whole: torch-mlir has no collectives
-        from graphpar.export.torch_program import PHASE_NAMES
-
-        summary = {"model": compiled.spec.name, "mode": args.mode, "format": args.to,
-                   "stages": pipe.stages}
-        _write_mlir({f"stage{p.stage}_{suffix}": graph for p in pipe.programs.stages
-                     for phase, suffix in PHASE_NAMES.items()
-                     if (graph := p.program(phase)) is not None}, staging, summary)
-        return summary
     summary = {"model": compiled.spec.name, "mode": args.mode, "mesh": list(pipe.mesh.shape),
                "format": args.to, "stages": pipe.stages, "schedule": pipe.schedule_name,
                "microbatches": pipe.microbatches,
                "stage_ranks": [list(d) for d in pipe.devices]}
+    if args.to == "mlir":  # each stage's graphs, whole: the torch dialect has no collectives
+        from graphpar.export.torch_program import PHASE_NAMES, schedule_phases
+
+        _write_mlir({f"stage{p.stage}_{PHASE_NAMES[phase]}": graph
+                     for p in pipe.programs.stages for phase in schedule_phases(
+                         pipe.schedule_name)
+                     if (graph := p.program(phase)) is not None}, staging, summary)
+        return summary
     if args.to == "dtensor":
         _write_pipeline_plan(pipe, compiled, staging, summary)
         return summary

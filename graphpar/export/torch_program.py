@@ -237,6 +237,11 @@ def support_text(name: str) -> str:
 PHASE_NAMES = {"F": "forward", "B": "backward", "I": "input_grad", "W": "weight_grad",
                    "U": "update"}
 
+def schedule_phases(schedule: str) -> str:
+    """The phases a schedule runs: ZB-H1 splits the backward into I and W."""
+    return "FIWU" if schedule == "zb" else "FBU"
+
+
 PIPELINE_MAIN = '''
 def main():
     args = command_line(__doc__.splitlines()[0])
@@ -282,7 +287,8 @@ def write_pipeline_program(pipe, state: dict[str, torch.Tensor], out: Path, titl
     for program, mesh in zip(programs.stages, meshes):
         s = program.stage
         phases, device_graphs = {}, []
-        for phase, suffix in PHASE_NAMES.items():
+        for phase in schedule_phases(pipe.schedule_name):
+            suffix = PHASE_NAMES[phase]
             graph = program.program(phase)
             if graph is None:
                 continue

@@ -29,6 +29,8 @@ MAY_IMPORT = {
     "graphpar.serving": BELOW_THE_WINGS,
     "graphpar.calibration": BELOW_THE_WINGS + ("graphpar.compiler.api",),
     "graphpar.placement": BELOW_THE_WINGS + ("graphpar.compiler.model_file",),
+    # export writes what the compiler planned in PyTorch's terms; it takes plans as objects
+    "graphpar.export": BELOW_THE_WINGS,
 }
 # modules of a wing that its engine-side code must not import: serving's engine, scheduler,
 # KV cache manager and model ranks run programs the serving compile made

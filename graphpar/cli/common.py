@@ -383,6 +383,23 @@ def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:
                              "(default 30)")
 
 
+def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """--pipeline, --microbatches, --schedule and --token-slices, as compile and viz take them."""
+    parser.add_argument("--pipeline", metavar="auto|S", help=what)
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per step with --pipeline (default: 4, or the "
+                             "largest number below 4 that divides the batch)")
+    parser.add_argument("--power-of-two-hosts", action="store_true",
+                        help="with --pipeline: stages span 1, 2, 4, 8 ... hosts only, as Alpa's "
+                             "search does (fewer ILP solves on many hosts)")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default=None,
+                        help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
+    parser.add_argument("--token-slices", metavar="auto|N",
+                        help="with --pipeline, a causal LM: cut each sequence into token slices "
+                             "that flow through the stages one after another (TeraPipe): 'auto' "
+                             "(the DP) or N equal slices")
+
+
 def certified(*checks: dict | None) -> int:
     """The exit status of a run whose plan was checked: 1 when a check found a difference
     beyond rounding (its verdict says where), else 0."""

@@ -13,9 +13,16 @@ from contextlib import suppress
 
 import graphpar.cli.show as show
 from graphpar.cli.calibrate import add_calibrate_parser
-from graphpar.cli.common import _Parser, add_model_options, add_plan_options, add_size_options
+from graphpar.cli.common import (
+    _Parser,
+    add_model_options,
+    add_pipeline_options,
+    add_plan_options,
+    add_size_options,
+)
 from graphpar.cli.compile import cmd_compile
 from graphpar.cli.explain import add_explain_parser
+from graphpar.cli.export import add_export_parser
 from graphpar.cli.generate import add_generate_parser
 from graphpar.cli.place import add_place_parser
 from graphpar.errors import GraphparError, UsageError
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=show.cmd_viz)
 
     add_explain_parser(sub)
+    add_export_parser(sub)
     add_generate_parser(sub)
     add_place_parser(sub)
     add_calibrate_parser(sub)
@@ -82,23 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=show.cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=show.cmd_passes)
     return parser
-
-
-def add_pipeline_options(parser: argparse.ArgumentParser, what: str) -> None:
-    """--pipeline, --microbatches, --schedule and --token-slices, as compile and viz take them."""
-    parser.add_argument("--pipeline", metavar="auto|S", help=what)
-    parser.add_argument("--microbatches", type=int, default=None,
-                        help="microbatches per step with --pipeline (default: 4, or the "
-                             "largest number below 4 that divides the batch)")
-    parser.add_argument("--power-of-two-hosts", action="store_true",
-                        help="with --pipeline: stages span 1, 2, 4, 8 ... hosts only, as Alpa's "
-                             "search does (fewer ILP solves on many hosts)")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "zb"], default=None,
-                        help="pipeline schedule with --pipeline (default 1f1b; zb: ZB-H1)")
-    parser.add_argument("--token-slices", metavar="auto|N",
-                        help="with --pipeline, a causal LM: cut each sequence into token slices "
-                             "that flow through the stages one after another (TeraPipe): 'auto' "
-                             "(the DP) or N equal slices")
 
 
 class Terminated(BaseException):

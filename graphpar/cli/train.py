@@ -29,8 +29,9 @@ def add_train_parser(sub) -> None:
                    help="a checkpoint every K steps (and always after the last)")
     t.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir")
-    t.add_argument("--log", type=Path, help="one JSON line per step; the loss curve goes "
-                                            "beside it (FILE.html)")
+    t.add_argument("--log", "--log-file", dest="log", type=Path,
+                   help="one JSON line per step; the loss curve goes beside it (FILE.html). "
+                        "Under torchrun write --log-file: torchrun reads --log as its --log-dir")
     t.add_argument("--seed", type=int, default=0, help="seeds the weights (torch.manual_seed "
                                                        "before build()) and the data sampler")
     t.add_argument("--no-progress", action="store_true", help="no progress line")

@@ -110,17 +110,17 @@ def prepare(options: TrainOptions) -> Start:
         raise UsageError(f"{options.spec.name}: training needs a loss: define loss(output, "
                          "*targets) and targets() in the model file")
     data = data_entry(options)
+    resume = checkpoint.resume_point(options.checkpoint_dir) if options.resume else None
+    if resume is not None and resume[0] >= options.steps:
+        raise UsageError(f"--resume: {resume[1]} is already at step {resume[0]}; give --steps "
+                         f"above {resume[0]} to train on")
     optimizer = optimizer_from_name(options.optimizer, options.lr)
     compiled = compile_training(options.spec, options.mesh, options.limits, optimizer)
     plan = plan_from(compiled, options.spec.name, options.cluster)
     start = Start(plan, initial_state(compiled, plan), data)
-    if options.resume:
-        start.step, path = checkpoint.resume_point(options.checkpoint_dir)
-        checkpoint.check_resumable(path, plan)
-        start.resume = str(path)
-        if start.step >= options.steps:
-            raise UsageError(f"--resume: {path} is already at step {start.step}; give --steps "
-                             f"above {start.step} to train on")
+    if resume is not None:
+        checkpoint.check_resumable(resume[1], plan)
+        start.step, start.resume = resume[0], str(resume[1])
     return start
 
 

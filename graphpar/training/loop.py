@@ -118,6 +118,9 @@ def prepare(options: TrainOptions) -> Start:
     compiled = compile_training(options.spec, options.mesh, options.limits, optimizer)
     plan = plan_from(compiled, options.spec.name, options.cluster)
     start = Start(plan, initial_state(compiled, plan), data)
+    from graphpar.training.rank import batch_source
+
+    batch_source(data, plan)(resume[0] if resume else 0)  # a bad batch() is named now
     if resume is not None:
         checkpoint.check_resumable(resume[1], plan)
         start.step, start.resume = resume[0], str(resume[1])

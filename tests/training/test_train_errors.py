@@ -55,3 +55,15 @@ def test_resume_a_corrupt_checkpoint(tmp_path, capsys):
     assert train("--steps", 4, "--resume", "--checkpoint-dir", tmp_path / "ckpt") == 1
     err = capsys.readouterr().err
     assert "step-3: not a readable checkpoint" in err and "Traceback" not in err
+
+
+def test_a_batch_of_another_shape_is_named_before_any_rank_starts(tmp_path, capsys):
+    model = tmp_path / "bad_batch.py"
+    model.write_text(f"import sys\nsys.path.insert(0, {str(MODEL.parent)!r})\n"
+                     "import torch\nfrom tiny_causal_lm import build, loss, targets\n\n"
+                     "def batch(step):\n"
+                     "    ids = torch.zeros(2, 3, dtype=torch.long)\n"
+                     "    return (ids,), (ids,)\n")
+    assert main(["train", str(model), "--mesh", "2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "batch(0) inputs are int64[2, 3]; the step was compiled for int64[4, 8]" in err

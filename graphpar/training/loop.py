@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,7 +52,6 @@ class TrainOptions:
     log: Path | None = None
     seed: int = 0
     progress: bool = True
-    summary: dict = field(default_factory=dict)
 
 
 def under_torchrun() -> bool:

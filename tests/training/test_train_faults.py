@@ -1,5 +1,6 @@
 """Faults while training: a rank that dies stops the job with its name and log tail; SIGTERM
-stops every rank with exit 143 and leaves the last complete checkpoint loadable."""
+or Ctrl-C stops every rank with exit 143 or 130 and leaves the last complete checkpoint
+loadable."""
 
 import os
 import signal
@@ -41,7 +42,10 @@ def test_a_dead_rank_stops_the_job_naming_it(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("signum, code, said", [(signal.SIGTERM, 143, "terminated"),
+                                                (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path, signum, code, said):
+    """SIGTERM, or Ctrl-C's SIGINT."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     log, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
     proc = subprocess.Popen(
@@ -53,9 +57,9 @@ def test_sigterm_stops_every_rank_and_keeps_the_last_checkpoint(tmp_path):
                                                 log.read_text().count("\n") >= 8):
         time.sleep(0.2)
     assert proc.poll() is None, proc.stderr.read()
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 143
-    assert "graphpar: terminated" in proc.stderr.read()
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == code
+    assert f"graphpar: {said}" in proc.stderr.read()
     assert _graphpar_processes(str(tmp_path)) == []  # no worker left behind
     steps = sorted(int(p.name.removeprefix("step-")) for p in ckpt.glob("step-*"))
     assert steps and steps[-1] >= 6 and steps[-1] % 3 == 0

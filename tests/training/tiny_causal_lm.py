@@ -2,7 +2,6 @@
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 VOCAB, BATCH, SEQ = 64, 4, 8
 
@@ -17,6 +16,8 @@ class CausalLM(torch.nn.Module):
 
 
 def build():
+    import transformers  # here, not at the top: the ranks only call batch()
+
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=SEQ,
                                      vocab_size=VOCAB, bos_token_id=0, eos_token_id=0)
     ids, _ = batch(0)

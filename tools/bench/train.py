@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 OUT = Path(__file__).with_name("train.json")
 
@@ -58,7 +57,6 @@ def _torch_rank(rank: int, world: int, port: int, kind: str, model: str, steps: 
                 warmup: int, out: str) -> None:
     """One rank of a plain PyTorch run: DDP or FSDP2 over gloo, its share of each batch."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from graphpar.models import get_model
@@ -93,15 +91,25 @@ def _torch_rank(rank: int, world: int, port: int, kind: str, model: str, steps: 
 
 
 def run_torch(kind: str, model: str, ranks: int, steps: int, warmup: int) -> dict:
+    """`ranks` processes of this script (`--torch-rank`), one plain PyTorch rank each."""
+    import subprocess
+
     from graphpar.runtime.workers import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        try:
-            mp.start_processes(_torch_rank, args=(ranks, free_port(), kind, model, steps, warmup,
-                                                  out), nprocs=ranks, start_method="spawn")
-        except Exception as exc:  # FSDP2 may not run on CPU with this torch: say so
-            return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1]}"}
+        out, port = os.path.join(tmp, "rank0.json"), free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        procs = [subprocess.Popen(
+            [sys.executable, __file__, "--torch-rank", f"{kind},{rank},{ranks},{port},{out}",
+             "--model", model, "--steps", str(steps), "--warmup", str(warmup)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for rank in range(ranks)]
+        errors = [p.communicate()[1] for p in procs]
+        if any(p.returncode for p in procs):  # FSDP2 may not run on CPU with this torch
+            tail = next(e for p, e in zip(procs, errors) if p.returncode).strip()
+            return {"error": tail.splitlines()[-1] if tail else "a rank failed"}
         return json.loads(Path(out).read_text())
 
 
@@ -138,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="cpu")
     parser.add_argument("--only", help="comma-separated: graphpar,ddp,fsdp2")
     parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--torch-rank", help=argparse.SUPPRESS)  # KIND,RANK,WORLD,PORT,OUT
     args = parser.parse_args(argv)
+    if args.torch_rank:
+        kind, rank, world, port, out = args.torch_rank.split(",", 4)
+        _torch_rank(int(rank), int(world), int(port), kind, args.model, args.steps,
+                    args.warmup, out)
+        return 0
     contenders = (args.only or "graphpar,ddp,fsdp2").split(",")
     (inputs, _), = _batches(args.model, 1)
     tokens = int(inputs[0].numel())

@@ -173,8 +173,8 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
         raise UsageError(f"torchrun started {world} processes (WORLD_SIZE) but --mesh "
                          f"{'x'.join(map(str, options.mesh.shape))} has {options.mesh.size} "
                          "devices: start one process per device (--nnodes x --nproc-per-node)")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=TIMEOUT_S))
+    # gloo: the ranks run the step with the CPU interpreter (NCCL waits for a CUDA runtime)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     try:
         outcome: list = [None]
         if rank == 0:

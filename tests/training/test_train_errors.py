@@ -67,3 +67,12 @@ def test_a_batch_of_another_shape_is_named_before_any_rank_starts(tmp_path, caps
     assert main(["train", str(model), "--mesh", "2", "--steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "batch(0) inputs are int64[2, 3]; the step was compiled for int64[4, 8]" in err
+
+
+def test_under_torchrun_the_world_must_be_the_mesh(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert main(["train", str(MODEL), "--mesh", "2x2", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 2 processes (WORLD_SIZE) but --mesh 2x2 has 4 devices" in err

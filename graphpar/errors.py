@@ -93,3 +93,8 @@ class PlacementSpecError(UsageError):
 class PlacementError(GraphparError):
     """A placement that cannot exist: a model that fits no device group, an SLO that no
     parallel configuration can meet."""
+
+
+class CheckpointError(GraphparError):
+    """A checkpoint that cannot be resumed from: unreadable or half-written, or written for
+    another model or optimizer; the message names the folder and what differs."""

@@ -25,6 +25,7 @@ from graphpar.cli.explain import add_explain_parser
 from graphpar.cli.export import add_export_parser
 from graphpar.cli.generate import add_generate_parser
 from graphpar.cli.place import add_place_parser
+from graphpar.cli.train import add_train_parser
 from graphpar.errors import GraphparError, UsageError
 
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(sub)
     add_place_parser(sub)
     add_calibrate_parser(sub)
+    add_train_parser(sub)
 
     sub.add_parser("ops", help="list the IR ops").set_defaults(fn=show.cmd_ops)
     sub.add_parser("passes", help="list the passes").set_defaults(fn=show.cmd_passes)

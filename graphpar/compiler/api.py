@@ -239,6 +239,18 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str |
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 
 
+def compile_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, optimizer: Optimizer,
+                     passes: str = "cleanup") -> Compiled:
+    """A model file's (or example's) training step auto-sharded on `mesh` under `limits`, both
+    read once where the user's options were (`graphpar train`), lowered to its device
+    program."""
+    from graphpar.compiler.driver import compile_model
+
+    pipeline = [*parse_pipeline(passes), AutoShard.of(mesh, limits)]
+    result = compile_model(spec, "train", pipeline, optimizer=optimizer)
+    return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
+
+
 def lower(captured: Captured, ctx: PassContext, spec: ModelSpec | None = None,
           optimizer: Optimizer | None = None) -> Compiled:
     """The device program of an auto-sharded capture (its graph stays the global one);

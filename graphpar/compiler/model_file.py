@@ -195,3 +195,15 @@ def _tensors(value, what: str, path: Path) -> tuple[torch.Tensor, ...]:
         raise UsageError(f"{path}: {what} must be a tuple of tensors, got "
                          f"{type(value).__name__}; {CONVENTION}")
     return tuple(value)
+
+
+def model_function(path: str | Path, name: str):
+    """The function `name` a model file defines (e.g. `batch`), or None; the file is imported
+    with its folder importable, as `load_model_file` does, but nothing is built."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file; {CONVENTION}")
+    with _own_folder_importable(path):
+        module = sys.modules.get(_module_name(path)) or _import(path)
+    function = getattr(module, name, None)
+    return function if callable(function) else None

@@ -161,22 +161,29 @@ class WorkerGroup:
                 self.fail()
         return self._sent
 
-    def wait(self, command: int) -> None:
-        """Wait until every worker has finished command number ``command``."""
+    def wait(self, command: int, *, timeout: float | None = None,
+             poll: Callable[[], None] | None = None) -> None:
+        """Wait until every worker has finished command number ``command``: at most
+        ``timeout`` seconds (default the group's; a long command, a training run, gives
+        ``inf`` and relies on its ranks' own collective timeouts), calling ``poll`` between
+        checks (to show progress)."""
         keys = [_DONE.format(r) for r in self.ranks]
 
         def finished() -> bool:
+            if poll is not None:
+                poll()
             return self.store.check(keys) and all(  # type: ignore[union-attr]
                 int(self.store.get(k)) >= command for k in keys)  # type: ignore[union-attr]
-        self._wait(finished, "to finish")
+        self._wait(finished, "to finish", timeout)
 
     def finished(self, command: int) -> list[int]:
         """The workers that have finished command number ``command``."""
         return [r for r in self.ranks if self.store.check([_DONE.format(r)])  # type: ignore
                 and int(self.store.get(_DONE.format(r))) >= command]  # type: ignore
 
-    def _wait(self, done: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _wait(self, done: Callable[[], bool], what: str, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while not done():
             if any(p.poll() not in (None, 0) for p in self.processes.values()):
                 self.fail()
@@ -185,7 +192,7 @@ class WorkerGroup:
                 self.stop(kill=True)
                 raise BackendError(
                     f"{self.name} ranks {running} did not {what.removeprefix('to ')} within "
-                    f"{self.timeout:g} s: timed out (a collective no rank matched, or a recv "
+                    f"{timeout:g} s: timed out (a collective no rank matched, or a recv "
                     f"with no send?){log_tail(self.jobdir, running[0]) if running else ''}")
             time.sleep(_POLL_S)
 

@@ -1,0 +1,98 @@
+"""`graphpar train MODEL.py --mesh 2x2 --steps N`: train with the plan, alone or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from graphpar.cli.common import add_plan_options, check_plan_options, plan_limits, plan_mesh
+from graphpar.errors import UsageError
+
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a model with its plan for many steps, alone or "
+                                     "under torchrun, with DCP checkpoints (docs/training.md)")
+    t.add_argument("model", nargs="?", help="model file defining build(), loss(), targets() "
+                                            "and, for its data, batch(step) (see README)")
+    t.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny (with --data)")
+    add_plan_options(t, "the device mesh to train on, e.g. 2x2 (one rank per device)")
+    t.set_defaults(cluster="cpu")
+    t.add_argument("--steps", type=int, required=True, help="train up to this step")
+    t.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
+    t.add_argument("--lr", type=float, help="learning rate (default: torch.optim's)")
+    t.add_argument("--data", type=Path,
+                   help="a causal LM's data: a flat token file (.bin of uint16, .npy) or a text "
+                        "file read as bytes (default: the model file's batch(step))")
+    t.add_argument("--checkpoint-dir", type=Path, help="write DCP checkpoints to DIR/step-<N>")
+    t.add_argument("--checkpoint-every", type=int, metavar="K",
+                   help="a checkpoint every K steps (and always after the last)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir")
+    t.add_argument("--log", "--log-file", dest="log", type=Path,
+                   help="one JSON line per step; the loss curve goes beside it (FILE.html). "
+                        "Under torchrun write --log-file: torchrun reads --log as its --log-dir")
+    t.add_argument("--seed", type=int, default=0, help="seeds the weights (torch.manual_seed "
+                                                       "before build()) and the data sampler")
+    t.add_argument("--no-progress", action="store_true", help="no progress line")
+    t.set_defaults(fn=cmd_train)
+
+
+def check_train_options(args: argparse.Namespace) -> None:
+    """Usage errors in train's own options, found before the model is loaded."""
+    if not args.mesh:
+        raise UsageError("train needs --mesh, e.g. --mesh 2x2 (one rank per device)")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: give the number of steps to train, 1 or more")
+    if args.lr is not None and not args.lr > 0:
+        raise UsageError(f"--lr {args.lr}: give a positive learning rate")
+    if args.checkpoint_every is not None:
+        if args.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give 1 or more steps")
+        if args.checkpoint_dir is None:
+            raise UsageError("--checkpoint-every writes checkpoints: give --checkpoint-dir DIR")
+    if args.resume and args.checkpoint_dir is None:
+        raise UsageError("--resume continues from a checkpoint: give --checkpoint-dir DIR")
+    if args.checkpoint_dir is not None and args.checkpoint_dir.exists() \
+            and not args.checkpoint_dir.is_dir():
+        raise UsageError(f"--checkpoint-dir {args.checkpoint_dir}: exists and is not a folder")
+    if args.log is not None and args.log.is_dir():
+        raise UsageError(f"--log {args.log}: is a folder; give a file (FILE.jsonl)")
+    check_plan_options(args)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from graphpar.cli.common import load_target
+    from graphpar.training.loop import TrainOptions, train, under_torchrun
+
+    check_train_options(args)
+    mesh = plan_mesh(args)
+    limits = plan_limits(args, mesh.cluster)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != mesh.size:
+        raise UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) "
+                         f"but --mesh {args.mesh} has {mesh.size} devices: start one process "
+                         "per device (--nnodes x --nproc-per-node)")
+    torch.manual_seed(args.seed)
+    spec = load_target(args.model, args.example, "train")
+    options = TrainOptions(
+        spec=spec, mesh=mesh, limits=limits, cluster=args.cluster, steps=args.steps,
+        optimizer=args.optimizer, lr=args.lr, data=args.data,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress)
+    summary = train(options)
+    if summary:
+        losses = summary["losses"]
+        if losses:
+            print(f"trained {summary['model']} on mesh {summary['mesh']}: steps "
+                  f"{summary['first_step'] + 1}..{summary['steps']}, loss {losses[0]:.4f} -> "
+                  f"{losses[-1]:.4f}")
+            print(f"step time  {summary['step_seconds_measured'] * 1e3:.2f} ms measured "
+                  f"(median, rank 0), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
+                  f"estimated (cost model, cluster {summary['estimated_on']})")
+        if args.checkpoint_dir is not None:
+            print(f"checkpoint {args.checkpoint_dir / f'step-{args.steps}'}")
+        if "loss_curve" in summary:
+            print(f"log {args.log}, loss curve {summary['loss_curve']}")
+    return 0

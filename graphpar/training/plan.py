@@ -1,0 +1,126 @@
+"""What every rank of a training run needs, made once by whoever compiles (`TrainPlan`).
+
+The plan is plain data, so that it travels to worker processes (a job folder) or to torchrun's
+other ranks (a broadcast from rank 0): the device program as IR text, the mesh, each input's
+and each state tensor's global shape and layout, and how the module's `state_dict` keys and
+torch.optim's state map onto the step's state (for checkpoints a plain module loads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from graphpar.ir.layout import Layout
+from graphpar.ir.mesh import Mesh
+
+if TYPE_CHECKING:
+    from graphpar.compiler.api import Compiled
+
+ADAM_STEP = "optim.step"  # graphpar.capture.optim.STEP: Adam's one step counter
+
+
+@dataclass
+class Tensor:
+    """A tensor of the step as every rank sees it: its global shape, dtype and layout."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def placements(self) -> Layout:
+        return Layout.parse(self.layout)
+
+
+@dataclass
+class TrainPlan:
+    """A compiled training step, as data every rank can rebuild its part from."""
+
+    name: str
+    program: str  # the device program's IR text (every rank runs it)
+    targets: list[str | None]  # its outputs' targets, which do not print
+    mesh_shape: tuple[int, ...]
+    axes: list[tuple[int, ...]]  # the mesh axes its collectives use
+    inputs: dict[str, Tensor]  # the user's inputs, then the targets, in call order
+    state: dict[str, Tensor]  # parameters, buffers, optimizer state, constants
+    loss_index: int
+    # module state_dict key -> the state tensor it is (tied weights: the one that carries it)
+    model_keys: dict[str, str]
+    # parameter key -> {"exp_avg": state name, ...}: torch.optim's per-parameter state
+    optimizer_keys: dict[str, dict[str, str]]
+    optimizer: dict[str, object]  # kind and hyper-parameters ("kind": "adam", "lr": ...)
+    estimated_seconds: float  # the plan's step time on the cost model's cluster (estimated)
+    cluster: str
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # state_dict keys the
+    # step does not read (non-persistent in the step): saved as they were built
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(self.mesh_shape)
+
+    @property
+    def world(self) -> int:
+        return self.mesh.size
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Elements of the first input per step: tokens for a language model."""
+        first = next(iter(self.inputs.values()))
+        return int(torch.Size(first.shape).numel())
+
+
+def plan_from(compiled: Compiled, name: str, cluster: str) -> TrainPlan:
+    """The plan of a compiled training step (`graphpar.compile(..., mode="train")`)."""
+    from graphpar.ir.graph import OutputRole, Role
+    from graphpar.ir.printer import print_graph
+    from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
+
+    spmd, glob = compiled.spmd, compiled.captured.graph
+    shapes = {v.name: v.type for v in glob.inputs}
+    axes = sorted({node_axes(n) for n in spmd.nodes if n.op in GROUP_OPS})
+
+    def described(v) -> Tensor:
+        t = shapes[v.name]
+        return Tensor(tuple(t.shape), str(t.dtype).removeprefix("torch."), str(v.layout))
+
+    inputs = {v.name: described(v) for v in spmd.inputs if v.role is Role.INPUT}
+    state = {v.name: described(v) for v in spmd.inputs if v.role is not Role.INPUT}
+    module_keys = list(compiled.spec_or_raise().real_module().state_dict())
+    tied = dict(glob.attrs.get("tied", ()))
+    model_keys = {k: tied.get(k, k) for k in module_keys if tied.get(k, k) in state}
+    constants = {k: v.detach().clone() for k, v in compiled.spec_or_raise().module.state_dict()
+                 .items() if k not in model_keys}
+    params = [v.name for v in spmd.inputs if v.role is Role.PARAM]
+    optimizer_keys: dict[str, dict[str, str]] = {p: {} for p in params}
+    for v in spmd.inputs:
+        if v.role is Role.OPTIM_STATE and v.name != ADAM_STEP:
+            param, _, slot = v.name.rpartition(".")
+            optimizer_keys.setdefault(param, {})[slot] = v.name
+    if ADAM_STEP in state:
+        for slots in optimizer_keys.values():
+            slots["step"] = ADAM_STEP
+    opt = compiled.optimizer
+    optimizer = {"kind": type(opt).__name__.lower(), **(vars(opt) if opt is not None else {})}
+    return TrainPlan(
+        name=name, program=print_graph(spmd, show_source=False, show_cost=False),
+        targets=[o.target for o in spmd.outputs], mesh_shape=tuple(compiled.mesh.shape),
+        axes=[tuple(a) for a in axes], inputs=inputs, state=state,
+        loss_index=next(i for i, o in enumerate(spmd.outputs) if o.role is OutputRole.LOSS),
+        model_keys=model_keys, optimizer_keys=optimizer_keys, optimizer=optimizer,
+        estimated_seconds=compiled.plan.step_seconds, cluster=cluster, constants=constants)
+
+
+def initial_state(compiled: Compiled, plan: TrainPlan) -> list[dict[str, torch.Tensor]]:
+    """Each rank's shards of the state the step starts from (the module as built, the
+    optimizer's zeros)."""
+    from graphpar.runtime.spmd import shard_tensor
+
+    state, mesh = compiled.captured.state, plan.mesh
+    return [{name: shard_tensor(state[name], t.placements(), mesh, rank)
+             for name, t in plan.state.items()} for rank in range(mesh.size)]

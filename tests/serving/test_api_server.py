@@ -332,3 +332,38 @@ def test_zz_sigterm_drains_and_exits_143(server):
     thread.join(timeout=30)
     assert result["out"].usage.completion_tokens == 80
     assert "stopped" in server.stderr and "Traceback" not in server.stderr
+
+
+def test_overload_answers_429_with_retry_after(engines):
+    """--max-waiting: a request over the limit is refused at once (here the limit is 0), with
+    OpenAI's error object and Retry-After; the server runs in this process, on a real port."""
+    import uvicorn
+
+    from graphpar.serving.async_engine import AsyncEngine
+    from graphpar.serving.http.app import ServedModel, bind, build_app
+    from graphpar.serving.http.metrics import ServerMetrics
+    from graphpar.serving.tokenizer import Tokenizer
+
+    loop = AsyncEngine(engines("gpt").engine)
+    app = build_app({"gpt": ServedModel("gpt", loop, Tokenizer("bytes"))}, ServerMetrics(),
+                    max_waiting=0)
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    loop.start()
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        response = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0
+                          ).completions.create(model="gpt", prompt="hi", max_tokens=2)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        loop.shutdown()
+        sock.close()

@@ -65,7 +65,11 @@ def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     """The engine's options, as generate and serve take them; returns the group."""
     e = parser.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="at most N tokens a step: longer prompts are prefilled in chunks beside "
+                        "the running decodes (default: prompts prefill whole)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not keep and reuse the KV blocks of earlier prompts' prefixes")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--num-blocks", type=int, default=0,
                    help="device KV blocks (default: from --kv-memory, or max-num-seqs full "
@@ -217,6 +221,7 @@ def engine_config(args: argparse.Namespace):
         kv_cache_bytes=_bytes(args.kv_memory) if args.kv_memory else 0,
         swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=None if args.preemption == "auto" else args.preemption,
         kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
         tp_cluster=args.cluster)

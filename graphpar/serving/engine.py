@@ -82,6 +82,13 @@ class EngineConfig:
     every rank holds its kv heads of each block); ``tp_plan``: ``auto`` (the ILP) or
     ``megatron`` (see graphpar.passes.autoshard.serving); ``tp_cluster``: the cluster preset or
     file the ILP costs the ranks with (``cpu``; `graphpar calibrate` measures one).
+
+    ``max_num_batched_tokens``: at most this many tokens in one step (decodes and prompt
+    chunks together): a longer prompt is prefilled in chunks over several steps beside the
+    running decodes (chunked prefill). None: every prompt is prefilled whole, and a step admits
+    new prompts up to 2048 tokens (always at least one). ``enable_prefix_caching``: keep full
+    KV blocks by a hash of their tokens and everything before them after their request ends,
+    and reuse them for any later prompt that starts with the same tokens.
     """
 
     block_size: int = 16
@@ -89,7 +96,8 @@ class EngineConfig:
     kv_cache_bytes: int = 0
     swap_blocks: int | None = None
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # a step's tokens; None: prompts prefill whole
+    enable_prefix_caching: bool = True
     watermark: float = 0.01
     preemption_mode: str | None = None  # None (auto), "swap" or "recompute"
     kernel: str = "auto"
@@ -97,7 +105,6 @@ class EngineConfig:
     tp_plan: str = "auto"
     tp_cluster: str = "cpu"
     seed: int = 0
-    enable_prefix_caching: bool = True
 
 
 class LLMEngine:
@@ -123,7 +130,8 @@ class LLMEngine:
                             self.info.max_model_len),
             CacheConfig(num_blocks, swap, config.block_size,
                         watermark_blocks=int(config.watermark * num_blocks),
-                        preemption_mode=config.preemption_mode))
+                        preemption_mode=config.preemption_mode,
+                        enable_prefix_caching=config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(kv_blocks_free=num_blocks)
         self.outputs = OutputProcessor(self.scheduler, self.info.eos_token_ids,
@@ -387,9 +395,9 @@ class LLMEngine:
         s.running = sched.num_running_seqs
         s.waiting = len(sched.waiting) + len(sched.recompute)
         s.swapped = len(sched.swapped)
-        s.kv_used = 1.0 - sched.num_free_blocks / max(sched.num_device_blocks, 1)
         s.kv_blocks_free = sched.num_free_blocks
-        s.kv_blocks_used = sched.num_device_blocks - sched.num_free_blocks
+        s.kv_blocks_used = sched.num_device_blocks - s.kv_blocks_free
+        s.kv_used = s.kv_blocks_used / max(sched.num_device_blocks, 1)
 
 
 def engine_config(config: EngineConfig | None, overrides: dict) -> EngineConfig:

@@ -45,7 +45,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache, not a prefill
 
     @property
     def latency(self) -> float | None:
@@ -79,8 +79,8 @@ class EngineStats:
     waiting: int = 0
     swapped: int = 0
     kv_used: float = 0.0  # fraction of device blocks in use
-    kv_blocks_used: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_used: int = 0  # device KV blocks held by requests or registered prefixes
+    kv_blocks_free: int = 0  # device KV blocks free (cached blocks no one holds count as free)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose KV was found there
     start: float = field(default_factory=time.perf_counter)
@@ -318,7 +318,8 @@ class OutputProcessor:
                                     s.finish_reason, self._text(s)) for i, s in enumerate(seqs)]
         return RequestOutput(request.request_id, list(request.prompt), outputs,
                              request.finished, request.error, request.arrival_time,
-                             request.first_token_time, request.finish_time)
+                             request.first_token_time, request.finish_time,
+                             request.num_cached_tokens)
 
     def _text(self, seq: SequenceState) -> str | None:
         if seq.text is not None or self.detokenize is None:

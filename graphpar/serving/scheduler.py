@@ -110,6 +110,7 @@ class Request:
     error: str | None = None
     status: RequestStatus = RequestStatus.WAITING
     prefix: str | None = None  # a registered shared prefix the prompt starts with
+    num_cached_tokens: int = 0  # prompt tokens whose KV was found in the cache at admission
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq}"
@@ -175,11 +176,26 @@ class PrefixBlocks(NamedTuple):
     slot_mapping: list[int]
 
 
+# A step's new prompt tokens when prefill is not chunked (a longer prompt still runs alone).
+UNCHUNKED_PROMPT_TOKENS = 2048
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 2048  # prompt tokens in one prefill step
+    max_num_batched_tokens: int | None = None  # a step's tokens; None: prompts prefill whole
     max_model_len: int = 2048
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.max_num_batched_tokens is not None
+
+    @property
+    def token_budget(self) -> int:
+        """The tokens one step may run (decodes and prompt chunks)."""
+        if self.max_num_batched_tokens is None:
+            return UNCHUNKED_PROMPT_TOKENS
+        return self.max_num_batched_tokens
 
 
 @dataclass
@@ -191,6 +207,7 @@ class CacheConfig:
     block_size: int = 16
     watermark_blocks: int = 0
     preemption_mode: str | None = None  # None/"auto", "swap" or "recompute"
+    enable_prefix_caching: bool = True
 
 
 class Scheduler:
@@ -360,7 +377,7 @@ class Scheduler:
 
     def _schedule_prefill(self, plan: StepPlan) -> None:
         bm = self.block_manager
-        tokens_left = self.config.max_num_batched_tokens - len(plan.slots)
+        tokens_left = self.config.token_budget - len(plan.slots)
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
         busy = bool(plan.slots)
         for request in list(self.recompute):
@@ -409,6 +426,7 @@ class Scheduler:
             seq = request.seqs[0]
             alloc = bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix)
             plan.copies.extend(alloc.copies)  # the prefix's partly filled last block
+            request.num_cached_tokens = alloc.num_cached_tokens
             plan.prefill.append(PrefillItem(request, seq, alloc.num_cached_tokens, prompt,
                                             sample=True))
             self._start(request)

@@ -366,7 +366,9 @@ class _Delta:
         self.done = False
 
     def next(self, c: CompletionOutput) -> tuple[str, list[int], list[float]] | None:
-        """The new text and tokens to send for ``c``; None when there is nothing new."""
+        """The new text and tokens to send for ``c``; None when there is no new token. A new
+        token whose text is held back still makes a chunk (with empty text), as in vLLM, so
+        a client sees each token when it comes."""
         if self.done:
             return None
         text = c.text or ""
@@ -380,7 +382,7 @@ class _Delta:
         delta = text[self.text:end] if end > self.text else ""
         tokens = c.token_ids[self.tokens:]
         logprobs = c.logprobs[self.tokens:]
-        if not delta and c.finish_reason is None:
+        if not tokens and not delta and c.finish_reason is None:
             return None
         self.text = max(self.text, end)
         self.tokens = len(c.token_ids)

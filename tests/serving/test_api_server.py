@@ -334,36 +334,121 @@ def test_zz_sigterm_drains_and_exits_143(server):
     assert "stopped" in server.stderr and "Traceback" not in server.stderr
 
 
+class InProcessServer:
+    """build_app over engines of this process on a real port, uvicorn on a thread."""
+
+    def __init__(self, llms: dict, max_waiting=None) -> None:
+        import uvicorn
+
+        from graphpar.serving.async_engine import AsyncEngine
+        from graphpar.serving.http.app import ServedModel, bind, build_app
+        from graphpar.serving.http.metrics import ServerMetrics
+        from graphpar.serving.tokenizer import Tokenizer
+
+        self.loops = [AsyncEngine(llm.engine) for llm in llms.values()]
+        app = build_app({name: ServedModel(name, loop, Tokenizer("bytes"))
+                         for name, loop in zip(llms, self.loops)}, ServerMetrics(),
+                        max_waiting=max_waiting)
+        self.sock = bind("127.0.0.1", 0)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __enter__(self):
+        for loop in self.loops:
+            loop.start()
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        for loop in self.loops:
+            loop.shutdown()
+        self.sock.close()
+
+
 def test_overload_answers_429_with_retry_after(engines):
     """--max-waiting: a request over the limit is refused at once (here the limit is 0), with
-    OpenAI's error object and Retry-After; the server runs in this process, on a real port."""
-    import uvicorn
-
-    from graphpar.serving.async_engine import AsyncEngine
-    from graphpar.serving.http.app import ServedModel, bind, build_app
-    from graphpar.serving.http.metrics import ServerMetrics
-    from graphpar.serving.tokenizer import Tokenizer
-
-    loop = AsyncEngine(engines("gpt").engine)
-    app = build_app({"gpt": ServedModel("gpt", loop, Tokenizer("bytes"))}, ServerMetrics(),
-                    max_waiting=0)
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    loop.start()
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        response = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    OpenAI's error object and Retry-After."""
+    with InProcessServer({"gpt": engines("gpt")}, max_waiting=0) as server:
+        response = httpx.post(server.url + "/v1/completions",
+                              json={"prompt": "hi", "max_tokens": 2})
         assert response.status_code == 429 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "rate_limit_exceeded"
         with pytest.raises(openai.RateLimitError):
-            openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0
+            openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0
                           ).completions.create(model="gpt", prompt="hi", max_tokens=2)
+
+
+def test_several_models_routed_by_name(engines, models):
+    """Two models behind one server: each request runs on the model it names (tokens equal
+    that model's eager greedy tokens), concurrently."""
+    from serve_testutil import eager_greedy
+
+    prompt = [3, 1, 4, 1, 5]
+    with InProcessServer({"gpt": engines("gpt"), "llama": engines("llama")}) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["gpt", "llama"]
+
+        async def both():
+            async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+            outs = await asyncio.gather(*(async_client.completions.create(
+                model=name, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True}) for name in ("gpt", "llama")))
+            await async_client.close()
+            return outs
+        for name, out in zip(("gpt", "llama"), asyncio.run(both())):
+            expected = eager_greedy(models(name), prompt, 6)
+            assert out.model == name
+            assert out.choices[0].logprobs.tokens == [
+                bytes([t]).decode("utf-8", errors="replace") for t in expected]
+        missing = httpx.post(server.url + "/v1/completions", json={"prompt": "x"})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+
+
+def test_serve_model_options():
+    """--model NAME=MODEL: files and bundled examples; the usage errors."""
+    from graphpar.cli.main import build_parser
+    from graphpar.cli.serve import _check, _targets
+
+    def parse(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        _check(args)
+        return [(n, o.model, o.example) for n, o in _targets(args)]
+    assert parse("--model", "a=gpt:tiny", "--model", "b=m.py") == [
+        ("a", None, "gpt:tiny"), ("b", "m.py", None)]
+    assert parse("--example", "gpt:tiny") == [("gpt:tiny", None, "gpt:tiny")]
+    assert parse("m.py", "--served-model-name", "x") == [("x", "m.py", None)]
+    from graphpar.errors import UsageError
+    for argv, words in ((["--model", "a"], "give NAME=MODEL"),
+                        (["--model", "a=gpt:tiny", "--model", "a=llama:tiny"], "given twice"),
+                        (["--model", "a=gpt:tiny", "--example", "gpt:tiny"], "not both"),
+                        ([], "needs a model file"),
+                        (["--example", "gpt:tiny", "--port", "70000"], "--port")):
+        with pytest.raises(UsageError, match=words):
+            parse(*argv)
+
+
+@pytest.mark.slow
+def test_greedy_tokens_on_two_tensor_parallel_ranks(tokenizer_dir, model_file, tmp_path):
+    """`graphpar serve --tensor-parallel 2`: the same greedy text as eager PyTorch."""
+    from serve_testutil import eager_greedy
+
+    from graphpar.models import get_model
+    from graphpar.serving.tokenizer import Tokenizer
+
+    server = Server([str(model_file), "--tokenizer", str(tokenizer_dir), "--tensor-parallel",
+                     "2", "--served-model-name", "tiny"], tmp_path)
+    try:
+        module = get_model("gpt", "tiny", seq_len=96).module.eval()
+        decode = Tokenizer(str(tokenizer_dir)).decode
+        for prompt, response in zip(PROMPTS, _served_greedy(server)):
+            assert response.choices[0].text == decode(eager_greedy(module, prompt, 10))
+        assert server.stop(signal.SIGINT) == 130
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        loop.shutdown()
-        sock.close()
+        if server.proc.poll() is None:
+            server.proc.kill()

@@ -364,6 +364,7 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
                                   "finish_reason": c.finish_reason,
                                   "cumulative_logprob": round(c.cumulative_logprob, 6)}
                                  for c in result.outputs]
+            record["cached_tokens"] = result.num_cached_tokens
             record["latency_s"] = round(result.latency or 0.0, 6)
         records.append(json.dumps(record) + "\n")
     if args.out:
@@ -375,7 +376,9 @@ def _serve(args: argparse.Namespace, llm, spec, lines, params, tokenizer, start:
     print(f"graphpar generate: {len(lines) - failed}/{len(lines)} requests served, "
           f"{stats.generated_tokens} tokens generated in {seconds:.2f} s "
           f"({stats.generated_tokens / max(seconds, 1e-9):.1f} tokens/s, measured), "
-          f"{stats.preemptions} preemptions" + (f", wrote {args.out}" if args.out else ""),
+          f"{stats.preemptions} preemptions, {stats.prefix_cache_hits}/"
+          f"{stats.prefix_cache_queries} prompt tokens from the prefix cache (counted)"
+          + (f", wrote {args.out}" if args.out else ""),
           file=sys.stderr)
     return 1 if failed else 0
 

@@ -156,7 +156,7 @@ class LLMEngine:
         self._validate(probe)
         self.scheduler.check_prefix_room(len(tokens))
         prefix_id = f"prefix-{next(self._ids)}"
-        blocks = self.scheduler.register_prefix(prefix_id, len(tokens))
+        blocks = self.scheduler.register_prefix(prefix_id, len(tokens), tokens)
         self.model.prefill(StepInputs(
             input_ids=tokens, positions=list(range(len(tokens))),
             slot_mapping=blocks.slot_mapping, block_tables=[self._padded(blocks.block_table)],
@@ -395,6 +395,8 @@ class LLMEngine:
         s.running = sched.num_running_seqs
         s.waiting = len(sched.waiting) + len(sched.recompute)
         s.swapped = len(sched.swapped)
+        s.prefix_cache_queries = sched.prefix_cache_queries
+        s.prefix_cache_hits = sched.prefix_cache_hits
         s.kv_blocks_free = sched.num_free_blocks
         s.kv_blocks_used = sched.num_device_blocks - s.kv_blocks_free
         s.kv_used = s.kv_blocks_used / max(sched.num_device_blocks, 1)

@@ -39,8 +39,8 @@ Two kinds of failure are kept apart:
 from __future__ import annotations
 
 import enum
-from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from graphpar.errors import KVCacheError
@@ -49,6 +49,7 @@ __all__ = [
     "Allocation",
     "BlockAllocator",
     "BlockCopy",
+    "BlockKey",
     "BlockManager",
     "BlockTable",
     "KVCacheStateError",
@@ -60,6 +61,7 @@ __all__ = [
     "Resumption",
     "Slot",
     "AppendResult",
+    "block_key",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -212,32 +214,56 @@ class BlockAllocator:
 
     ``allocate`` returns a block with reference count 1; ``decref`` returns it to the free list
     when the count reaches 0. Freeing a free block raises :class:`KVCacheStateError`.
+
+    With ``caching`` (the device pool under prefix caching), a block may carry a *key*: the
+    identity of the tokens whose KV it holds (:func:`block_key`). A keyed block whose count
+    reaches 0 is not wiped: it waits, still findable by :meth:`lookup`, among the *evictable*
+    blocks in least-recently-freed order. It counts as free; ``allocate`` takes a plain free
+    block first and evicts the least recently freed keyed block only when none is left.
     """
 
-    def __init__(self, num_blocks: int, pool: Pool = Pool.DEVICE) -> None:
+    def __init__(self, num_blocks: int, pool: Pool = Pool.DEVICE, caching: bool = False) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.pool = pool
         self.num_blocks = num_blocks
+        self.caching = caching
         self._refcount = [0] * num_blocks
         # A stack popped from the end: block 0 is handed out first, freed blocks are reused first.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._key_of: dict[int, BlockKey] = {}
+        self._block_of: dict[BlockKey, int] = {}
 
     @property
     def num_free(self) -> int:
-        """Blocks on the free list."""
-        return len(self._free)
+        """Blocks no sequence holds (evictable cached blocks included)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
         """Blocks with a reference count above 0."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks with a key (held or evictable)."""
+        return len(self._key_of)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def allocate(self) -> int:
-        """Take a free block; its reference count becomes 1."""
-        if not self._free:
+        """Take a free block (evicting the least recently freed cached one if it must); its
+        reference count becomes 1 and it has no key."""
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+        else:
             raise NoFreeBlocksError(f"the {self.pool.value} pool has no free block")
-        block = self._free.pop()
         self._refcount[block] = 1
         return block
 
@@ -248,7 +274,8 @@ class BlockAllocator:
         return self._refcount[block]
 
     def decref(self, block: int, n: int = 1) -> int:
-        """Drop ``n`` references; at 0 the block goes back to the free list. Returns the count."""
+        """Drop ``n`` references; at 0 the block goes back to the free list (a keyed block: to
+        the evictable ones, most recent last). Returns the count."""
         self._check_live(block)
         if n > self._refcount[block]:
             raise KVCacheStateError(
@@ -257,7 +284,10 @@ class BlockAllocator:
             )
         self._refcount[block] -= n
         if self._refcount[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
         return self._refcount[block]
 
     def refcount(self, block: int) -> int:
@@ -265,8 +295,48 @@ class BlockAllocator:
         return self._refcount[block]
 
     def free_blocks(self) -> list[int]:
-        """The free list, a copy (next block to be handed out last)."""
-        return list(self._free)
+        """The free blocks, a copy: the plain free list, then the evictable cached blocks."""
+        return list(self._free) + list(self._evictable)
+
+    # --- cached blocks (prefix caching) -------------------------------------------------------
+
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block holding ``key``'s tokens, held or evictable, or None."""
+        return self._block_of.get(key)
+
+    def key_of(self, block: int) -> BlockKey | None:
+        return self._key_of.get(block)
+
+    def set_key(self, block: int, key: BlockKey) -> bool:
+        """Record that held ``block`` now holds ``key``'s tokens. False (nothing recorded) when
+        caching is off, the block has a key already, or another block holds the key."""
+        self._check_live(block)
+        if not self.caching or block in self._key_of or key in self._block_of:
+            return False
+        self._key_of[block] = key
+        self._block_of[key] = block
+        return True
+
+    def take(self, block: int) -> None:
+        """One more reference to a cached block: an evictable one is taken back (count 1)."""
+        if self._refcount[block] == 0:
+            if block not in self._evictable:
+                raise KVCacheStateError(f"{self.pool.value} block {block} is free, not cached")
+            del self._evictable[block]
+            self._refcount[block] = 1
+        else:
+            self._refcount[block] += 1
+
+    def check_cache(self) -> None:
+        """Raise KVCacheStateError if the key maps or the evictable blocks are inconsistent."""
+        if {b: k for k, b in self._block_of.items()} != self._key_of:
+            raise KVCacheStateError(f"{self.pool.value} pool: block keys are not one-to-one")
+        for block in self._evictable:
+            if self._refcount[block] or block not in self._key_of:
+                raise KVCacheStateError(f"{self.pool.value} block {block} is evictable but held "
+                                        f"or has no key")
+        if set(self._evictable) & set(self._free):
+            raise KVCacheStateError(f"{self.pool.value} pool: a block is free and evictable")
 
     def _check_live(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
@@ -275,10 +345,24 @@ class BlockAllocator:
             raise KVCacheStateError(f"{self.pool.value} block {block} is free (double free?)")
 
 
+BlockKey = tuple[int, tuple[int, ...]]  # (the previous block's key hash, this block's tokens)
+
+
+def block_key(parent: BlockKey | None, tokens: Sequence[int]) -> BlockKey:
+    """The identity of a full block: the hash of everything before it, and its own tokens.
+
+    Two blocks have equal keys when their tokens are equal and the hashes of their prefixes
+    are equal, so a key names the whole prefix up to a 64-bit hash collision of the part
+    before the block (vLLM's design; its tokens are compared exactly).
+    """
+    return (0 if parent is None else hash(parent), tuple(tokens))
+
+
 class _Seq:
     """Internal per-sequence state: its block table and bookkeeping."""
 
-    __slots__ = ("group", "blocks", "on_cpu", "num_tokens", "prefix", "prefix_entry")
+    __slots__ = ("group", "blocks", "on_cpu", "num_tokens", "prefix", "prefix_entry", "keys",
+                 "num_keyed")
 
     def __init__(self, group: GroupId, num_tokens: int, prefix: PrefixId | None,
                  prefix_entry: _Prefix | None) -> None:
@@ -290,6 +374,8 @@ class _Seq:
         # The registration the sequence started from: an id unregistered and registered again
         # names other tokens, so a resume compares registrations, not ids.
         self.prefix_entry = prefix_entry
+        self.keys: list[BlockKey] = []  # keys of its first full blocks (tokens never change)
+        self.num_keyed = 0  # leading blocks whose keys the device pool has been given
 
 
 class _Group:
@@ -319,6 +405,9 @@ class BlockManager:
             sequences can grow a little before preemption is needed (vLLM keeps ~1%).
         preemption_mode: ``"swap"``, ``"recompute"`` or ``None``/``"auto"``; see
             :meth:`preemption_mode_for`.
+        enable_prefix_caching: keep full device blocks, keyed by their tokens and everything
+            before them (:func:`block_key`), after their last sequence lets them go; a new
+            prompt (``allocate(..., tokens=)``) maps the cached blocks its tokens start with.
 
     Sequence, group and prefix ids are any hashable values chosen by the engine.
     """
@@ -331,6 +420,7 @@ class BlockManager:
         *,
         watermark_blocks: int = 0,
         preemption_mode: PreemptionMode | str | None = None,
+        enable_prefix_caching: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -342,7 +432,7 @@ class BlockManager:
             self.preemption_mode: PreemptionMode | None = None
         else:
             self.preemption_mode = PreemptionMode(preemption_mode)
-        self._device = BlockAllocator(num_device_blocks, Pool.DEVICE)
+        self._device = BlockAllocator(num_device_blocks, Pool.DEVICE, enable_prefix_caching)
         self._cpu = BlockAllocator(num_cpu_blocks, Pool.CPU)
         self._seqs: dict[SeqId, _Seq] = {}
         self._groups: dict[GroupId, _Group] = {}
@@ -367,6 +457,10 @@ class BlockManager:
     @property
     def num_cpu_blocks(self) -> int:
         return self._cpu.num_blocks
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._device.caching
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -421,12 +515,16 @@ class BlockManager:
         self._check_fits(num_tokens, needed, None, what="prefix")
         return needed <= self._device.num_free
 
-    def register_prefix(self, prefix: PrefixId, num_tokens: int) -> tuple[int, ...]:
+    def register_prefix(self, prefix: PrefixId, num_tokens: int,
+                        tokens: Sequence[int] | None = None) -> tuple[int, ...]:
         """Reserve device blocks for a shared prefix; returns them in logical order.
 
         The runtime fills them by prefilling the prefix at :meth:`prefix_slot_mapping`. The
         manager keeps one reference per block until :meth:`unregister_prefix`, so sequences that
         share the prefix never write into its blocks in place (the last one is copy-on-write).
+        With prefix caching and the prefix's ``tokens``, its full blocks are also cached blocks:
+        any prompt starting with those tokens finds them, named prefix or not (the caller
+        prefills them before anything else reads them).
         """
         if prefix in self._prefixes:
             raise KVCacheStateError(f"prefix {prefix!r} is already registered")
@@ -439,6 +537,9 @@ class BlockManager:
             )
         blocks = [self._device.allocate() for _ in range(self.blocks_for_tokens(num_tokens))]
         self._prefixes[prefix] = _Prefix(blocks, num_tokens)
+        if tokens is not None and self.prefix_caching:
+            for block, key in zip(blocks, self._block_keys(tokens[:num_tokens])):
+                self._device.set_key(block, key)
         return tuple(blocks)
 
     def unregister_prefix(self, prefix: PrefixId) -> None:
@@ -481,23 +582,27 @@ class BlockManager:
             self._check_prefix_use(prefix, total)
         self._check_fits(total, self._blocks_to_allocate(total, prefix), prefix, what="request")
 
-    def can_allocate(self, prompt_len: int, prefix: PrefixId | None = None) -> bool:
+    def can_allocate(self, prompt_len: int, prefix: PrefixId | None = None,
+                     tokens: Sequence[int] | None = None) -> bool:
         """Whether a new sequence with a ``prompt_len``-token prompt can be allocated now.
 
         Keeps ``watermark_blocks`` free. Returns False when blocks are short *now* (queue the
-        request or preempt); raises KVCacheError if the prompt could never fit.
+        request or preempt); raises KVCacheError if the prompt could never fit. ``tokens``: the
+        prompt, to count the cached blocks it would map (prefix caching).
         """
         if prefix is not None:
             self._check_prefix_use(prefix, prompt_len)
-        needed = self._blocks_to_allocate(prompt_len, prefix)
+        needed = self._blocks_to_allocate(prompt_len, prefix, tokens)
         self._check_fits(prompt_len, needed, prefix, what="prompt")
         return self._device.num_free - needed >= self.watermark_blocks
 
-    def blocks_to_allocate(self, prompt_len: int, prefix: PrefixId | None = None) -> int:
-        """New device blocks :meth:`allocate` would take for this prompt."""
+    def blocks_to_allocate(self, prompt_len: int, prefix: PrefixId | None = None,
+                           tokens: Sequence[int] | None = None) -> int:
+        """Free device blocks :meth:`allocate` would take for this prompt (a cached block no
+        one holds counts: taking it back takes it off the free ones)."""
         if prefix is not None:
             self._check_prefix_use(prefix, prompt_len)
-        return self._blocks_to_allocate(prompt_len, prefix)
+        return self._blocks_to_allocate(prompt_len, prefix, tokens)
 
     def allocate(
         self,
@@ -506,6 +611,7 @@ class BlockManager:
         *,
         group: GroupId | None = None,
         prefix: PrefixId | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> Allocation:
         """Give a new sequence the blocks for its prompt (all-or-nothing).
 
@@ -515,6 +621,10 @@ class BlockManager:
             group: the sequence group to join or create; defaults to ``seq`` itself. For parallel
                 sampling / beam search allocate one sequence and :meth:`fork` the others.
             prefix: a registered prefix the prompt starts with; its blocks are shared.
+            tokens: the prompt's tokens. With prefix caching (and no ``prefix``), the cached
+                full blocks its tokens start with are mapped instead of computed: the
+                allocation's ``num_cached_tokens`` counts them. At least the last prompt token
+                is always computed (the step samples from it).
 
         Raises KVCacheError if the prompt can never fit, NoFreeBlocksError if it does not fit now.
         """
@@ -528,20 +638,47 @@ class BlockManager:
         g = self._groups.get(group)
         if g is not None and g.status is not RequestStatus.RUNNING:
             raise KVCacheStateError(f"group {group!r} is {g.status.value}; cannot add {seq!r}")
-        needed = self._blocks_to_allocate(prompt_len, prefix)
+        needed = self._blocks_to_allocate(prompt_len, prefix, tokens)
         self._check_fits(prompt_len, needed, prefix, what="prompt")
         if needed > self._device.num_free:
             raise NoFreeBlocksError(
                 f"sequence {seq!r} needs {needed} device blocks, {self._device.num_free} are free"
             )
         s = _Seq(group, prompt_len, prefix, self._prefixes.get(prefix))
-        copies = self._fill_blocks(s, prefix)
+        if prefix is None and tokens is not None and self.prefix_caching:
+            s.keys, hits = self._cache_hits(tokens, prompt_len)
+            for block in hits:  # before any allocation, which could evict them
+                self._device.take(block)
+            s.num_keyed = len(hits)
+            copies = self._fill_from(s, hits, taken=True)
+            cached = len(hits) * self.block_size
+        else:
+            copies = self._fill_blocks(s, prefix)
+            cached = self._prefixes[prefix].num_tokens if prefix is not None else 0
         if g is None:
             g = self._groups[group] = _Group()
         g.seqs.append(seq)
         self._seqs[seq] = s
-        cached = self._prefixes[prefix].num_tokens if prefix is not None else 0
         return Allocation(seq, tuple(s.blocks), prompt_len, cached, tuple(copies))
+
+    def cache_blocks(self, seq: SeqId, tokens: Sequence[int], num_computed: int) -> int:
+        """Give the device pool the keys of a running sequence's full blocks whose KV is
+        written (its first ``num_computed`` positions, ``tokens`` its tokens), so later prompts
+        find them. Returns how many blocks got a key now (0 without prefix caching). A block
+        whose tokens another block holds already stays unkeyed (the first one is found)."""
+        s = self._seq(seq)
+        if not self.prefix_caching or self._groups[s.group].status is not RequestStatus.RUNNING:
+            return 0
+        full = min(num_computed, s.num_tokens, len(tokens)) // self.block_size
+        if full <= s.num_keyed:
+            return 0
+        if len(s.keys) < full:
+            s.keys.extend(self._block_keys(tokens, start=len(s.keys), end=full,
+                                           parent=s.keys[-1] if s.keys else None))
+        added = sum(self._device.set_key(s.blocks[i], s.keys[i])
+                    for i in range(s.num_keyed, full))
+        s.num_keyed = full
+        return added
 
     def fork(self, parent: SeqId, child: SeqId) -> None:
         """Make ``child`` share all of ``parent``'s blocks (reference counts +1); same group.
@@ -557,6 +694,8 @@ class BlockManager:
         c = _Seq(p.group, p.num_tokens, p.prefix, p.prefix_entry)
         c.blocks = list(p.blocks)
         c.on_cpu = list(p.on_cpu)
+        c.keys = list(p.keys)
+        c.num_keyed = p.num_keyed
         for b in c.blocks:
             self._device.incref(b)
         self._seqs[child] = c
@@ -892,6 +1031,14 @@ class BlockManager:
         for group, g in self._groups.items():
             if not g.seqs or any(self._seqs[q].group != group for q in g.seqs):
                 raise KVCacheStateError(f"group {group!r} membership is inconsistent")
+        self._device.check_cache()
+        for seq, s in self._seqs.items():
+            if self._groups[s.group].status is RequestStatus.RUNNING:
+                for i in range(s.num_keyed):
+                    key = self._device.key_of(s.blocks[i])
+                    if key is not None and key != s.keys[i]:
+                        raise KVCacheStateError(f"sequence {seq!r}: block {s.blocks[i]} is "
+                                                f"cached under other tokens")
 
     # ---------------------------------------------------------------- internals
 
@@ -948,8 +1095,38 @@ class BlockManager:
             return len(p.blocks)  # no suffix: even a partial last block is shared until a write
         return p.num_tokens // self.block_size  # the partial last block is copied for the suffix
 
-    def _blocks_to_allocate(self, num_tokens: int, prefix: PrefixId | None) -> int:
+    def _blocks_to_allocate(self, num_tokens: int, prefix: PrefixId | None,
+                            tokens: Sequence[int] | None = None) -> int:
+        if prefix is None and tokens is not None and self.prefix_caching:
+            _, hits = self._cache_hits(tokens, num_tokens)
+            held = sum(self._device.refcount(b) > 0 for b in hits)
+            return self.blocks_for_tokens(num_tokens) - held
         return self.blocks_for_tokens(num_tokens) - self._shared_prefix_blocks(num_tokens, prefix)
+
+    def _block_keys(self, tokens: Sequence[int], start: int = 0, end: int | None = None,
+                    parent: BlockKey | None = None) -> list[BlockKey]:
+        """Keys of full blocks ``start .. end - 1`` of ``tokens`` (``parent``: block
+        ``start - 1``'s key)."""
+        b = self.block_size
+        end = len(tokens) // b if end is None else end
+        keys = []
+        for i in range(start, end):
+            parent = block_key(parent, tokens[i * b:(i + 1) * b])
+            keys.append(parent)
+        return keys
+
+    def _cache_hits(self, tokens: Sequence[int], prompt_len: int
+                    ) -> tuple[list[BlockKey], list[int]]:
+        """The keys of a prompt's full blocks, and the cached blocks its first full blocks
+        are found in (never the block of its last token: that one is computed)."""
+        keys = self._block_keys(tokens[:prompt_len])
+        hits = []
+        for key in keys[:(prompt_len - 1) // self.block_size]:
+            block = self._device.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+        return keys, hits
 
     def _live_prefix(self, s: _Seq) -> PrefixId | None:
         """The sequence's prefix if the registration it started from is still registered."""
@@ -998,12 +1175,16 @@ class BlockManager:
         while len(s.blocks) < self.blocks_for_tokens(s.num_tokens):
             s.blocks.append(self._device.allocate())
         s.on_cpu = [False] * len(s.blocks)
+        s.num_keyed = 0
         return copies
 
-    def _fill_from(self, s: _Seq, shared: list[int]) -> list[BlockCopy]:
-        """Build the table of ``s`` mapping ``shared`` full blocks, then fresh ones."""
-        for b in shared:
-            self._device.incref(b)
+    def _fill_from(self, s: _Seq, shared: list[int], taken: bool = False) -> list[BlockCopy]:
+        """Build the table of ``s`` mapping ``shared`` full blocks (``taken``: their
+        references are taken already), then fresh ones."""
+        if not taken:
+            for b in shared:
+                self._device.incref(b)
+            s.num_keyed = 0
         s.blocks = list(shared)
         while len(s.blocks) < self.blocks_for_tokens(s.num_tokens):
             s.blocks.append(self._device.allocate())
@@ -1011,10 +1192,12 @@ class BlockManager:
         return []
 
     def _release(self, s: _Seq) -> None:
-        for b, cpu in zip(s.blocks, s.on_cpu):
+        # Last block first: a prompt's tail is evicted before its head, which more prompts share.
+        for b, cpu in zip(reversed(s.blocks), reversed(s.on_cpu)):
             (self._cpu if cpu else self._device).decref(b)
         s.blocks = []
         s.on_cpu = []
+        s.num_keyed = 0
 
     def _private_device_blocks(self, g: _Group) -> dict[int, int]:
         """Device blocks referenced only by ``g``'s tables -> number of references, in order."""
@@ -1050,6 +1233,7 @@ class BlockManager:
             mapping[b] = new
         for seq in g.seqs:
             s = self._seqs[seq]
+            s.num_keyed = 0  # blocks come back as fresh device blocks, without keys
             for i, (b, cpu) in enumerate(zip(s.blocks, s.on_cpu)):
                 if cpu != to_cpu and b in mapping:
                     s.blocks[i] = mapping[b]

@@ -111,6 +111,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     prefix: str | None = None  # a registered shared prefix the prompt starts with
     num_cached_tokens: int = 0  # prompt tokens whose KV was found in the cache at admission
+    # Chunked prefill: the rest of the first sequence's prefill, (next position, end, sample),
+    # while the request is running but its prompt is not all computed; None otherwise.
+    pending: tuple[int, int, bool] | None = None
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq}"
@@ -120,6 +123,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Running, with prompt positions still to compute (it decodes nothing yet)."""
+        return self.pending is not None
 
 
 @dataclass
@@ -224,11 +232,17 @@ class Scheduler:
         else:
             self.block_manager = BlockManager(
                 cache.num_device_blocks, cache.num_cpu_blocks, cache.block_size,
-                watermark_blocks=cache.watermark_blocks, preemption_mode=cache.preemption_mode)
+                watermark_blocks=cache.watermark_blocks, preemption_mode=cache.preemption_mode,
+                enable_prefix_caching=cache.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.recompute: list[Request] = []
+        # Sequences whose KV the last planned step wrote, and up to which position: their full
+        # blocks are offered to the prefix cache once that step has run (next schedule or free).
+        self._written: dict[str, tuple[SequenceState, int]] = {}
+        self.prefix_cache_queries = 0  # prompt tokens of admitted requests
+        self.prefix_cache_hits = 0  # of those, tokens found in the cache (not computed)
 
     # --- queues -----------------------------------------------------------------------------
 
@@ -289,6 +303,7 @@ class Scheduler:
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request from every queue and free its blocks."""
+        request.pending = None
         for queue in (self.running, self.swapped, self.recompute):
             if request in queue:
                 queue.remove(request)
@@ -311,9 +326,22 @@ class Scheduler:
         self.block_manager.fork(parent.seq_id, child.seq_id)
 
     def free(self, seq: SequenceState) -> None:
-        """Drop a finished or discarded sequence's blocks (shared blocks live on)."""
+        """Drop a finished or discarded sequence's blocks (shared blocks live on; with prefix
+        caching its full blocks stay cached until evicted)."""
+        self._cache_written()
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
+
+    def _cache_written(self) -> None:
+        """Offer the prefix cache the full blocks the last step wrote (it has run by now)."""
+        bm = self.block_manager
+        if not bm.prefix_caching:
+            self._written.clear()
+            return
+        for seq_id, (seq, end) in self._written.items():
+            if bm.has_seq(seq_id):
+                bm.cache_blocks(seq_id, seq.tokens, end)
+        self._written.clear()
 
     # --- shared prefixes --------------------------------------------------------------------
 
@@ -326,14 +354,16 @@ class Scheduler:
                                   f"{bm.blocks_for_tokens(num_tokens)} blocks, "
                                   f"{bm.num_free_blocks()} are free")
 
-    def register_prefix(self, prefix_id: str, num_tokens: int) -> PrefixBlocks:
+    def register_prefix(self, prefix_id: str, num_tokens: int,
+                        tokens: list[int] | None = None) -> PrefixBlocks:
         """Reserve blocks for a shared prefix; returns where its prefill writes and reads.
 
         Takes the prefix back and raises GenerationError if its blocks would leave a request in
-        flight too little KV memory to finish even alone."""
+        flight too little KV memory to finish even alone. With ``tokens`` (and prefix caching)
+        its full blocks are cached blocks too: prompts that start with them find them."""
         self.check_prefix_room(num_tokens)
         bm = self.block_manager
-        blocks = list(bm.register_prefix(prefix_id, num_tokens))
+        blocks = list(bm.register_prefix(prefix_id, num_tokens, tokens))
         for request in self.in_flight():
             try:
                 self.check_fits(request)
@@ -357,11 +387,14 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        """The next step: decode every running sequence, then admit what fits beside it."""
+        """The next step: decode every running sequence, continue the prompts being prefilled
+        in chunks, then admit what fits beside them."""
+        self._cache_written()
         plan = StepPlan()
         self._schedule_decode(plan)
+        tokens_left = self._schedule_chunks(plan)
         if not self.swapped and not plan.preempted:
-            self._schedule_prefill(plan)
+            self._schedule_prefill(plan, tokens_left)
         self._attach_blocks(plan)
         return plan
 
@@ -371,19 +404,56 @@ class Scheduler:
         for request in plan.decode:
             for seq in request.seqs:
                 plan.block_tables[seq.seq_id] = bm.block_table(seq.seq_id)
+                self._written[seq.seq_id] = (seq, len(seq.tokens))
         for item in plan.prefill:
             item.block_table = bm.block_table(item.seq.seq_id)
             item.slot_mapping = bm.slot_mapping(item.seq.seq_id, item.start, item.end)
+            self._written[item.seq.seq_id] = (item.seq, item.end)
 
-    def _schedule_prefill(self, plan: StepPlan) -> None:
-        bm = self.block_manager
+    def _schedule_chunks(self, plan: StepPlan) -> int:
+        """The next chunks of prompts being prefilled, oldest first, within the step's token
+        budget after the decodes; returns the tokens left for new prompts. Their blocks are
+        held already, so they go on even while requests wait swapped."""
         tokens_left = self.config.token_budget - len(plan.slots)
+        for request in self.running:
+            if request.pending is None or tokens_left <= 0:
+                continue
+            start, end, sample = request.pending
+            tokens_left -= self._plan_prefill(plan, request, request.seqs[0], start, end, sample,
+                                              tokens_left)
+        return tokens_left
+
+    def _plan_prefill(self, plan: StepPlan, request: Request, seq: SequenceState, start: int,
+                      end: int, sample: bool, tokens_left: int) -> int:
+        """Plan positions ``start .. end - 1`` of ``seq``: with chunked prefill at most
+        ``tokens_left`` of them now and the rest in later steps (``request.pending``). Returns
+        the tokens planned."""
+        if self.config.chunked_prefill and end - start > tokens_left:
+            cut = start + max(tokens_left, 0)
+            plan.prefill.append(PrefillItem(request, seq, start, cut, sample=False))
+            request.pending = (cut, end, sample)
+            return cut - start
+        plan.prefill.append(PrefillItem(request, seq, start, end, sample))
+        request.pending = None
+        return end - start
+
+    def _schedule_prefill(self, plan: StepPlan, tokens_left: int) -> None:
+        """Resume preempted requests, then admit waiting ones, within ``tokens_left``.
+
+        Without chunked prefill a prompt is prefilled whole, and one larger than what is left
+        waits unless the step has nothing else. With it, a single-sequence prompt (new, or a
+        re-prefill) takes what is left of the budget and continues in later steps; a group of
+        several sequences re-prefills whole, as before."""
+        bm = self.block_manager
+        chunked = self.config.chunked_prefill
         seqs_left = self.config.max_num_seqs - self.num_running_seqs
-        busy = bool(plan.slots)
+        busy = bool(plan.slots) or bool(plan.prefill)
         for request in list(self.recompute):
             group, shared = request.request_id, len(request.prompt)
             tokens = sum(bm.num_tokens(s.seq_id) for s in request.seqs)
-            if len(request.seqs) > seqs_left or (busy and tokens > tokens_left):
+            chunk = chunked and len(request.seqs) == 1
+            if len(request.seqs) > seqs_left or (busy and (tokens_left <= 0 if chunk
+                                                           else tokens > tokens_left)):
                 return
             try:
                 fits_now = bm.can_resume(group, shared)
@@ -398,11 +468,13 @@ class Scheduler:
             plan.copies.extend(c for a in resumed.allocations for c in a.copies)
             by_id = {s.seq_id: s for s in request.seqs}
             for alloc in resumed.allocations:
-                plan.prefill.append(PrefillItem(request, by_id[alloc.seq], alloc.num_cached_tokens,
-                                                alloc.num_tokens, sample=False))
+                seq = by_id[alloc.seq]
+                # A prompt preempted before its first token (mid chunked prefill) samples it.
+                tokens_left -= self._plan_prefill(plan, request, seq, alloc.num_cached_tokens,
+                                                  alloc.num_tokens, seq.num_generated == 0,
+                                                  tokens_left if chunk else tokens)
             self.recompute.remove(request)
             self._start(request)
-            tokens_left -= tokens
             seqs_left -= len(request.seqs)
             busy = True
         if self.recompute:
@@ -411,26 +483,29 @@ class Scheduler:
             request = self.waiting[0]
             prompt = len(request.prompt)
             seqs = request.params.num_seqs
-            if seqs > seqs_left or (busy and prompt > tokens_left):
+            if seqs > seqs_left or (busy and (tokens_left <= 0 if chunked
+                                              else prompt > tokens_left)):
                 return
             prefix = request.prefix
             try:
-                fits_now = bm.can_allocate(prompt, prefix)
+                fits_now = bm.can_allocate(prompt, prefix, request.prompt)
             except KVCacheError as exc:
                 self.waiting.popleft()
                 self._fail(request, plan, str(exc))
                 continue
-            if not self._room(bm.blocks_to_allocate(prompt, prefix), fits_now):
+            if not self._room(bm.blocks_to_allocate(prompt, prefix, request.prompt), fits_now):
                 return
             self.waiting.popleft()
             seq = request.seqs[0]
-            alloc = bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix)
+            alloc = bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix,
+                                tokens=request.prompt)
             plan.copies.extend(alloc.copies)  # the prefix's partly filled last block
             request.num_cached_tokens = alloc.num_cached_tokens
-            plan.prefill.append(PrefillItem(request, seq, alloc.num_cached_tokens, prompt,
-                                            sample=True))
+            self.prefix_cache_queries += prompt
+            self.prefix_cache_hits += alloc.num_cached_tokens
             self._start(request)
-            tokens_left -= prompt
+            tokens_left -= self._plan_prefill(plan, request, seq, alloc.num_cached_tokens, prompt,
+                                              True, tokens_left if chunked else prompt)
             seqs_left -= seqs
             busy = True
 
@@ -455,13 +530,13 @@ class Scheduler:
         reserved = 0  # blocks the kept requests' appends take
         while queue:
             request = queue.popleft()
-            needed = bm.num_blocks_to_append(request.request_id)
+            needed = self._blocks_to_append(request)
             while needed > bm.num_free_blocks() - reserved and queue:
                 self._preempt(queue.pop(), plan)
                 # A preempted group may have shared a block with a kept one, which then
                 # writes in place instead of copying: count the kept groups again.
-                reserved = sum(bm.num_blocks_to_append(r.request_id) for r in scheduled)
-                needed = bm.num_blocks_to_append(request.request_id)
+                reserved = sum(self._blocks_to_append(r) for r in scheduled)
+                needed = self._blocks_to_append(request)
             if needed > bm.num_free_blocks() - reserved:
                 self._preempt(request, plan)
                 continue
@@ -472,9 +547,17 @@ class Scheduler:
             self._append_slots(request, plan)
         if not plan.preempted:
             self._swap_in(plan)
-        plan.decode = list(self.running)
+        plan.decode = [r for r in self.running if not r.prefilling]
+
+    def _blocks_to_append(self, request: Request) -> int:
+        """Blocks a request's decode step takes (none while its prompt is being prefilled:
+        the prompt's blocks are all held from its admission)."""
+        return 0 if request.prefilling else \
+            self.block_manager.num_blocks_to_append(request.request_id)
 
     def _append_slots(self, request: Request, plan: StepPlan) -> None:
+        if request.prefilling:
+            return
         for seq in request.seqs:
             result = self.block_manager.append_slot(seq.seq_id)
             plan.slots[seq.seq_id] = result.slot_index
@@ -487,7 +570,8 @@ class Scheduler:
         for request in list(self.swapped):
             group = request.request_id
             # The group's blocks, and the blocks of its first decode step right after.
-            needed = bm.blocks_to_swap_in(group) + bm.num_blocks_to_append(group)
+            needed = bm.blocks_to_swap_in(group) + (0 if request.prefilling
+                                                    else bm.num_blocks_to_append(group))
             if len(request.seqs) > seqs_left or not self._room(
                     needed, bm.num_free_blocks() - needed >= bm.watermark_blocks):
                 if self.running:
@@ -516,6 +600,8 @@ class Scheduler:
         configured, or auto), and queue it to come back."""
         preemption = self.block_manager.preempt(request.request_id)
         plan.preempted.append((request, preemption.mode))
+        if preemption.mode is PreemptionMode.RECOMPUTE:
+            request.pending = None  # its prompt is re-prefilled from the start on resume
         if preemption.mode is PreemptionMode.SWAP:
             plan.swap_out.update(preemption.mapping)
             request.status = RequestStatus.SWAPPED

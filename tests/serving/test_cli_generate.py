@@ -99,6 +99,24 @@ def test_system_prompt_is_a_shared_prefix(tmp_path, capsys):
     assert outs[0] == outs[1]
 
 
+def test_prefix_caching_and_chunked_prefill_options_keep_the_tokens(tmp_path):
+    """The same greedy tokens with prefix caching off, and with prompts prefilled 4 tokens a
+    step; a prompt repeating an earlier one's first 16 bytes finds them cached."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox jumps\nThe quick brown fox sleeps\n")
+    outs = []
+    for extra in ([], ["--no-prefix-caching"], ["--max-num-batched-tokens", "4"]):
+        out = tmp_path / "out.jsonl"
+        assert main(["--example", "gpt:tiny", "--prompts", str(prompts), "--max-tokens", "4",
+                     "--out", str(out), "--quiet", "--max-num-seqs", "1", "--block-size", "8",
+                     *extra]) == 0
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        outs.append([r["outputs"] for r in records])
+        cached = [0, 0] if extra == ["--no-prefix-caching"] else [0, 16]
+        assert [r["cached_tokens"] for r in records] == cached
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_a_system_prompt_that_does_not_fit_is_a_usage_error(prompts_file, capsys):
     assert main(["--example", "gpt:tiny", "--prompts", str(prompts_file), "--quiet",
                  "--system-prompt", "x" * 40]) == 2

@@ -1,9 +1,12 @@
 """A hypothesis state machine over the real engine, scheduler and block manager (the model is a
 fake that reads its context through the block tables): tiny pools, parallel samples and beams,
-swap and recompute, prefixes registered and unregistered mid-run. After every step the block
-manager is consistent and no step raised or stalled, and under ``preemption_mode="recompute"``
-nothing was ever swapped (samples and beams included); every request finishes, alone with an
-error only when it can never fit, and its tokens equal a cache-free reference.
+swap and recompute, prefixes registered and unregistered mid-run, prefix caching on or off
+(prompts that repeat earlier prompts' beginnings) and chunked prefill with tiny budgets. After
+every step the block manager is consistent and no step raised or stalled, and under
+``preemption_mode="recompute"`` nothing was ever swapped (samples and beams included); every
+request finishes, alone with an error only when it can never fit, and its tokens equal a
+cache-free reference. (The fake's KV is its token ids, so a cached block mapped under the wrong
+earlier tokens reads right here: tests/serving/test_prefix_caching.py checks block keys.)
 
 The default profile (200 programs) takes a few seconds; ``-m slow`` runs a long one. Planted
 bugs of the kinds this machine exists for (issue 10) must be found by the default profile.
@@ -26,7 +29,7 @@ from hypothesis.stateful import (
 from serve_testutil import eager_beam_search, eager_greedy
 
 from graphpar.errors import GraphparError
-from graphpar.serving.kv_cache_manager import BlockManager, Pool
+from graphpar.serving.kv_cache_manager import BlockAllocator, BlockManager, Pool
 from graphpar.serving.llm import LLM
 from graphpar.serving.sampling import SamplingParams
 
@@ -43,15 +46,23 @@ class EngineMachine(RuleBasedStateMachine):
         self.prefixes: dict[str, list[int]] = {}
         self.steps_since_progress = 0
         self.mode: str | None = None
+        self.caching = False
+        self.prompts: list[list[int]] = []  # earlier prompts, whose beginnings later ones reuse
 
     @initialize(block_size=st.integers(2, 4), num_blocks=st.integers(4, 10),
                 swap_blocks=st.integers(0, 6), max_num_seqs=st.integers(3, 6),
-                mode=st.sampled_from([None, "swap", "recompute"]))
-    def start(self, block_size, num_blocks, swap_blocks, max_num_seqs, mode):
+                mode=st.sampled_from([None, "swap", "recompute"]),
+                caching=st.booleans(), chunk=st.sampled_from([None, 1, 3, 8]))
+    def start(self, block_size, num_blocks, swap_blocks, max_num_seqs, mode, caching, chunk):
+        self.build(block_size, num_blocks, swap_blocks, max_num_seqs, mode, caching, chunk)
+
+    def build(self, block_size, num_blocks, swap_blocks, max_num_seqs, mode, caching, chunk):
         self.mode = mode
+        self.caching = caching
         self.llm = LLM(FakeModel(MAX_MODEL_LEN), block_size=block_size, num_blocks=num_blocks,
                        swap_blocks=swap_blocks, max_num_seqs=max_num_seqs, watermark=0.0,
-                       preemption_mode=mode)
+                       preemption_mode=mode, enable_prefix_caching=caching,
+                       max_num_batched_tokens=chunk)
 
     @property
     def engine(self):
@@ -65,6 +76,12 @@ class EngineMachine(RuleBasedStateMachine):
     def add_request(self, data) -> None:
         prompt = data.draw(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=8),
                            label="prompt")
+        # A beginning of an earlier prompt (cached); only drawn with caching, so the plain
+        # machine draws what it always did.
+        if self.caching and self.prompts and data.draw(st.booleans(), label="repeat"):
+            earlier = data.draw(st.sampled_from(self.prompts), label="earlier")
+            prompt = earlier[:data.draw(st.integers(1, len(earlier)), label="kept")] + prompt
+        self.prompts.append(prompt)
         prefix = None
         if self.prefixes and data.draw(st.booleans(), label="on_prefix"):
             prefix = data.draw(st.sampled_from(sorted(self.prefixes)), label="prefix")
@@ -146,6 +163,17 @@ class EngineMachine(RuleBasedStateMachine):
         assert bm.num_free_blocks(Pool.CPU) == bm.num_cpu_blocks
 
 
+class PlainEngineMachine(EngineMachine):
+    """The machine without prefix caching and chunked prefill (the planted bugs of the engine
+    before them are searched for where they live)."""
+
+    @initialize(block_size=st.integers(2, 4), num_blocks=st.integers(4, 10),
+                swap_blocks=st.integers(0, 6), max_num_seqs=st.integers(3, 6),
+                mode=st.sampled_from([None, "swap", "recompute"]))
+    def start(self, block_size, num_blocks, swap_blocks, max_num_seqs, mode):
+        self.build(block_size, num_blocks, swap_blocks, max_num_seqs, mode, False, None)
+
+
 def greedy_until_stop(module, prompt, params) -> list[int]:
     limit = min(params.max_tokens, MAX_MODEL_LEN - len(prompt))
     tokens = eager_greedy(module, prompt, limit)
@@ -188,12 +216,24 @@ def _admission_ignores_reserved_prefixes(monkeypatch):
     monkeypatch.setattr(BlockManager, "num_reserved_blocks", property(lambda self: 0))
 
 
+def _a_cache_hit_stays_evictable(monkeypatch):
+    def take(self, block):  # counted as held, but still the next block to evict
+        self._refcount[block] += 1
+    monkeypatch.setattr(BlockAllocator, "take", take)
+    monkeypatch.setattr(BlockAllocator, "check_cache", lambda self: None)
+
+
+CACHE_BUGS = (_a_cache_hit_stays_evictable,)
+
+
 @pytest.mark.parametrize("plant", [_swap_in_counts_one_block_per_sequence,
                                    _recompute_unshares_the_group,
-                                   _admission_ignores_reserved_prefixes])
+                                   _admission_ignores_reserved_prefixes,
+                                   _a_cache_hit_stays_evictable])
 def test_the_state_machine_finds_planted_bugs(plant, monkeypatch):
     patch_engine(monkeypatch)
     plant(monkeypatch)
     no_shrinking = settings(FAST, phases=[Phase.explicit, Phase.generate])
+    machine = EngineMachine if plant in CACHE_BUGS else PlainEngineMachine
     with pytest.raises(BaseException):  # noqa: B017 (an assertion or an engine error)
-        run_state_machine_as_test(EngineMachine, settings=no_shrinking)
+        run_state_machine_as_test(machine, settings=no_shrinking)

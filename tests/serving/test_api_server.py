@@ -109,8 +109,10 @@ def model_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tokenizer_dir, model_file, tmp_path_factory):
+    # Prefix caching is on by default; a budget of 16 tokens a step chunks longer prompts.
     server = Server([str(model_file), "--tokenizer", str(tokenizer_dir), "--max-num-seqs", "8",
-                     "--served-model-name", "tiny"], tmp_path_factory.mktemp("cwd"))
+                     "--max-num-batched-tokens", "16", "--served-model-name", "tiny"],
+                    tmp_path_factory.mktemp("cwd"))
     yield server
     if server.proc.poll() is None:
         server.proc.kill()
@@ -169,7 +171,7 @@ def test_chat_with_the_tokenizers_template_streamed_and_not(server):
     assert text == whole.choices[0].message.content
 
 
-PROMPTS = [[5, 6, 7, 8], [72, 101, 108, 108, 111], [30] * 20]
+PROMPTS = [[5, 6, 7, 8], [72, 101, 108, 108, 111], [30] * 20, list(range(40, 90))]
 
 
 def _served_greedy(server):
@@ -213,6 +215,18 @@ def test_greedy_tokens_equal_graphpar_generate(server, model_file, tokenizer_dir
         assert sum(choice.logprobs.token_logprobs) == pytest.approx(
             expected["cumulative_logprob"], abs=1e-4)
         assert len(choice.logprobs.tokens) == len(expected["token_ids"]) == 10
+
+
+def test_a_repeated_prompt_reports_cached_tokens(server):
+    client = server.client()
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks of 16
+    hits = server.metric("graphpar:prefix_cache_hits_total")
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert again.choices[0].text == first.choices[0].text
+    assert server.metric("graphpar:prefix_cache_hits_total") >= hits + 32
+    assert server.metric("graphpar:prefix_cache_queries_total") >= 80
 
 
 def test_48_concurrent_requests_all_complete(server):

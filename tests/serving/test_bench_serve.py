@@ -15,3 +15,18 @@ def test_serve_bench_writes_rows(load_bench, tmp_path, capsys):
     assert [(r["system"], r["batch"]) for r in result["rows"]] == [("naive", 2), ("engine", 2)]
     assert all(r["same_tokens"] for r in result["rows"])
     assert "tok/s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_serve_http_bench_writes_its_figures(load_bench, tmp_path, capsys):
+    pytest.importorskip("openai")
+    bench = load_bench("serve_http")
+    out = tmp_path / "serve_http.json"
+    assert bench.main(["--rates", "4,inf", "--requests", "4", "--repeat", "1", "--batch", "2",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["rate_req_per_s"] for r in result["server"]] == [4.0, "inf"]
+    assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 for r in result["server"])
+    assert result["hf_generate"]["generated_tokens"] == result["server"][0]["generated_tokens"]
+    assert result["prefix_cache"]["prompt_tokens"] == 128
+    assert "HF generate" in capsys.readouterr().out

@@ -12,6 +12,10 @@ Hugging Face ``generate()`` in static batches, on the CPU.
   its longest requested output (``min_new_tokens = max_new_tokens``), all requests at time 0.
 * **prefix cache**: TTFT of a request whose long prompt was just served (warm) against a fresh
   prompt of the same length (cold), median of ``--repeat`` pairs.
+* **long prompts arrive**: 4 streams decoding 120 tokens each while 3 prompts of 200 tokens
+  arrive (at 1, 1.5 and 2 s), on a server that prefills prompts whole and on one with
+  ``--max-num-batched-tokens`` ``--chunk``: the streams' time between tokens (p50, p99, the
+  longest gap) and the long prompts' TTFT.
 
 Workload: tools/bench/serve.py's Alpaca-like lengths (log-normal, means 19.3 prompt and 58.5
 output tokens), clipped to the model's context; random token ids; every request asks for its
@@ -77,12 +81,12 @@ def _cpu() -> str:
 
 
 class Server:
-    def __init__(self, model_file: Path, batch: int) -> None:
+    def __init__(self, model_file: Path, batch: int, *options: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "graphpar.cli", "serve", str(model_file), "--port", "0",
-             "--threads", "1", "--max-num-seqs", str(batch), "--served-model-name", "bench"],
-            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+             "--threads", "1", "--max-num-seqs", str(batch), "--served-model-name", "bench",
+             *options], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = None
         ready = threading.Event()
 
@@ -113,7 +117,8 @@ async def _one(client, prompt: list[int], tokens: int, delay: float, t0: float) 
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
             times.extend([time.perf_counter()] * len(chunk.choices[0].logprobs.tokens))
-    return {"sent": sent, "first": times[0], "last": times[-1], "tokens": len(times)}
+    return {"sent": sent, "first": times[0], "last": times[-1], "tokens": len(times),
+            "times": times}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -160,6 +165,27 @@ async def _prefix_ttft(url: str, context: int, repeat: int, seed: int) -> dict:
             "warm_ttft_p50_s": statistics.median(warm)}
 
 
+async def _long_prompts_arrive(url: str, seed: int) -> dict:
+    """Decode streams running while long prompts arrive: the streams' time per output token
+    (p50, p99) and longest gap between two tokens, and the long prompts' TTFT."""
+    import openai
+
+    rng = np.random.default_rng(seed + 2)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                timeout=600)
+    t0 = time.perf_counter()
+    decodes = [_one(client, rng.integers(1, 256, 8).tolist(), 120, 0.0, t0) for _ in range(4)]
+    longs = [_one(client, rng.integers(1, 256, 200).tolist(), 2, 1.0 + 0.5 * i, t0)
+             for i in range(3)]
+    results = await asyncio.gather(*decodes, *longs)
+    await client.close()
+    gaps = [b - a for r in results[:4] for a, b in zip(r["times"], r["times"][1:])]
+    return {"decode_tpot_p50_s": _pct(gaps, 50), "decode_tpot_p99_s": _pct(gaps, 99),
+            "decode_max_gap_s": max(gaps),
+            "long_prompt_ttft_p50_s": statistics.median(r["first"] - r["sent"]
+                                                        for r in results[4:])}
+
+
 def _hf_generate(model_file: Path, prompts, lengths, batch: int) -> dict:
     import torch
 
@@ -192,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3, help="prefix-cache pairs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chunk", type=int, default=64, metavar="N",
+                        help="chunked prefill's budget (--max-num-batched-tokens) for the "
+                             "long-prompts run; 0: skip that run")
     parser.add_argument("--out", default=str(HERE / "serve_http.json"))
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
@@ -208,10 +237,20 @@ def main(argv: list[str] | None = None) -> int:
             prefix = asyncio.run(_prefix_ttft(server.url, context, args.repeat, args.seed))
         finally:
             server.stop()
+        chunked = {}
+        for budget in ((None, args.chunk) if args.chunk else ()):
+            options = () if budget is None else ("--max-num-batched-tokens", str(budget))
+            server = Server(model_file, args.batch, *options)
+            try:
+                asyncio.run(_load(server.url, prompts[:4], [2] * 4, float("inf"), 0))
+                chunked["whole" if budget is None else f"chunks of {budget}"] = asyncio.run(
+                    _long_prompts_arrive(server.url, args.seed))
+            finally:
+                server.stop()
         hf = _hf_generate(model_file, prompts, lengths, args.batch)
     result = {"cpu": _cpu(), "cores": os.cpu_count(), "model": "HF GPT-2, 4 layers, 256 wide",
               "batch": args.batch, "requests": args.requests, "server": loads,
-              "hf_generate": hf, "prefix_cache": prefix,
+              "hf_generate": hf, "prefix_cache": prefix, "long_prompts_arrive": chunked,
               "note": "measured (clock); server figures at the client over 127.0.0.1"}
     print(f"CPU: {result['cpu']} ({result['cores']} cores); batch {args.batch}, "
           f"{args.requests} requests")
@@ -225,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
           f"| - | - |")
     print(f"prefix of {prefix['prompt_tokens']} tokens: TTFT cold {prefix['cold_ttft_p50_s']:.3f}"
           f" s, warm {prefix['warm_ttft_p50_s']:.3f} s (median of {args.repeat})")
+    for name, row in chunked.items():
+        print(f"4 decodes while 3 prompts of 200 tokens arrive, prefill {name}: decode TPOT "
+              f"p50 {row['decode_tpot_p50_s'] * 1000:.0f} ms, p99 "
+              f"{row['decode_tpot_p99_s'] * 1000:.0f} ms, longest gap "
+              f"{row['decode_max_gap_s'] * 1000:.0f} ms; long prompts' TTFT p50 "
+              f"{row['long_prompt_ttft_p50_s']:.3f} s")
     out = Path(args.out)
     staged = out.with_name(out.name + ".tmp")
     staged.write_text(json.dumps(result, indent=1) + "\n")

@@ -245,7 +245,7 @@ class _Routes:
             chunks = _completion_chunks(request_id, model.name, streams, params, body.n,
                                         body.logprobs is not None, body.include_usage, decode)
             return self._stream(model, request_id, len(prompts), chunks, raw)
-        outputs = await _final(streams, raw)
+        outputs = await _final(streams, raw, "prompt")
         if outputs is None:
             return Response(status_code=499)  # the client went away: nobody reads this
         return JSONResponse(completion_body(request_id, model.name, outputs, body.n,
@@ -271,7 +271,7 @@ class _Routes:
             chunks = _chat_chunks(request_id, model.name, streams[0], params, body.logprobs,
                                   body.include_usage, decode)
             return self._stream(model, request_id, 1, chunks, raw)
-        outputs = await _final(streams, raw)
+        outputs = await _final(streams, raw, "messages")
         if outputs is None:
             return Response(status_code=499)
         return JSONResponse(chat_body(request_id, model.name, outputs[0], body.logprobs, decode))
@@ -279,7 +279,7 @@ class _Routes:
 
 # --- outputs as they come -------------------------------------------------------------------
 
-async def _final(streams: list[AsyncIterator[RequestOutput]], raw: Request
+async def _final(streams: list[AsyncIterator[RequestOutput]], raw: Request, field: str
                  ) -> list[RequestOutput] | None:
     """Every request's last output; None when the client disconnected first (then aborted)."""
     async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -303,7 +303,7 @@ async def _final(streams: list[AsyncIterator[RequestOutput]], raw: Request
     try:
         outputs = results.result()
     except RequestRejected as exc:
-        raise ApiError(400, str(exc), "prompt") from None
+        raise ApiError(400, str(exc), field) from None
     except EngineDeadError as exc:
         raise ApiError(500, str(exc), type="server_error") from None
     for out in outputs:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from graphpar.errors import GraphparError, UsageError
+from graphpar.serving.tokenizer import Tokenizer
 
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "n", "beam_width",
                   "length_penalty", "stop_token_ids", "stop", "ignore_eos", "seed"}
@@ -54,7 +55,15 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--stop-token-ids", default="", help="comma-separated token ids")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--seed", type=int, default=None)
-    e = g.add_argument_group("engine")
+    e = add_engine_options(g)
+    e.add_argument("--quiet", action="store_true", help="no progress lines")
+    g.set_defaults(fn=cmd_generate)
+    return g
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The engine's options, as generate and serve take them; returns the group."""
+    e = parser.add_argument_group("engine")
     e.add_argument("--max-num-seqs", type=int, default=16, help="sequences per step")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="at most N tokens a step: longer prompts are prefilled in chunks beside "
@@ -80,9 +89,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="cluster preset or file the tensor-parallel plan is costed on")
     e.add_argument("--dump-programs", metavar="DIR",
                    help="write the prefill/decode programs it runs (IR text) to DIR")
-    e.add_argument("--quiet", action="store_true", help="no progress lines")
-    g.set_defaults(fn=cmd_generate)
-    return g
+    return e
 
 
 @dataclass
@@ -92,35 +99,7 @@ class _Line:
     overrides: dict[str, Any]
 
 
-class _Tokenizer:
-    """Text <-> token ids: UTF-8 bytes, or a local Hugging Face tokenizer."""
-
-    def __init__(self, spec: str) -> None:
-        self.spec = spec
-        self.hf = None
-        if spec != "bytes":
-            path = Path(spec)
-            if not path.is_dir():
-                raise UsageError(f"--tokenizer {spec}: not 'bytes' and not a tokenizer directory")
-            try:
-                from transformers import AutoTokenizer
-
-                self.hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            except Exception as exc:
-                raise UsageError(f"--tokenizer {spec}: cannot load it: {exc}") from None
-
-    def encode(self, text: str) -> list[int]:
-        if self.hf is not None:
-            return list(self.hf.encode(text))
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        if self.hf is not None:
-            return self.hf.decode(ids)
-        return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", errors="replace")
-
-
-def read_prompts(path: str, tokenizer: _Tokenizer) -> list[_Line]:
+def read_prompts(path: str, tokenizer: Tokenizer) -> list[_Line]:
     """The requests of a prompts file; a malformed line is a UsageError naming it."""
     from graphpar.ir.parser import read_text_file
 
@@ -208,6 +187,15 @@ def _check_options(args: argparse.Namespace) -> None:
         field, _, rest = str(exc).partition(" ")
         flag = "-n" if field == "n" else "--" + field.replace("_", "-")
         raise UsageError(f"{flag}: {rest}" if field in _SAMPLING_KEYS else str(exc)) from None
+    check_engine_options(args)
+    if args.out is not None:
+        from graphpar.cli.common import check_output_file
+
+        check_output_file(Path(args.out), "--out")
+
+
+def check_engine_options(args: argparse.Namespace) -> None:
+    """Usage errors in the engine's options (add_engine_options)."""
     for flag, value, least in (("--block-size", args.block_size, 1),
                                ("--max-num-seqs", args.max_num_seqs, 1),
                                ("--max-num-batched-tokens", args.max_num_batched_tokens, 1),
@@ -222,10 +210,21 @@ def _check_options(args: argparse.Namespace) -> None:
         if not torch.cuda.is_available():
             raise UsageError("--kernel cuda: torch sees no CUDA GPU here; use --kernel auto, "
                              "torch or reference")
-    if args.out is not None:
-        from graphpar.cli.common import check_output_file
 
-        check_output_file(Path(args.out), "--out")
+
+def engine_config(args: argparse.Namespace):
+    """The engine options (add_engine_options) as an EngineConfig."""
+    from graphpar.serving.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        kv_cache_bytes=_bytes(args.kv_memory) if args.kv_memory else 0,
+        swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=None if args.preemption == "auto" else args.preemption,
+        kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
+        tp_cluster=args.cluster)
 
 
 def _bytes(text: str) -> int:
@@ -241,7 +240,7 @@ def _bytes(text: str) -> int:
     raise UsageError(f"--kv-memory {text!r}: give a size such as 256MB or 2GB")
 
 
-def _load_model(args: argparse.Namespace):
+def load_model(args: argparse.Namespace):
     import torch
 
     from graphpar.cli.common import load_target
@@ -289,26 +288,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Run `graphpar generate`; returns the exit status (1 if any request failed)."""
     from graphpar.cli.common import step
     from graphpar.errors import GenerationError
-    from graphpar.serving.engine import EngineConfig
     from graphpar.serving.llm import LLM
 
     if not args.model and not args.example:
         raise UsageError("generate needs a model file or --example (e.g. --example gpt:tiny)")
     _check_options(args)
-    tokenizer = _Tokenizer(args.tokenizer)
+    tokenizer = Tokenizer(args.tokenizer)
     lines = read_prompts(args.prompts, tokenizer)
     params = [_sampling(args, line.overrides, f"{args.prompts}:{line.number}") for line in lines]
-    config = EngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks,
-        kv_cache_bytes=_bytes(args.kv_memory) if args.kv_memory else 0,
-        swap_blocks=args.swap_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=None if args.preemption == "auto" else args.preemption,
-        kernel=args.kernel, tensor_parallel=args.tensor_parallel, tp_plan=args.tp_plan,
-        tp_cluster=args.cluster)
+    config = engine_config(args)
     with step("loading the model"):
-        spec, module = _load_model(args)
+        spec, module = load_model(args)
     progress = None if args.quiet else (
         lambda message: print(f"graphpar: {message} ...", file=sys.stderr, flush=True))
     start = time.perf_counter()

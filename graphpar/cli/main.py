@@ -25,6 +25,7 @@ from graphpar.cli.explain import add_explain_parser
 from graphpar.cli.export import add_export_parser
 from graphpar.cli.generate import add_generate_parser
 from graphpar.cli.place import add_place_parser
+from graphpar.cli.serve import add_serve_parser
 from graphpar.cli.train import add_train_parser
 from graphpar.errors import GraphparError, UsageError
 
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_explain_parser(sub)
     add_export_parser(sub)
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_place_parser(sub)
     add_calibrate_parser(sub)
     add_train_parser(sub)

@@ -133,7 +133,7 @@ class LLMEngine:
                         preemption_mode=config.preemption_mode,
                         enable_prefix_caching=config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(kv_blocks_free=num_blocks)
         self.outputs = OutputProcessor(self.scheduler, self.info.eos_token_ids,
                                        self.info.max_model_len, self.stats, detokenize)
         self._ids = itertools.count()
@@ -202,6 +202,11 @@ class LLMEngine:
         except GraphparError as exc:
             self._fail(request, str(exc))
         return request_id
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise GenerationError if :meth:`add_request` would refuse this prompt and these
+        parameters (it reads nothing a step changes, so a server's threads may call it)."""
+        self._validate(Request("check", token_ids_of(prompt_token_ids), params))
 
     def _validate(self, request: Request) -> None:
         params, prompt, info = request.params, request.prompt, self.info
@@ -277,8 +282,13 @@ class LLMEngine:
 
     # --- stepping ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the requests that finished in it (errors included)."""
+    def step(self, stream: bool = False) -> list[RequestOutput]:
+        """Run one iteration; returns the requests that finished in it (errors included).
+
+        ``stream``: also the requests still running that gained tokens in this step
+        (``finished`` False, every token so far), after the finished ones, so that a server can
+        send each new token as it comes.
+        """
         plan = self.scheduler.schedule()
         for request, reason in plan.failed:
             self._fail(request, f"the KV cache can no longer hold this request: {reason}")
@@ -292,7 +302,19 @@ class LLMEngine:
             self._forward(plan, finished)
         self.stats.model_seconds += time.perf_counter() - start
         self._update_stats(plan)
+        if stream:
+            finished.extend(self._progressed(plan))
         return finished
+
+    def _progressed(self, plan: StepPlan) -> list[RequestOutput]:
+        """The unfinished requests that sampled a token in this step (re-prefills sample none)."""
+        seen: dict[str, Request] = {}
+        for request in plan.decode:
+            seen[request.request_id] = request
+        for item in plan.prefill:
+            if item.sample:
+                seen[item.request.request_id] = item.request
+        return [self.outputs.output(r) for r in seen.values() if not r.finished]
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes, if any (the engine cannot step after)."""

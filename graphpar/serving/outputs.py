@@ -146,7 +146,8 @@ class OutputProcessor:
             request.seqs.append(child)
         rows = logits.expand(len(request.seqs), -1)
         tokens, logprobs = sample_tokens(rows, [params] * len(request.seqs),
-                                         [s.generator for s in request.seqs])
+                                         [s.generator for s in request.seqs],
+                                         [self._banned(request, s) for s in request.seqs])
         for seq, token, logprob in zip(list(request.seqs), tokens, logprobs):
             self._append(request, seq, token, logprob)
         self._maybe_finish(request, finished)
@@ -161,8 +162,9 @@ class OutputProcessor:
                 logits[torch.tensor(index)]
             seqs = [s for r, _, _ in sampled for s in r.seqs]
             params = [r.params for r, a, b in sampled for _ in range(a, b)]
-            tokens, logprobs = sample_tokens(rows_logits, params, [s.generator for s in seqs])
             owners = [r for r, a, b in sampled for _ in range(a, b)]
+            tokens, logprobs = sample_tokens(rows_logits, params, [s.generator for s in seqs],
+                                             [self._banned(r, s) for r, s in zip(owners, seqs)])
             for request, seq, token, logprob in zip(owners, seqs, tokens, logprobs):
                 self._append(request, seq, token, logprob)
             for request, _, _ in sampled:
@@ -173,8 +175,18 @@ class OutputProcessor:
 
     # --- tokens and stop conditions -----------------------------------------------------------
 
+    def _banned(self, request: Request, seq: SequenceState) -> tuple[int, ...]:
+        """Tokens the sequence may not sample now: EOS and stop tokens before min_tokens."""
+        params = request.params
+        if seq.num_generated >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + params.stop_token_ids
+
     def _stop_reason(self, request: Request, seq: SequenceState) -> str | None:
         params, token = request.params, seq.tokens[-1]
+        if seq.num_generated < params.min_tokens:  # only the length limits apply yet
+            return "length" if len(seq.tokens) >= self.max_model_len else None
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:

@@ -24,7 +24,10 @@ class SamplingParams:
     Generation stops at ``max_tokens`` new tokens, the model's context length, an EOS token
     (unless ``ignore_eos``), a token of ``stop_token_ids``, or an entry of ``stop``: a sequence
     of token ids, or a string (text stops need the engine to have a tokenizer; the output text
-    then ends before the stop string unless ``include_stop_str_in_output``, as in vLLM).
+    then ends before the stop string unless ``include_stop_str_in_output``, as in vLLM). Before
+    ``min_tokens`` new tokens only ``max_tokens`` and the context stop a sequence: EOS and
+    ``stop_token_ids`` cannot be sampled (their logits are masked, as in vLLM) and stop
+    sequences and strings are not looked for.
     """
 
     max_tokens: int = 16
@@ -39,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -76,6 +80,11 @@ class SamplingParams:
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got "
+             f"{self.min_tokens}"),
+            (not self.min_tokens or not self.use_beam_search,
+             "min_tokens is not supported with beam search"),
             (self.beam_width >= 0, f"beam_width must be >= 0, got {self.beam_width}"),
             (not self.use_beam_search or self.n <= self.beam_width,
              f"n ({self.n}) must be <= beam_width ({self.beam_width})"),
@@ -120,17 +129,24 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[torch.Generator | None]
+                  generators: Sequence[torch.Generator | None],
+                  banned: Sequence[Sequence[int]] | None = None
                   ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` ``[rows, vocab]`` under that row's params.
 
     Returns the tokens and their log-probabilities under the model (log-softmax of the raw
     logits, before temperature and filtering). Greedy rows take the argmax (first on ties, as
     torch and Hugging Face do); sampled rows draw from ``softmax(logits / T)`` restricted to
-    top-k and top-p, with the row's generator.
+    top-k and top-p, with the row's generator. ``banned[i]``: token ids row ``i`` may not take
+    (a sequence short of its ``min_tokens``: EOS and stop tokens).
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
+    if banned is not None and any(banned):
+        logits = logits.clone()
+        for row, tokens in enumerate(banned):
+            if tokens:
+                logits[row, list(tokens)] = float("-inf")
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:

@@ -30,3 +30,18 @@ def test_prefix_chunk_bench_writes_both_tables(load_bench, tmp_path, capsys):
     assert [r["max_num_batched_tokens"] for r in result["chunked_prefill"]["rows"]] == [None, 16]
     assert result["prefix_cache"]["same_tokens"] and result["chunked_prefill"]["same_tokens"]
     assert "TTFT ms" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_serve_http_bench_writes_its_figures(load_bench, tmp_path, capsys):
+    pytest.importorskip("openai")
+    bench = load_bench("serve_http")
+    out = tmp_path / "serve_http.json"
+    assert bench.main(["--rates", "4,inf", "--requests", "4", "--repeat", "1", "--batch", "2",
+                       "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["rate_req_per_s"] for r in result["server"]] == [4.0, "inf"]
+    assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 for r in result["server"])
+    assert result["hf_generate"]["generated_tokens"] == result["server"][0]["generated_tokens"]
+    assert result["prefix_cache"]["prompt_tokens"] == 128
+    assert "HF generate" in capsys.readouterr().out

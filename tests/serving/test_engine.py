@@ -247,3 +247,37 @@ def test_stop_strings_need_a_tokenizer_and_are_cut_from_the_text(models):
         assert out.outputs[0].token_ids == generated[:at + len(stop)]
     assert cut.outputs[0].text == letters(generated)[:at]
     assert kept.outputs[0].text == letters(generated)[:at + len(stop)]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens(engines):
+    llm = engines("gpt")
+    (prompt,) = prompts([4], seed=12)
+    (free,) = llm.generate([prompt], SamplingParams(max_tokens=8))
+    generated = free.outputs[0].token_ids
+    stop_token = generated[1]
+    first = generated.index(stop_token)
+    early, late = llm.generate([prompt] * 2, [
+        SamplingParams(max_tokens=8, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=8, stop_token_ids=(stop_token,), min_tokens=6)])
+    assert early.outputs[0].token_ids == generated[:first + 1]
+    out = late.outputs[0].token_ids
+    assert len(out) >= 6 and stop_token not in out[:6]  # it could not be sampled before 6
+    assert out[:first] == generated[:first]  # greedy until the masked token
+    (bad,) = llm.generate([prompt], SamplingParams(max_tokens=2, min_tokens=3))
+    assert "min_tokens must be between 0 and max_tokens (2), got 3" in bad.error
+
+
+def test_step_stream_gives_every_running_requests_tokens(engines):
+    engine = engines("llama").engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=3)) for p in prompts([2, 5])]
+    seen: dict[str, list[int]] = {i: [] for i in ids}
+    finished = []
+    while engine.has_unfinished_requests():
+        for out in engine.step(stream=True):
+            seen[out.request_id].append(len(out.outputs[0].token_ids))
+            if out.finished:
+                finished.append(out.request_id)
+    assert seen == {i: [1, 2, 3] for i in ids}  # one output per step, each a token longer
+    assert sorted(finished) == sorted(ids)
+    for request_id in ids:
+        engine.discard_request(request_id)

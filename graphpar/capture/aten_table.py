@@ -721,34 +721,39 @@ def _embedding_backward(e, a):
                                                        "padding_idx": padding_idx})
 
 
-def _conv_attrs(stride, padding, dilation, groups):
-    return {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation),
-            "groups": groups}
+def _conv_attrs(stride, padding, dilation, groups, transposed=False, output_padding=()):
+    attrs = {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation),
+             "groups": groups}
+    if transposed:
+        attrs.update(transposed=True, output_padding=tuple(output_padding))
+    return attrs
 
 
 @_on(aten.convolution.default)
 def _convolution(e, a):
     x, w, b, stride, padding, dilation, transposed, output_padding, groups = a
-    if transposed or rank(x) != 4:
-        raise TypeError("only 2-D, non-transposed convolution is supported")
-    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+    if rank(x) != rank(w):
+        raise TypeError("convolution of an unbatched input is not supported; add a batch dim")
+    return e.emit("convolution", [x, w, b],
+                  _conv_attrs(stride, padding, dilation, groups, transposed, output_padding))
 
 
 @_on(aten.conv2d.default)
 def _conv2d(e, a):
     x, w, b, stride, padding, dilation, groups = a
-    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+    if rank(x) != 4:
+        raise TypeError("conv2d of an unbatched input is not supported; add a batch dim")
+    return e.emit("convolution", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
 
 
 @_on(aten.convolution_backward.default)
 def _conv_backward(e, a):
-    grad, x, w, bias_sizes, stride, padding, dilation, transposed, _, groups, mask = a
-    if transposed:
-        raise TypeError("transposed convolution is not supported")
+    grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, \
+        mask = a
     mask = tuple(bool(m) for m in mask)
-    attrs = _conv_attrs(stride, padding, dilation, groups)
+    attrs = _conv_attrs(stride, padding, dilation, groups, transposed, output_padding)
     attrs.update(bias=bias_sizes is not None, mask=mask)
-    results = iter(e.emit("conv2d_backward", [grad, x, w], attrs))
+    results = iter(e.emit("convolution_backward", [grad, x, w], attrs))
     return tuple(next(results) if m else None for m in mask)
 
 

@@ -719,7 +719,8 @@ def _layer_norm_backward(e, a):
 
 def _groups_of(e, x, n, groups):
     """x [N, C, *space] as [N, groups, C/groups·space]: group norm is a layer norm over the
-    last dim of this view (and shards as one, by batch and group)."""
+    last dim of this view (and shards as one, by batch and group). Its backward reaches
+    capture already taken apart by torch's core decompositions."""
     return e.emit("reshape", [x], {"shape": (n, groups, x.type.numel // (n * groups))})
 
 
@@ -741,31 +742,6 @@ def _group_norm(e, a):
         y = e.emit("add", [y, _per_channel(e, b, x)])
     stats = {"shape": (n, groups)}
     return y, e.emit("reshape", [mean], stats), e.emit("reshape", [rstd], stats)
-
-
-@_on(aten.native_group_norm_backward.default)
-def _group_norm_backward(e, a):
-    """dx through the layer norm of the grouped view; dw = Σ grad·x̂ and db = Σ grad over every
-    dim but the channels'."""
-    grad, x, mean, rstd, w, n, _, _, groups, mask = a
-    grouped = _groups_of(e, x, n, groups)
-    stats = {"shape": (n, groups, 1)}
-    mean, rstd = e.emit("reshape", [mean], stats), e.emit("reshape", [rstd], stats)
-    not_channels = {"dims": tuple(d for d in range(rank(x)) if d != 1), "keepdim": False}
-    dx = dw = db = None
-    if mask[0]:
-        dy = grad if w is None else e.emit("mul", [grad, _per_channel(e, w, x)])
-        dy = e.emit("reshape", [dy], {"shape": shape(grouped)})
-        (dx,) = e.emit("layer_norm_backward", [dy, grouped, mean, rstd, None, None],
-                       {"shape": (shape(grouped)[-1],), "mask": (True, False, False)})
-        dx = e.emit("reshape", [dx], {"shape": shape(x)})
-    if mask[1]:
-        normalized = e.emit("mul", [e.emit("sub", [grouped, mean]), rstd])
-        normalized = e.emit("reshape", [normalized], {"shape": shape(x)})
-        dw = e.emit("sum", [e.emit("mul", [grad, normalized])], not_channels)
-    if mask[2]:
-        db = e.emit("sum", [grad], not_channels)
-    return dx, dw, db
 
 
 @_on(aten.rms_norm.default)

@@ -15,6 +15,7 @@ import torch
 from graphpar.backends.cuda.codegen import module_source
 from graphpar.backends.cuda.cpu_executor import CpuListingExecutor
 from graphpar.backends.interpreter import Interpreter
+from graphpar.errors import UnsupportedOpError
 from graphpar.ir.cuda_listing import parse_listing, print_listing
 from graphpar.ir.parser import parse
 from graphpar.passes.lower_cuda import lower_to_listing
@@ -105,6 +106,23 @@ graph @main(%x: f32[2,8,5,5] input, %w: f32[16,8,1,1] param) {
     assert gemm.kind == "cublas.gemmStridedBatchedEx"
     assert {k: gemm[k] for k in ("m", "n", "k", "strideA", "strideB", "batchCount")} == dict(
         m=25, n=16, k=8, strideA=200, strideB=0, batchCount=2)
+
+
+@pytest.mark.parametrize("conv", [
+    "convolution(%x, %w, none) {stride=[1], padding=[0], dilation=[1], groups=1} : f32[2,4,3]",
+    "convolution(%x, %w, none) {stride=[1], padding=[0], dilation=[1], groups=1, "
+    "transposed=true, output_padding=[0]} : f32[2,4,7]",
+])
+def test_a_1d_or_transposed_convolution_is_refused_by_name(conv):
+    """The listings hold 2-D, ungrouped, non-transposed convolutions; the IR has more."""
+    graph = parse(f"""
+graph @main(%x: f32[2,4,5] input, %w: f32[4,4,3] param) {{
+  %0 = {conv}
+  return %0 output
+}}
+""")
+    with pytest.raises(UnsupportedOpError, match="other than 2-D and non-transposed"):
+        lower_to_listing(graph)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")

@@ -51,9 +51,10 @@ def ids(seed: int, shape=(4, 8)) -> torch.Tensor:
 def hf(config_class, model_class, keys, inputs, **config):
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**config)
-    config._attn_implementation = "sdpa"
+    cls = getattr(transformers, model_class)
+    config._attn_implementation = "sdpa" if cls._supports_sdpa else "eager"  # ConvNeXt: none
     # eval(): no dropout, which a captured step cannot draw; gradients flow all the same
-    return Logits(getattr(transformers, model_class)(config), *keys).eval(), inputs, None, ()
+    return Logits(cls(config), *keys).eval(), inputs, None, ()
 
 
 TINY = dict(num_attention_heads=4, intermediate_size=64, hidden_size=32, num_hidden_layers=2)

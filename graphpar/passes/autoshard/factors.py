@@ -461,64 +461,64 @@ def _embedding_backward(node):
                       [(v, h)], [{f: "sum" for f in batch}], blocked={v})
 
 
-def _conv_factors(node, x, w, out):
+@dataclass
+class _ConvFactors:
+    sizes: list[int]
+    n: int  # batch
+    o: int  # output channels, or the group of a grouped convolution
+    c: int | None  # input channels (summed); None when grouped: the group holds them
+    whole: set[int]  # kernel and spatial factors, never split
+    x: Dims
+    w: Dims
+    out: Dims
+
+
+def _conv_factors(node, x, w, out) -> _ConvFactors:
     """The convolution's factors: batch n, output channels o, input channels c (summed), and
     kernel and spatial dims (kept whole: a split length would need a halo from its neighbour).
-    Returns (sizes, n, o, c, kernel, x_space, out_space, x dims, w dims, out dims).
 
-    Grouped (and depthwise) convolutions have one channel factor, the group g: a block of
-    groups owns its block of input channels, of filters and of output channels, so sharding g
-    splits all three with nothing to sum. A transposed convolution's weight is
+    Grouped (and depthwise) convolutions have one channel factor, the group (in o's place): a
+    block of groups owns its block of input channels, of filters and of output channels, so
+    sharding it splits all three with nothing to sum. A transposed convolution's weight is
     [C_in, C_out/groups, k...] instead of [C_out, C_in/groups, k...]."""
     spatial = len(x) - 2
-    transposed = node.attrs.get("transposed", False)
-    groups = node.attrs.get("groups", 1)
-    n = 0
+    n, o, c = 0, 1, 2
     kernel = tuple(range(3, 3 + spatial))
     x_space = tuple(range(3 + spatial, 3 + 2 * spatial))
     out_space = tuple(range(3 + 2 * spatial, 3 + 3 * spatial))
-    out_channels = out[1]
-    sizes = [x[0], out_channels, x[1], *w[2:], *x[2:], *out[2:]]
+    sizes = [x[0], out[1], x[1], *w[2:], *x[2:], *out[2:]]
+    whole = {*kernel, *x_space, *out_space}
+    groups = node.attrs.get("groups", 1)
     if groups != 1:
-        g = 1
-        sizes[g] = groups
-        sizes[2] = 1  # no input-channel factor of its own: the group holds it
-        x_dims, w_dims, out_dims = (n, g, *x_space), (g, None, *kernel), (n, g, *out_space)
-        return sizes, n, g, None, kernel, x_space, out_space, x_dims, w_dims, out_dims
-    o, c = 1, 2
-    w_dims = (c, o, *kernel) if transposed else (o, c, *kernel)
-    return (sizes, n, o, c, kernel, x_space, out_space, (n, c, *x_space), w_dims,
-            (n, o, *out_space))
+        sizes[o], sizes[c] = groups, 1  # c unused: size 1, blocked
+        return _ConvFactors(sizes, n, o, None, whole | {c}, (n, o, *x_space),
+                            (o, None, *kernel), (n, o, *out_space))
+    w_dims = (c, o, *kernel) if node.attrs.get("transposed", False) else (o, c, *kernel)
+    return _ConvFactors(sizes, n, o, c, whole, (n, c, *x_space), w_dims, (n, o, *out_space))
 
 
 @rule("convolution")
 def _convolution(node):
     x, w = _shape(node.inputs[0]), _shape(node.inputs[1])
-    out = _result_shapes(node)[0]
-    sizes, n, o, c, kernel, x_space, out_space, x_dims, w_dims, out_dims = _conv_factors(
-        node, x, w, out)
+    f = _conv_factors(node, x, w, _result_shapes(node)[0])
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
-    reductions = {} if c is None else {c: "sum"}
-    spec = FactorSpec(sizes, [x_dims, w_dims, (o,) if has_bias else None], [out_dims],
-                      [reductions], blocked={*kernel, *x_space, *out_space}
-                      | ({2} if c is None else set()))
-    if has_bias and c is not None:
-        spec.partial_operands[2] = {c}  # the bias added once, on one input-channel shard
+    spec = FactorSpec(f.sizes, [f.x, f.w, (f.o,) if has_bias else None], [f.out],
+                      [{} if f.c is None else {f.c: "sum"}], blocked=f.whole)
+    if has_bias and f.c is not None:
+        spec.partial_operands[2] = {f.c}  # the bias added once, on one input-channel shard
     return spec
 
 
 @rule("convolution_backward")
 def _convolution_backward(node):
     g, x, w = (_shape(v) for v in node.inputs[:3])
-    sizes, n, o, c, kernel, x_space, out_space, x_dims, w_dims, out_dims = _conv_factors(
-        node, x, w, g)
-    dx_sum = {} if c is None else {o: "sum"}  # grouped: a group's dx needs its filters only
-    every = [(x_dims, dx_sum), (w_dims, {n: "sum"}), ((o,), {n: "sum"})]
+    f = _conv_factors(node, x, w, g)
+    dx_sum = {} if f.c is None else {f.o: "sum"}  # grouped: a group's dx needs its filters only
+    every = [(f.x, dx_sum), (f.w, {f.n: "sum"}), ((f.o,), {f.n: "sum"})]
     mask = node.attrs.get("mask", (True, True, True))
     chosen = [r for want, r in zip(mask, every) if want]
-    return FactorSpec(sizes, [out_dims, x_dims, w_dims], [r[0] for r in chosen],
-                      [r[1] for r in chosen], blocked={*kernel, *x_space, *out_space}
-                      | ({2} if c is None else set()))
+    return FactorSpec(f.sizes, [f.out, f.x, f.w], [r[0] for r in chosen],
+                      [r[1] for r in chosen], blocked=f.whole)
 
 
 @rule("batch_norm")

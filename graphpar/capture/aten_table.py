@@ -211,12 +211,54 @@ TABLE[aten.all.dim] = _reduction("all")
 TABLE[aten.any.default] = _full_reduction("any")
 
 
+@_on(aten.linalg_vector_norm.default)
+def _vector_norm(e, a):
+    """‖x‖ₚ over dims as reductions: √Σx² for p=2 (weight normalization's), Σ|x|, max |x|,
+    (Σ|x|ᵖ)^(1/p) otherwise."""
+    x, p, dims, keepdim, dtype = a
+    if dtype is not None:
+        x = e.emit("convert", [x], {"dtype": dt(dtype)})
+    attrs = {"dims": dims_of(dims, rank(x)), "keepdim": bool(keepdim)}
+    if p == 2:
+        return e.emit("sqrt", [e.emit("sum", [e.emit("mul", [x, x])], attrs)])
+    size = e.emit("abs", [x])
+    if p == float("inf"):
+        return e.emit("amax", [size], attrs)
+    if p == 1:
+        return e.emit("sum", [size], attrs)
+    if p == 0 or p == float("-inf"):
+        raise TypeError(f"vector norm of order {p} is not supported")
+    return e.emit("pow", [e.emit("sum", [e.emit("pow", [size, p])], attrs), 1 / p])
+
+
+@_on(aten._weight_norm_interface_backward.default)
+def _weight_norm_backward(e, a):
+    """Weight normalization w = g·v/‖v‖ (norms over every dim but `dim`), differentiated:
+    dg = Σ(dw·v)/‖v‖, dv = (g/‖v‖)·(dw - v·dg/‖v‖)."""
+    grad, v, g, norms, dim = a
+    others = tuple(d for d in range(rank(v)) if d != pos(dim, rank(v)))
+    dg = e.emit("div", [e.emit("sum", [e.emit("mul", [grad, v])],
+                               {"dims": others, "keepdim": True}), norms])
+    scale = e.emit("div", [g, norms])
+    along = e.emit("mul", [v, e.emit("div", [dg, norms])])
+    dv = e.emit("mul", [scale, e.emit("sub", [grad, along])])
+    return dv, dg
+
+
 @_on(aten.var.correction)
 def _var(e, a):
     x = a[0]
     correction = 1 if a[2] is None else a[2]
     return e.emit("var", [x], {"dims": dims_of(a[1], rank(x)), "correction": correction,
                                "keepdim": bool(a[3])})
+
+
+@_on(aten.var_mean.correction)
+def _var_mean(e, a):
+    x, dims, correction, keepdim = a[0], dims_of(a[1], rank(a[0])), a[2], bool(a[3])
+    correction = 1 if correction is None else correction
+    return (e.emit("var", [x], {"dims": dims, "correction": correction, "keepdim": keepdim}),
+            e.emit("mean", [x], {"dims": dims, "keepdim": keepdim}))
 
 
 TABLE[aten.argmax.default] = lambda e, a: e.emit("argmax", [a[0]], {"dim": pos(a[1], rank(a[0])),
@@ -675,6 +717,33 @@ def _layer_norm_backward(e, a):
     return tuple(next(results) if m else None for m in mask)
 
 
+def _groups_of(e, x, n, groups):
+    """x [N, C, *space] as [N, groups, C/groups·space]: group norm is a layer norm over the
+    last dim of this view (and shards as one, by batch and group). Its backward reaches
+    capture already taken apart by torch's core decompositions."""
+    return e.emit("reshape", [x], {"shape": (n, groups, x.type.numel // (n * groups))})
+
+
+def _per_channel(e, w, x):
+    """A [C] weight as [C, 1, ...] to broadcast over x [N, C, *space]."""
+    return e.emit("reshape", [w], {"shape": (w.type.shape[0],) + (1,) * (rank(x) - 2)})
+
+
+@_on(aten.native_group_norm.default)
+def _group_norm(e, a):
+    x, w, b, n, _, _, groups, eps = a
+    grouped = _groups_of(e, x, n, groups)
+    y, mean, rstd = e.emit("layer_norm_with_stats", [grouped, None, None],
+                           {"shape": (grouped.type.shape[-1],), "eps": eps})
+    y = e.emit("reshape", [y], {"shape": shape(x)})
+    if w is not None:
+        y = e.emit("mul", [y, _per_channel(e, w, x)])
+    if b is not None:
+        y = e.emit("add", [y, _per_channel(e, b, x)])
+    stats = {"shape": (n, groups)}
+    return y, e.emit("reshape", [mean], stats), e.emit("reshape", [rstd], stats)
+
+
 @_on(aten.rms_norm.default)
 def _rms_norm(e, a):
     x, shape_, w, eps = a
@@ -721,34 +790,39 @@ def _embedding_backward(e, a):
                                                        "padding_idx": padding_idx})
 
 
-def _conv_attrs(stride, padding, dilation, groups):
-    return {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation),
-            "groups": groups}
+def _conv_attrs(stride, padding, dilation, groups, transposed=False, output_padding=()):
+    attrs = {"stride": tuple(stride), "padding": tuple(padding), "dilation": tuple(dilation),
+             "groups": groups}
+    if transposed:
+        attrs.update(transposed=True, output_padding=tuple(output_padding))
+    return attrs
 
 
 @_on(aten.convolution.default)
 def _convolution(e, a):
     x, w, b, stride, padding, dilation, transposed, output_padding, groups = a
-    if transposed or rank(x) != 4:
-        raise TypeError("only 2-D, non-transposed convolution is supported")
-    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+    if rank(x) != rank(w):
+        raise TypeError("convolution of an unbatched input is not supported; add a batch dim")
+    return e.emit("convolution", [x, w, b],
+                  _conv_attrs(stride, padding, dilation, groups, transposed, output_padding))
 
 
 @_on(aten.conv2d.default)
 def _conv2d(e, a):
     x, w, b, stride, padding, dilation, groups = a
-    return e.emit("conv2d", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
+    if rank(x) != 4:
+        raise TypeError("conv2d of an unbatched input is not supported; add a batch dim")
+    return e.emit("convolution", [x, w, b], _conv_attrs(stride, padding, dilation, groups))
 
 
 @_on(aten.convolution_backward.default)
 def _conv_backward(e, a):
-    grad, x, w, bias_sizes, stride, padding, dilation, transposed, _, groups, mask = a
-    if transposed:
-        raise TypeError("transposed convolution is not supported")
+    grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, \
+        mask = a
     mask = tuple(bool(m) for m in mask)
-    attrs = _conv_attrs(stride, padding, dilation, groups)
+    attrs = _conv_attrs(stride, padding, dilation, groups, transposed, output_padding)
     attrs.update(bias=bias_sizes is not None, mask=mask)
-    results = iter(e.emit("conv2d_backward", [grad, x, w], attrs))
+    results = iter(e.emit("convolution_backward", [grad, x, w], attrs))
     return tuple(next(results) if m else None for m in mask)
 
 

@@ -377,27 +377,60 @@ _op("embedding_backward", C, lambda g, idx, num_weights, padding_idx=-1:
 
 
 def _conv_flops(operands, results, attrs):
-    w = operands[1]
-    return 2 * results[0].numel * math.prod(w.shape[1:])
+    """2·(elements on the wide side)·(inputs each one sums): the output for a convolution, the
+    input for a transposed one (each input element scatters into C_out/groups·kernel)."""
+    x, w = operands[0], operands[1]
+    wide = x if attrs.get("transposed", False) else results[0]
+    return 2 * wide.numel * math.prod(w.shape[1:])
 
 
-def _conv2d(x, w, b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
-    return F.conv2d(x, w, b, stride, padding, dilation, groups)
+def _conv_backward_flops(operands, results, attrs):
+    """Twice the forward's: dx and dw are each one forward's work (counted from grad)."""
+    g, x, w = operands[:3]
+    wide = x if attrs.get("transposed", False) else g
+    return 4 * wide.numel * math.prod(w.shape[1:])
 
 
-def _conv2d_backward(g, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
-                     bias=True, mask=(True, True, True)):
-    bias_sizes = [w.shape[0]] if bias else None
-    grads = aten.convolution_backward(g, x, w, bias_sizes, stride, padding, dilation, False,
-                                      [0, 0], groups, mask)
+def _convolution(x, w, b=None, stride=(1,), padding=(0,), dilation=(1,), groups=1,
+                 transposed=False, output_padding=None):
+    spatial = w.dim() - 2
+    output_padding = output_padding if output_padding is not None else (0,) * spatial
+    return aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding,
+                            groups)
+
+
+def _convolution_backward(g, x, w, stride=(1,), padding=(0,), dilation=(1,), groups=1,
+                          bias=True, mask=(True, True, True), transposed=False,
+                          output_padding=None):
+    spatial = w.dim() - 2
+    output_padding = output_padding if output_padding is not None else (0,) * spatial
+    bias_sizes = [g.shape[1]] if bias else None
+    grads = aten.convolution_backward(g, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                      output_padding, groups, mask)
     return tuple(r for r in grads if r is not None)
 
 
-_op("conv2d", C, _conv2d, "conv2d(x, w, b?) {stride, padding, dilation, groups}",
-    flop_rule=_conv_flops, cost_class="gemm")
-_op("conv2d_backward", C, _conv2d_backward,
-    "conv2d_backward(grad, x, w) {stride, padding, dilation, groups, bias, mask} -> dx, dw, db",
-    num_outputs=None, flop_rule=lambda o, r, a: 2 * _conv_flops(o[1:], r, a), cost_class="gemm")
+def _conv_local_attrs(attrs, global_types, local_types):
+    """A shard of a grouped convolution holds a block of its groups: as many fewer groups as
+    it holds fewer input channels (the rule splits channels only by whole groups)."""
+    groups = attrs.get("groups", 1)
+    x_global, x_local = global_types[0], local_types[0]
+    if groups == 1 or x_global.shape[1] == x_local.shape[1]:
+        return attrs
+    return {**attrs, "groups": groups * x_local.shape[1] // x_global.shape[1]}
+
+
+# One convolution for 1-, 2- and 3-D, plain or transposed (its spatial rank is the weight's
+# minus two), as ATen's `convolution`; attributes `transposed` and `output_padding` appear only
+# on transposed ones.
+_op("convolution", C, _convolution,
+    "convolution(x, w, b?) {stride, padding, dilation, groups, transposed?, output_padding?}",
+    flop_rule=_conv_flops, cost_class="gemm", local_attrs=_conv_local_attrs)
+_op("convolution_backward", C, _convolution_backward,
+    "convolution_backward(grad, x, w) {stride, padding, dilation, groups, bias, mask,"
+    " transposed?, output_padding?} -> dx, dw, db",
+    num_outputs=None, flop_rule=_conv_backward_flops, cost_class="gemm",
+    local_attrs=lambda attrs, g, local: _conv_local_attrs(attrs, g[1:], local[1:]))
 
 
 def _max_pool2d(x, kernel, stride, padding, dilation, ceil_mode=False):

@@ -113,6 +113,10 @@ class OpDef:
     # about ten for a transcendental function (an exp, erf or tanh is a polynomial evaluation
     # plus range reduction; GELU ran 10.8 times an add's time per element on the CPU ranks)
     flops_per_element: int = 1
+    # Attributes that count something a plan can split (a convolution's groups): given the
+    # node's attrs and its operands' global and local types, the attrs of one device's shard
+    # (lower-spmd calls it; SHAPE_ATTR ops' shapes are localized there too).
+    local_attrs: Callable[[dict, list, list], dict] | None = None
 
     def __post_init__(self) -> None:
         if self.cost_class is None:

@@ -75,6 +75,11 @@ def _lower_node(local: Graph, node: Node, mapping: dict, mesh: Mesh) -> tuple[Va
     expected = [_local_type(o, mesh) for o in node.outputs]
     if get_op(node.op).has(Trait.SHAPE_ATTR):  # the attribute spells out the result's shape
         attrs["shape"] = expected[0].shape
+    local_attrs = get_op(node.op).local_attrs
+    if local_attrs is not None:
+        attrs = local_attrs(attrs, [v.type if isinstance(v, Value) else None
+                                    for v in node.inputs],
+                            [v.type if isinstance(v, Value) else None for v in operands])
     try:
         new = local.create(node.op, operands, attrs, module=node.module, loc=node.loc)
     except TypeError as exc:

@@ -1,4 +1,4 @@
-"""The convolution, pooling, batch-norm and routing lowerings (conv2d as im2col + GEMM, col2im,
+"""The convolution, pooling, batch-norm and routing lowerings (convolution as im2col + GEMM, col2im,
 max pooling, batch norm, top-k, cumsum, scatter, softmax over any dim and its backward, nll_loss
 with class weights, attention with a mask tensor): their
 listings on the CPU equal the reference interpreter, the index kernels' CUDA C builds with nvcc
@@ -15,6 +15,7 @@ import torch
 from graphpar.backends.cuda.codegen import module_source
 from graphpar.backends.cuda.cpu_executor import CpuListingExecutor
 from graphpar.backends.interpreter import Interpreter
+from graphpar.errors import UnsupportedOpError
 from graphpar.ir.cuda_listing import parse_listing, print_listing
 from graphpar.ir.parser import parse
 from graphpar.passes.lower_cuda import lower_to_listing
@@ -29,9 +30,9 @@ graph @windows(%x: f32[2,3,9,9] input, %w: f32[4,3,3,3] param, %cb: f32[4] param
                %rm: f32[4] buffer, %rv: f32[4] buffer, %s: f32[3,5,6] input,
                %idx: i64[3,5,2] input, %src: f32[3,5,2] input, %lp: f32[6,5] input,
                %tg: i64[6] input, %cw: f32[5] param) {
-  %0 = conv2d(%x, %w, %cb) {stride=[2, 2], padding=[1, 1], dilation=[2, 2], groups=1}
+  %0 = convolution(%x, %w, %cb) {stride=[2, 2], padding=[1, 1], dilation=[2, 2], groups=1}
       : f32[2,4,4,4]
-  %1, %2, %3 = conv2d_backward(%g, %x, %w) {stride=[2, 2], padding=[1, 1], dilation=[2, 2],
+  %1, %2, %3 = convolution_backward(%g, %x, %w) {stride=[2, 2], padding=[1, 1], dilation=[2, 2],
       groups=1, bias=true, mask=[true, true, true]} : f32[2,3,9,9], f32[4,3,3,3], f32[4]
   %4, %5 = max_pool2d(%x) {kernel=[3, 3], stride=[2, 2], padding=[1, 1], dilation=[1, 1],
       ceil_mode=false} : f32[2,3,5,5], i64[2,3,5,5]
@@ -96,7 +97,7 @@ def test_windows_norms_and_routing_on_the_cpu_equal_the_interpreter(graph):
 def test_a_1x1_convolution_reads_the_image_in_place():
     listing = lower_to_listing(parse("""
 graph @main(%x: f32[2,8,5,5] input, %w: f32[16,8,1,1] param) {
-  %0 = conv2d(%x, %w, none) {stride=[1, 1], padding=[0, 0], dilation=[1, 1], groups=1}
+  %0 = convolution(%x, %w, none) {stride=[1, 1], padding=[0, 0], dilation=[1, 1], groups=1}
       : f32[2,16,5,5]
   return %0 output
 }
@@ -105,6 +106,23 @@ graph @main(%x: f32[2,8,5,5] input, %w: f32[16,8,1,1] param) {
     assert gemm.kind == "cublas.gemmStridedBatchedEx"
     assert {k: gemm[k] for k in ("m", "n", "k", "strideA", "strideB", "batchCount")} == dict(
         m=25, n=16, k=8, strideA=200, strideB=0, batchCount=2)
+
+
+@pytest.mark.parametrize("conv", [
+    "convolution(%x, %w, none) {stride=[1], padding=[0], dilation=[1], groups=1} : f32[2,4,3]",
+    "convolution(%x, %w, none) {stride=[1], padding=[0], dilation=[1], groups=1, "
+    "transposed=true, output_padding=[0]} : f32[2,4,7]",
+])
+def test_a_1d_or_transposed_convolution_is_refused_by_name(conv):
+    """The listings hold 2-D, ungrouped, non-transposed convolutions; the IR has more."""
+    graph = parse(f"""
+graph @main(%x: f32[2,4,5] input, %w: f32[4,4,3] param) {{
+  %0 = {conv}
+  return %0 output
+}}
+""")
+    with pytest.raises(UnsupportedOpError, match="other than 2-D and non-transposed"):
+        lower_to_listing(graph)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")

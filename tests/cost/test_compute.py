@@ -61,7 +61,7 @@ def test_the_flop_only_roofline_is_flops_over_peak():
 
 def test_every_op_has_a_cost_class_and_shape_ops_are_free():
     classes = {name: op.cost_class for name, op in all_ops().items()}
-    assert classes["linear"] == "gemm" and classes["conv2d"] == "gemm"
+    assert classes["linear"] == "gemm" and classes["convolution"] == "gemm"
     assert classes["layer_norm"] == "normalization" and classes["softmax"] == "normalization"
     assert classes["sum"] == "normalization" and classes["add"] == "elementwise"
     assert classes["attention"] == "attention" and classes["paged_attention"] == "attention"

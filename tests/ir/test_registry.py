@@ -86,8 +86,10 @@ EXAMPLES = {
     "rms_norm": ex(t(2, 4, 8), t(8), shape=(8,)),
     "embedding": ex(t(10, 8), t(2, 3, dtype=torch.int64)),
     "embedding_backward": ex(t(2, 3, 8), t(2, 3, dtype=torch.int64), num_weights=10),
-    "conv2d": ex(IMG, t(4, 3, 3, 3), t(4)),
-    "conv2d_backward": ex(t(2, 4, 6, 6), IMG, t(4, 3, 3, 3)),
+    "convolution": ex(IMG, t(4, 3, 3, 3), t(4), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                       groups=1),
+    "convolution_backward": ex(t(2, 4, 6, 6), IMG, t(4, 3, 3, 3), stride=(1, 1), padding=(0, 0),
+                                dilation=(1, 1), groups=1),
     "batch_norm": ex(t(2, 3, 4, 4), C3, C3, C3, C3),
     "batch_norm_train": ex(t(2, 3, 4, 4), C3, C3, C3, C3),
     "batch_norm_backward": ex(t(2, 3, 4, 4), t(2, 3, 4, 4), C3, C3, C3, C3, C3),
@@ -192,7 +194,7 @@ def test_traits_replace_the_passes_private_op_lists():
     assert having(Trait.WRITES_OPERAND) == {"reshape_and_cache"}
     assert {"layer_norm", "softmax", "nll_loss", "batch_norm_backward"} <= having(
         Trait.FOLLOWS_OPERAND)
-    assert not {"matmul", "linear", "attention", "conv2d", "embedding", "reshard",
+    assert not {"matmul", "linear", "attention", "convolution", "embedding", "reshard",
                 "paged_attention"} & having(Trait.FOLLOWS_OPERAND)
 
 

@@ -461,34 +461,64 @@ def _embedding_backward(node):
                       [(v, h)], [{f: "sum" for f in batch}], blocked={v})
 
 
-@rule("conv2d")
-def _conv2d(node):
+@dataclass
+class _ConvFactors:
+    sizes: list[int]
+    n: int  # batch
+    o: int  # output channels, or the group of a grouped convolution
+    c: int | None  # input channels (summed); None when grouped: the group holds them
+    whole: set[int]  # kernel and spatial factors, never split
+    x: Dims
+    w: Dims
+    out: Dims
+
+
+def _conv_factors(node, x, w, out) -> _ConvFactors:
+    """The convolution's factors: batch n, output channels o, input channels c (summed), and
+    kernel and spatial dims (kept whole: a split length would need a halo from its neighbour).
+
+    Grouped (and depthwise) convolutions have one channel factor, the group (in o's place): a
+    block of groups owns its block of input channels, of filters and of output channels, so
+    sharding it splits all three with nothing to sum. A transposed convolution's weight is
+    [C_in, C_out/groups, k...] instead of [C_out, C_in/groups, k...]."""
+    spatial = len(x) - 2
+    n, o, c = 0, 1, 2
+    kernel = tuple(range(3, 3 + spatial))
+    x_space = tuple(range(3 + spatial, 3 + 2 * spatial))
+    out_space = tuple(range(3 + 2 * spatial, 3 + 3 * spatial))
+    sizes = [x[0], out[1], x[1], *w[2:], *x[2:], *out[2:]]
+    whole = {*kernel, *x_space, *out_space}
+    groups = node.attrs.get("groups", 1)
+    if groups != 1:
+        sizes[o], sizes[c] = groups, 1  # c unused: size 1, blocked
+        return _ConvFactors(sizes, n, o, None, whole | {c}, (n, o, *x_space),
+                            (o, None, *kernel), (n, o, *out_space))
+    w_dims = (c, o, *kernel) if node.attrs.get("transposed", False) else (o, c, *kernel)
+    return _ConvFactors(sizes, n, o, c, whole, (n, c, *x_space), w_dims, (n, o, *out_space))
+
+
+@rule("convolution")
+def _convolution(node):
     x, w = _shape(node.inputs[0]), _shape(node.inputs[1])
-    out = _result_shapes(node)[0]
-    n, o, c, kh, kw, ih, iw, oh, ow = range(9)
-    sizes = [x[0], w[0], x[1], w[2], w[3], x[2], x[3], out[2], out[3]]
-    grouped = node.attrs.get("groups", 1) != 1
-    spec = FactorSpec(sizes, [(n, c, ih, iw), (o, c, kh, kw),
-                              (o,) if node.inputs[2] is not None else None],
-                      [(n, o, oh, ow)], [{c: "sum"}],
-                      blocked={kh, kw, ih, iw, oh, ow} | ({o, c} if grouped else set()))
-    if node.inputs[2] is not None:
-        spec.partial_operands[2] = {c}
+    f = _conv_factors(node, x, w, _result_shapes(node)[0])
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    spec = FactorSpec(f.sizes, [f.x, f.w, (f.o,) if has_bias else None], [f.out],
+                      [{} if f.c is None else {f.c: "sum"}], blocked=f.whole)
+    if has_bias and f.c is not None:
+        spec.partial_operands[2] = {f.c}  # the bias added once, on one input-channel shard
     return spec
 
 
-@rule("conv2d_backward")
-def _conv2d_backward(node):
+@rule("convolution_backward")
+def _convolution_backward(node):
     g, x, w = (_shape(v) for v in node.inputs[:3])
-    n, o, c, kh, kw, ih, iw, oh, ow = range(9)
-    sizes = [x[0], w[0], x[1], w[2], w[3], x[2], x[3], g[2], g[3]]
-    every = [((n, c, ih, iw), {o: "sum"}), ((o, c, kh, kw), {n: "sum"}), ((o,), {n: "sum"})]
+    f = _conv_factors(node, x, w, g)
+    dx_sum = {} if f.c is None else {f.o: "sum"}  # grouped: a group's dx needs its filters only
+    every = [(f.x, dx_sum), (f.w, {f.n: "sum"}), ((f.o,), {f.n: "sum"})]
     mask = node.attrs.get("mask", (True, True, True))
     chosen = [r for want, r in zip(mask, every) if want]
-    grouped = node.attrs.get("groups", 1) != 1
-    return FactorSpec(sizes, [(n, o, oh, ow), (n, c, ih, iw), (o, c, kh, kw)],
-                      [r[0] for r in chosen], [r[1] for r in chosen],
-                      blocked={kh, kw, ih, iw, oh, ow} | ({o, c} if grouped else set()))
+    return FactorSpec(f.sizes, [f.out, f.x, f.w], [r[0] for r in chosen],
+                      [r[1] for r in chosen], blocked=f.whole)
 
 
 @rule("batch_norm")

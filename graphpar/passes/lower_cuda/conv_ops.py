@@ -1,5 +1,5 @@
-"""lower-cuda for convolutional networks: conv2d as im2col + one batched cuBLAS GEMM (and its
-backward: GEMMs, col2im, reductions), max pooling, and batch norm as reductions and fused
+"""lower-cuda for convolutional networks: 2-D convolution as im2col + one batched cuBLAS GEMM
+(and its backward: GEMMs, col2im, reductions), max pooling, and batch norm as reductions and fused
 kernels (inference: running statistics; training: batch statistics and the running-stat
 updates; backward)."""
 
@@ -60,8 +60,11 @@ def _columns(low: Lowering, node: Node, x: View, out_hw: tuple[int, int],
 
 
 def _check_groups(node: Node) -> None:
+    """The listings hold 2-D, ungrouped, non-transposed convolutions only (the IR has more)."""
     if node.attrs.get("groups", 1) != 1:
-        raise UnsupportedOpError("conv2d with groups != 1")
+        raise UnsupportedOpError("convolution with groups != 1")
+    if node.attrs.get("transposed", False) or node.inputs[1].type.rank != 4:
+        raise UnsupportedOpError("convolution other than 2-D and non-transposed")
 
 
 def _conv2d(low: Lowering, node: Node) -> None:
@@ -251,8 +254,8 @@ def _batch_norm_backward(low: Lowering, node: Node) -> None:
 
 
 HANDLERS.update({
-    "conv2d": _conv2d,
-    "conv2d_backward": _conv2d_backward,
+    "convolution": _conv2d,
+    "convolution_backward": _conv2d_backward,
     "max_pool2d": _max_pool2d,
     "max_pool2d_backward": _max_pool2d_backward,
     "batch_norm": _batch_norm,

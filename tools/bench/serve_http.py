@@ -35,7 +35,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -46,6 +45,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from graphpar.calibration.calibrate import cpu_model
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -69,15 +70,6 @@ def _workload(requests: int, context: int, seed: int):
     spec.loader.exec_module(serve)
     return serve.workload(requests, 256, context, seed)
 
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Server:
@@ -248,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
         hf = _hf_generate(model_file, prompts, lengths, args.batch)
-    result = {"cpu": _cpu(), "cores": os.cpu_count(), "model": "HF GPT-2, 4 layers, 256 wide",
+    result = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": "HF GPT-2, 4 layers, 256 wide",
               "batch": args.batch, "requests": args.requests, "server": loads,
               "hf_generate": hf, "prefix_cache": prefix, "long_prompts_arrive": chunked,
               "note": "measured (clock); server figures at the client over 127.0.0.1"}

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -32,17 +31,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from graphpar.calibration.calibrate import cpu_model
+
 OUT = Path(__file__).with_name("train.json")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _batches(model: str, steps: int):
@@ -173,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             row["tokens_per_second_measured"] = tokens / row["step_seconds_median_measured"]
         rows.append(row)
     print(f"{args.model}, {args.ranks} gloo ranks, Adam, {tokens} tokens per step, "
-          f"{args.steps} timed steps after {args.warmup}; CPU: {_cpu()} ({os.cpu_count()} cores)")
+          f"{args.steps} timed steps after {args.warmup}; "
+          f"CPU: {cpu_model()} ({os.cpu_count()} cores)")
     print(f"{'contender':10} {'step ms (median)':>17} {'tokens/s':>10}")
     for row in rows:
         if "error" in row:
@@ -183,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['tokens_per_second_measured']:10,.0f}")
     Path(args.out).write_text(json.dumps({
         "model": args.model, "ranks": args.ranks, "steps": args.steps, "warmup": args.warmup,
-        "tokens_per_step": tokens, "cpu": _cpu(), "cores": os.cpu_count(),
+        "tokens_per_step": tokens, "cpu": cpu_model(), "cores": os.cpu_count(),
         "load_average": os.getloadavg(), "rows": rows}, indent=2) + "\n")
     return 0
 

@@ -12,8 +12,8 @@ graphs we measured (docs/autoshard.md):
    variables; their other edges attach to the group's variable, and edges inside a group become
    per-choice constants. Nodes where following could cost keep a choice (`_may_follow`).
 2. Groups in the same place of identical layers (module paths equal up to the layer index,
-   equal signatures: `identical_layers.layer_key`) share ONE set of variables; edges between them add
-   up, so costs inside repeated layers count with their multiplicity and the edges between
+   equal signatures: `identical_layers.layer_key`) share ONE set of variables; edges between
+   them add up, so costs inside repeated layers count with their multiplicity and the edges between
    consecutive layers become edges between the shared variables.
 3. Choices no better than another choice of the same variable in every cost and in memory are
    dropped, variables left with one choice become constants, and edge pair variables are kept

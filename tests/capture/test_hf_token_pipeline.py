@@ -38,6 +38,8 @@ NOT_SLICED: dict[str, str] = {
     "gemma2": _NO_ATTENTION_OP + " (eager attention for its soft-capping)",
     "gpt_neo": _NO_ATTENTION_OP,
     "falcon": _NO_ATTENTION_OP,
+    "gpt_oss": _NO_ATTENTION_OP + " (eager attention for its sinks)",
+    "deepseek_v3": "its training step captures aten.new_empty_strided, which has no IR op",
 }
 BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 

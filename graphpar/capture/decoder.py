@@ -107,11 +107,13 @@ def _active() -> KVState | None:
 
 
 def kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, window: int | None = None) -> torch.Tensor:
     """Causal self-attention of one layer over the active :class:`KVState`'s cache.
 
     ``query`` ``[B, H, S, D]``; ``key``/``value`` ``[B, Hkv, S, D]`` (the new tokens' only,
-    before any head repetition). Returns ``[B, H, S, D]``.
+    before any head repetition). ``window``: a sliding window, as Hugging Face's (a query at
+    position p reads the keys after p - window up to p; the queries are the last S of the
+    keys). Returns ``[B, H, S, D]``.
     """
     state = _active()
     if state is None:
@@ -125,9 +127,13 @@ def kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         key = torch.cat([past_key, key], dim=2)
         value = torch.cat([past_value, value], dim=2)
     gqa = query.shape[1] != key.shape[1]
-    if state.mask is not None:
-        out = _ORIGINAL_SDPA(query, key, value, attn_mask=state.mask, scale=scale,
-                             enable_gqa=gqa)
+    mask = state.mask
+    if window is not None and window < key.shape[2]:
+        mask = _window_mask(query.shape[2], key.shape[2], window, query.device,
+                            causal=state.past is None or query.shape[2] > 1) & (
+            True if mask is None else mask)
+    if mask is not None:
+        out = _ORIGINAL_SDPA(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
     elif state.past is not None:
         if query.shape[2] != 1:
             raise GenerationError("attention over a past cache with several new tokens needs "
@@ -138,6 +144,16 @@ def kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     state.present.append((key, value))
     state.query_heads.append(query.shape[1])
     return out
+
+
+def _window_mask(queries: int, keys: int, window: int, device: torch.device,
+                 causal: bool) -> torch.Tensor:
+    """[queries, keys] bool: query i (at key position keys - queries + i) reads the keys after
+    its position - window and, when `causal`, none after its own."""
+    at = torch.arange(keys - queries, keys, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    inside = key > at - window
+    return inside & (key <= at) if causal else inside
 
 
 def _sdpa_hook(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -156,12 +172,25 @@ def _sdpa_hook(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return kv_attention(query, key, value, scale)
 
 
+# What Hugging Face may hand an attention function besides a window, which kv_attention does
+# not compute: refused by name rather than silently dropped.
+_HF_UNSUPPORTED = ("softcap", "s_aux", "sinks", "attention_chunk_size")
+
+
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                  **kwargs):
-    """Hugging Face attention interface (registered as ``graphpar_kv``): [B, S, H, D] out."""
+                  sliding_window=None, **kwargs):
+    """Hugging Face attention interface (registered as ``graphpar_kv``): [B, S, H, D] out.
+    The mask Hugging Face built is not read: kv_attention masks causally over the cache, with
+    the layer's sliding window."""
     if dropout:
         raise GenerationError("attention dropout is active: call model.eval() before serving")
-    out = kv_attention(query, key, value, scaling)
+    for name in _HF_UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise GenerationError(
+                f"{type(module).__name__} passes {name}= to its attention, which graphpar's "
+                "explicit-cache attention does not compute (it takes causal attention with "
+                "an optional sliding window)")
+    out = kv_attention(query, key, value, scaling, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -282,17 +311,24 @@ class PositionsAdapter(DecoderAdapter):
 
 
 class HFAdapter(DecoderAdapter):
-    """A Hugging Face causal LM whose attention goes through ALL_ATTENTION_FUNCTIONS."""
+    """A Hugging Face causal LM whose attention goes through ALL_ATTENTION_FUNCTIONS; `path`:
+    where it sits inside `model` when `model` wraps it (parameter names stay the wrapper's)."""
 
     family = "hf"
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, path: str = "") -> None:
         super().__init__(model)
-        self.family = f"hf-{getattr(model.config, 'model_type', 'model')}"
+        self.path = path
+        self.family = f"hf-{getattr(self.hf.config, 'model_type', 'model')}"
+
+    @property
+    def hf(self) -> nn.Module:
+        """The Hugging Face model itself."""
+        return self.model.get_submodule(self.path)
 
     def enter_attention(self):
         _register_hf()
-        config = self.model.config
+        config = self.hf.config
         old = config._attn_implementation
         config._attn_implementation = HF_ATTENTION
 
@@ -302,24 +338,24 @@ class HFAdapter(DecoderAdapter):
 
     def forward(self, input_ids, positions, logits_indices=None):
         keep = 0 if logits_indices is None else logits_indices
-        out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+        out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False,
                          logits_to_keep=keep)
         return out.logits
 
     def max_model_len(self) -> int:
-        config = self.model.config
+        config = self.hf.config
         n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions",
                                                                          None)
         if n is None:
-            raise GenerationError(f"{type(self.model).__name__}'s config has no "
+            raise GenerationError(f"{type(self.hf).__name__}'s config has no "
                                   "max_position_embeddings")
         return int(n)
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        generation = getattr(self.model, "generation_config", None)
+        generation = getattr(self.hf, "generation_config", None)
         eos = getattr(generation, "eos_token_id", None)
         if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
+            eos = getattr(self.hf.config, "eos_token_id", None)
         return _ids(eos)
 
 
@@ -332,19 +368,26 @@ class GenericAdapter(DecoderAdapter):
         return _select(logits, logits_indices)
 
 
-def decoder_adapter(model: nn.Module) -> DecoderAdapter:
+def decoder_adapter(model: nn.Module, unwrap: bool = False) -> DecoderAdapter:
     """The adapter that drives ``model`` with explicit positions and an explicit KV cache.
+    ``unwrap``: a module that is none of these but holds one Hugging Face causal LM is driven
+    through that LM (a wrapper that returns its logits, as model files write; the wrapper's own
+    forward is not run, so only a caller that checks the result against the wrapper, as token
+    slicing's certificate does, should ask for it).
 
     Raises GenerationError for a module graphpar cannot serve.
     """
     if isinstance(model, DecoderAdapter):
         return model
+    inner = [name for name, m in model.named_modules() if name and _is_hf_causal_lm(m)]
     if callable(getattr(model, "forward_positions", None)):
         adapter: DecoderAdapter = PositionsAdapter(model)
     elif _is_hf_causal_lm(model):
         adapter = HFAdapter(model)
     elif _takes_position_ids(model):
         adapter = GenericAdapter(model)
+    elif unwrap and len(inner) == 1:
+        adapter = HFAdapter(model, inner[0])
     else:
         raise GenerationError(
             f"cannot serve {type(model).__name__}: graphpar generates with the bundled GPT and "

@@ -81,7 +81,7 @@ def capture_slice_step(model: nn.Module, loss_fn: Callable, input_ids: torch.Ten
     was_training = model.training
     model.eval()  # the adapter refuses a model in training mode (dropout); a step has none
     try:
-        adapter = decoder_adapter(model)
+        adapter = decoder_adapter(model, unwrap=True)  # checked against the model
     finally:
         model.train(was_training)
     info = adapter.info()

@@ -34,6 +34,7 @@ from graphpar.ir.paged_ops import KERNELS
 from graphpar.ir.paged_reference import SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
 from graphpar.ir.types import TensorType
 from graphpar.ir.verify import describe
+from graphpar.passes.attention_mask import mask_reach
 from graphpar.passes.cleanup import DeadCodeElimination
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 
@@ -141,15 +142,24 @@ class PagedAttention(GraphPass):
                             "both not")
         past = tuple(p for p in (past_key, past_value) if p is not None)
         mask_input = None
-        if mask is not None:
+        if mask is not None and past:
             mask_input = _mask_source(mask)
-            if mask_input is None or not past:
+            if mask_input is None:
                 raise PassError(
-                    f"{where}: attention with a computed mask cannot be paged; paged attention "
-                    "is causal self-attention (capture with graphpar.capture.decoder)")
-        elif not past and not node.attrs.get("causal"):
-            raise PassError(f"{where}: attention is not causal; only causal self-attention "
-                            "(decoder LMs) can be paged")
+                    f"{where}: attention over a past cache with a computed mask cannot be "
+                    "paged; its mask must be a padding-mask input (capture with "
+                    "graphpar.capture.decoder)")
+        elif not past:
+            # A prefill: its mask (Hugging Face builds causal masks from positions) or flag
+            # must be exactly causal; the paged prefill masks causally itself.
+            reach = mask_reach(graph, node)
+            if not reach.plain or reach.window is not None:
+                what = (f"not causal ({reach.why})" if not reach.causal else
+                        f"causal with a sliding window of {reach.window} keys"
+                        if reach.window else "causal, but its mask hides some earlier keys "
+                        "too (e.g. padding from an input)")
+                raise PassError(f"{where}: attention is {what}; only plain causal "
+                                "self-attention (decoder LMs) can be paged")
         for what, t in (("query", q), ("key", key), ("value", value)):
             if t.type.rank != 4:
                 raise PassError(f"{where}: {what} must be [batch, heads, seq, head_size], got "

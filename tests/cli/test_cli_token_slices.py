@@ -57,3 +57,23 @@ def test_api_token_slices_need_a_pipeline():
                                          "stages: pass pipeline= too"):
         graphpar.compile(torch.nn.Linear(2, 2), [torch.ones(1, 2)], mode="train",
                          token_slices="auto")
+
+
+@pytest.mark.slow  # about a minute of CPU each: the ILP's stage search, 3 slice captures, gloo
+@pytest.mark.parametrize("example", ["hf_qwen2", "hf_mistral"])
+def test_hf_causal_lm_model_files_train_token_pipelined_equal_to_eager(tmp_path, capsys,
+                                                                     example):
+    """Hugging Face builds its causal masks as tensors (Mistral's with a sliding window of 6
+    of its 16 tokens): slice-tokens reads causality off them, and the step run slice by slice
+    on 2 ranks equals eager."""
+    from pathlib import Path
+
+    model_file = Path(__file__).resolve().parents[2] / "examples" / f"{example}.py"
+    code, out, err = run_cli(capsys, "compile", model_file, "--mode", "train", "--mesh", "2",
+                             "--cluster", "cpu", "--pipeline", "2", "--token-slices", "3",
+                             "--run-cpu", "2", "--out", tmp_path / "out")
+    assert code == 0, err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["pipeline"]["token_slicing"]["token_slices"] == [6, 5, 5]
+    assert "token slices [6, 5, 5] (1f1b) on 2 processes" in out
+    assert "verdict    PASS" in out

@@ -206,3 +206,47 @@ def test_plain_causal_capture_is_paged_too():
     with torch.no_grad():
         torch.testing.assert_close(reference.run(graph, inputs)[0], module(ids), atol=1e-5,
                                    rtol=1e-5)
+
+
+class MaskedSelfAttention(torch.nn.Module):
+    """Self-attention over 2 heads with its causal mask built from positions, as Hugging Face
+    builds it (kv_idx <= q_idx, and kv_idx > q_idx - window for a sliding window)."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.window = window
+        self.embed = torch.nn.Embedding(64, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, ids):
+        b, s = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).reshape(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        at, key = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        mask = key <= at
+        if self.window:
+            mask = mask & (key > at - self.window)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_causal_mask_built_from_positions_is_paged_as_causal():
+    from graphpar.capture import capture_inference
+
+    module = MaskedSelfAttention()
+    ids = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(3))
+    captured = capture_inference(module, (ids,))
+    (node,) = captured.graph.find("attention")
+    assert not node.attrs["causal"] and len(node.inputs) == 4  # causal by its mask alone
+    graph = paged(captured.graph, max_blocks_per_seq=2)
+    assert not graph.find("le") and not graph.find("arange")  # the mask went with it
+    inputs = dict(captured.state, **caches(graph, module))
+    inputs.update(ids=ids, slot_mapping=torch.arange(8),
+                  block_tables=torch.tensor([[0, 0], [1, 0]], dtype=torch.int32),
+                  context_lens=torch.tensor([4, 4], dtype=torch.int32),
+                  query_start_loc=torch.tensor([0, 4, 8], dtype=torch.int32))
+    with torch.no_grad():
+        torch.testing.assert_close(reference.run(graph, inputs)[0], module(ids), atol=1e-5,
+                                   rtol=1e-5)
+    windowed = capture_inference(MaskedSelfAttention(window=2), (ids,)).graph
+    with pytest.raises(PassError, match="attention is causal with a sliding window of 2 keys; "
+                                        "only plain causal self-attention"):
+        paged(windowed, max_blocks_per_seq=2)

@@ -24,6 +24,7 @@ from graphpar.errors import PassError, UsageError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.verify import describe
+from graphpar.passes.attention_mask import mask_reaches
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.passes.pipeline.plan import StagePlan
 from graphpar.passes.pipeline.token_slicing import (
@@ -159,18 +160,23 @@ def slice_count(value: str | int | None, option: str = "token_slices=") -> int |
 
 
 def causal_attention(graph: Graph) -> list[Node]:
-    """The graph's forward attention ops, all causal: else a clear error naming the one that is
-    not (a token there reads later tokens, so slicing the sequence would change the result)."""
+    """The graph's forward attention ops, all causal (`attention_mask.mask_reach`: the
+    is_causal flag, or a mask whose position-only part hides every later key, whatever any
+    padding from an input adds; sliding windows too): else a clear error naming the one that
+    is not (a token there reads later tokens, so slicing the sequence would change the
+    result)."""
     attention = [n for n in graph.nodes if n.op in ATTENTION]
-    for node in attention:
-        if not node.attrs.get("causal"):
+    for node, reach in mask_reaches(graph, attention).items():
+        if not reach.causal:
             raise PassError(
-                f"graph @{graph.name}: {describe(node, graph)} is not causal (no "
-                "is_causal=True): its tokens attend to later tokens, so token slicing would "
-                "change the result; slice-tokens needs a causal language model")
+                f"graph @{graph.name}: {describe(node, graph)} is not causal ({reach.why}): "
+                "its tokens may attend to later tokens, so token slicing would change the "
+                "result; slice-tokens needs a causal language model (is_causal=True, or a "
+                "mask that hides every later key)")
     if not attention:
         raise PassError(
             f"graph @{graph.name} has no causal attention, so it has no sequence dimension "
             "to slice: slice-tokens needs a causal language model (attention with "
-            "causal=True, e.g. is_causal=True in scaled_dot_product_attention)")
+            "causal=True, e.g. is_causal=True in scaled_dot_product_attention, or a causal "
+            "mask)")
     return attention

@@ -213,7 +213,8 @@ def _run(args: argparse.Namespace, engines: dict, tokenizer, sock) -> int:
 
 def _placement_groups(args: argparse.Namespace, names: list[str]
                       ) -> list[tuple[list[int], list[str]]]:
-    """The devices and models of each group of `--policy`'s placement that hosts models."""
+    """The devices and models of each group of `--policy`'s placement that hosts models; a
+    group of several devices runs its models tensor-parallel over all of them."""
     from graphpar.datafile import read_data_file
     from graphpar.errors import PlacementSpecError
 
@@ -239,10 +240,10 @@ def _placement_groups(args: argparse.Namespace, names: list[str]
                                      f"[...], \"parallel_config\": {{...}})") from None
         if not models:
             continue
-        if len(devices) != 1 or stages * intra != 1:
+        if stages != 1 or intra != len(devices):
             raise UsageError(f"{field}: devices {devices} run {stages} stage(s) x {intra} "
-                             f"intra-op; serve --placement serves groups of one device only "
-                             f"so far")
+                             f"intra-op; serve --placement serves one-stage groups only so far "
+                             f"(one device, or intra-op over all of them: tensor parallel)")
         groups.append((devices, models))
     placed = {m for _, models in groups for m in models}
     if not groups:
@@ -274,11 +275,11 @@ def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[
                if k not in ("fn", "models") and isinstance(v, (str, int, float, bool, type(None)))}
     jobs = []
     try:
-        for i, (_, models) in enumerate(groups):
+        for i, (devices, models) in enumerate(groups):
             job = Job(1, "graphpar.cli.serve:group_worker", prefix="serve-group",
                       timeout=600.0, name=f"device group {i}")
             jobs.append(job)
-            job.folder.describe({"options": options,
+            job.folder.describe({"options": {**options, "tensor_parallel": len(devices)},
                                  "models": [f"{m}={sources[m]}" for m in models]})
             job.start()  # every group loads its models at once
         addresses = []
@@ -286,7 +287,9 @@ def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[
             port = job.call("serve")[0]
             addresses.append(GroupAddress(f"group{i}", f"http://127.0.0.1:{port}",
                                           tuple(models)))
-            print(f"graphpar serve: device group {i} (device {devices[0]}): "
+            where = (f"device {devices[0]}" if len(devices) == 1 else
+                     f"devices {devices[0]}-{devices[-1]}, tensor parallel")
+            print(f"graphpar serve: device group {i} ({where}): "
                   f"{', '.join(models)} in process {job.group.processes[0].pid}",
                   file=sys.stderr, flush=True)
         host, port = sock.getsockname()[:2]
@@ -321,6 +324,10 @@ def group_worker(jobdir: str, rank: int, world: int):
 
     description = JobFolder(jobdir).description
     args = argparse.Namespace(**description["options"], models=description["models"])
+    if args.tensor_parallel > 1 and torch.distributed.is_initialized():
+        # This process is rank 0 of the engine's tensor-parallel world, which it starts; the
+        # one-rank world the worker group gave it makes way (its store still carries commands).
+        torch.distributed.destroy_process_group()
     torch.set_num_threads(args.threads or worker_threads())
     tokenizer = Tokenizer(args.tokenizer)
     engines = _load_engines(args, _targets(args), tokenizer, ExitStack())  # lives as long as

@@ -143,6 +143,12 @@ def test_placement_usage_errors(placement, tmp_path):
     pipelined.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
         {"devices": [0, 1], "parallel_config": {"stages": 2, "intra_op": 1},
          "models": ["gpt"]}]}}}))
+    sharded = tmp_path / "sharded.json"
+    sharded.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
+        {"devices": [0, 1], "parallel_config": {"stages": 1, "intra_op": 2},
+         "models": ["gpt"]}]}}}))
+    assert groups(sharded, "--policy", "alpaserve", "--model", "gpt=gpt:tiny") == [
+        ([0, 1], ["gpt"])]
     for path, argv, words in (
             (placement, ["--policy", "sr", *MODELS], "no such policy; it has alpaserve"),
             (placement, ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
@@ -155,3 +161,34 @@ def test_placement_usage_errors(placement, tmp_path):
              r"groups\[0\]: devices \[0, 1\] run 2 stage\(s\)")):
         with pytest.raises(UsageError, match=words):
             groups(path, *argv)
+
+
+@pytest.mark.slow
+def test_a_group_of_two_devices_serves_tensor_parallel(tmp_path):
+    """A group placed with intra-op 2 on 2 devices: its model runs on 2 gloo ranks (its
+    process and one more), tokens equal eager; beside it a one-device group."""
+    from serve_testutil import eager_greedy
+
+    from graphpar.cli.common import load_target
+
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
+        {"devices": [0, 1], "parallel_config": {"stages": 1, "intra_op": 2},
+         "models": ["gpt"]},
+        {"devices": [2], "parallel_config": {"stages": 1, "intra_op": 1},
+         "models": ["llama"]}]}}}))
+    server = Server(["--placement", str(path), "--policy", "alpaserve", *MODELS], tmp_path)
+    try:
+        assert "device group 0 (devices 0-1, tensor parallel): gpt" in server.stderr
+        client = server.client(max_retries=0)
+        prompt = [3, 1, 4, 1, 5]
+        for name in ("gpt", "llama"):
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=6,
+                                            temperature=0, logprobs=0,
+                                            extra_body={"ignore_eos": True})
+            module = load_target(None, f"{name}:tiny").real_module().eval()
+            assert out.choices[0].logprobs.tokens == [
+                bytes([t]).decode("utf-8", errors="replace")
+                for t in eager_greedy(module, prompt, 6)]
+    finally:
+        assert server.stop() == 143, server.stderr

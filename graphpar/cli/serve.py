@@ -270,6 +270,9 @@ def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[
     for item in args.models:
         name, _, model = item.partition("=")
         is_file = model.endswith(".py") or Path(model).exists()
+        if is_file and not Path(model).is_file():  # found here, not in a group's process
+            raise UsageError(f"--model {item}: {model}: no such file; give a model file "
+                             f"defining build() or a bundled example (gpt:tiny)")
         sources[name] = str(Path(model).resolve()) if is_file else model
     options = {k: v for k, v in vars(args).items()
                if k not in ("fn", "models") and isinstance(v, (str, int, float, bool, type(None)))}

@@ -192,3 +192,18 @@ def test_a_group_of_two_devices_serves_tensor_parallel(tmp_path):
                 for t in eager_greedy(module, prompt, 6)]
     finally:
         assert server.stop() == 143, server.stderr
+
+
+def test_a_missing_model_file_is_a_usage_error_before_any_group_starts(placement, tmp_path,
+                                                                       monkeypatch):
+    from graphpar.cli.main import build_parser
+    from graphpar.errors import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(
+        ["serve", "--placement", str(placement), "--policy", "alpaserve", "--model",
+         "gpt=missing.py", "--model", "llama=llama:tiny", "--port", "0"])
+    with pytest.raises(UsageError) as error:
+        args.fn(args)
+    assert str(error.value) == ("--model gpt=missing.py: missing.py: no such file; give a "
+                                "model file defining build() or a bundled example (gpt:tiny)")

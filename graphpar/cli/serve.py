@@ -30,6 +30,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--model", dest="models", action="append", metavar="NAME=MODEL",
                    help="serve several models, routed by the request's \"model\": NAME=a model "
                         "file (*.py) or NAME=a bundled example (gpt:tiny); repeat it")
+    g.add_argument("--placement", metavar="DIR/placement.json",
+                   help="serve a placement that `graphpar place` wrote: each device group in "
+                        "its own process, each request sent to the least-loaded group holding "
+                        "its model; name each model's source with --model NAME=MODEL")
+    g.add_argument("--policy", metavar="NAME",
+                   help="which policy's placement to serve (a key of the file's \"policies\", "
+                        "e.g. alpaserve)")
     g.add_argument("--served-model-name", metavar="NAME",
                    help="the name clients give as \"model\" (default: the model file's stem, "
                         "or the --example name)")
@@ -54,12 +61,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
+    if (args.placement is None) != (args.policy is None):
+        raise UsageError("give --placement DIR/placement.json and --policy NAME together")
+    if args.placement and not args.models:
+        raise UsageError("--placement needs --model NAME=MODEL for each model it places (the "
+                         "placement names models, not where they are)")
     if args.models and (args.model or args.example or args.served_model_name):
         raise UsageError("give --model NAME=MODEL (one or more), or one model file / --example "
                          "(with --served-model-name), not both")
     if not args.models and not args.model and not args.example:
         raise UsageError("serve needs a model file, --example (e.g. --example gpt:tiny) or "
                          "--model NAME=MODEL")
+    if args.placement and args.tensor_parallel != 1:
+        raise UsageError("--placement: the placement's groups give the parallelism; drop "
+                         "--tensor-parallel")
     check_engine_options(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be between 0 and 65535, got {args.port}")
@@ -96,53 +111,63 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Run `graphpar serve` until interrupted."""
     from contextlib import ExitStack
 
-    from graphpar.cli.common import step
-    from graphpar.cli.generate import _dump_programs, _where, load_model
-    from graphpar.errors import GenerationError
-    from graphpar.serving.llm import LLM
     from graphpar.serving.tokenizer import Tokenizer
 
     _check(args)
     targets = _targets(args)
     tokenizer = Tokenizer(args.tokenizer)
-    config = engine_config(args)
+    groups = _placement_groups(args, [n for n, _ in targets]) if args.placement else None
     sock = _bind(args.host, args.port)
     try:
+        if groups is not None:
+            return _run_placement(args, groups, sock)
         if args.threads is not None:
             import torch
 
             torch.set_num_threads(args.threads)
         with ExitStack() as stack:
-            engines = {}
-            for name, options in targets:
-                with step(f"loading {name}" if args.models else "loading the model"):
-                    spec, module = load_model(options)
-                start = time.perf_counter()
-                progress = lambda message: print(f"graphpar: {message} ...", file=sys.stderr,
-                                                 flush=True)
-                try:
-                    llm = LLM(module, engine_config(args), progress=progress,
-                              detokenize=tokenizer.decode)
-                except GenerationError as exc:
-                    if args.kv_memory and "kv_cache_bytes=" in str(exc):
-                        raise UsageError(f"--kv-memory {args.kv_memory}: "
-                                         f"{str(exc).split(' ', 1)[1]}; give more memory"
-                                         ) from None
-                    raise
-                stack.enter_context(llm)
-                engine = engines[name] = llm.engine
-                info = engine.info
-                print(f"graphpar: {name}: {spec.name} ({info.family}: {info.num_layers} layers, "
-                      f"context {info.max_model_len}) on {_where(engine)}; KV cache "
-                      f"{engine.scheduler.num_device_blocks} blocks of {config.block_size} "
-                      f"tokens; setup {time.perf_counter() - start:.1f} s", file=sys.stderr,
-                      flush=True)
-                if args.dump_programs:
-                    where = Path(args.dump_programs)
-                    _dump_programs(engine.model, where / name if args.models else where, False)
+            engines = _load_engines(args, targets, tokenizer, stack)
             return _run(args, engines, tokenizer, sock)
     finally:
         sock.close()
+
+
+def _load_engines(args: argparse.Namespace, targets: list[tuple[str, argparse.Namespace]],
+                  tokenizer, stack) -> dict:
+    """Each target's engine (served name -> LLMEngine), its LLM entered into `stack`."""
+    from graphpar.cli.common import step
+    from graphpar.cli.generate import _dump_programs, _where, load_model
+    from graphpar.errors import GenerationError
+    from graphpar.serving.llm import LLM
+
+    config = engine_config(args)
+    engines = {}
+    for name, options in targets:
+        with step(f"loading {name}" if args.models else "loading the model"):
+            spec, module = load_model(options)
+        start = time.perf_counter()
+        progress = lambda message: print(f"graphpar: {message} ...", file=sys.stderr,
+                                         flush=True)
+        try:
+            llm = LLM(module, engine_config(args), progress=progress,
+                      detokenize=tokenizer.decode)
+        except GenerationError as exc:
+            if args.kv_memory and "kv_cache_bytes=" in str(exc):
+                raise UsageError(f"--kv-memory {args.kv_memory}: "
+                                 f"{str(exc).split(' ', 1)[1]}; give more memory") from None
+            raise
+        stack.enter_context(llm)
+        engine = engines[name] = llm.engine
+        info = engine.info
+        print(f"graphpar: {name}: {spec.name} ({info.family}: {info.num_layers} layers, "
+              f"context {info.max_model_len}) on {_where(engine)}; KV cache "
+              f"{engine.scheduler.num_device_blocks} blocks of {config.block_size} "
+              f"tokens; setup {time.perf_counter() - start:.1f} s", file=sys.stderr,
+              flush=True)
+        if args.dump_programs:
+            where = Path(args.dump_programs)
+            _dump_programs(engine.model, where / name if args.models else where, False)
+    return engines
 
 
 def _bind(host: str, port: int):
@@ -182,3 +207,131 @@ def _run(args: argparse.Namespace, engines: dict, tokenizer, sock) -> int:
             model.engine.shutdown()
         print("graphpar serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+# --- a placement: a process per device group, a front routing by load ---------------------------
+
+def _placement_groups(args: argparse.Namespace, names: list[str]
+                      ) -> list[tuple[list[int], list[str]]]:
+    """The devices and models of each group of `--policy`'s placement that hosts models; a
+    group of several devices runs its models tensor-parallel over all of them."""
+    from graphpar.datafile import read_data_file
+    from graphpar.errors import PlacementSpecError
+
+    where = args.placement
+    data = read_data_file(where, PlacementSpecError, "placement")
+    policies = data.get("policies") if isinstance(data, dict) else None
+    if not isinstance(policies, dict) or not policies:
+        raise PlacementSpecError(f"{where}: no \"policies\": give the placement.json that "
+                                 f"`graphpar place SPEC --out DIR` wrote")
+    if args.policy not in policies:
+        raise UsageError(f"--policy {args.policy}: {where} has no such policy; it has "
+                         f"{', '.join(policies)}")
+    groups = []
+    for i, group in enumerate(policies[args.policy].get("groups") or []):
+        field = f"{where}: policies.{args.policy}.groups[{i}]"
+        try:
+            devices = [int(d) for d in group["devices"]]
+            models = [str(m) for m in group.get("models", [])]
+            config = group.get("parallel_config", {})
+            stages, intra = int(config.get("stages", 1)), int(config.get("intra_op", 1))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise PlacementSpecError(f"{field}: not a group (\"devices\": [...], \"models\": "
+                                     f"[...], \"parallel_config\": {{...}})") from None
+        if not models:
+            continue
+        if stages != 1 or intra != len(devices):
+            raise UsageError(f"{field}: devices {devices} run {stages} stage(s) x {intra} "
+                             f"intra-op; serve --placement serves one-stage groups only so far "
+                             f"(one device, or intra-op over all of them: tensor parallel)")
+        groups.append((devices, models))
+    placed = {m for _, models in groups for m in models}
+    if not groups:
+        raise PlacementSpecError(f"{where}: policy {args.policy} places no model")
+    missing = sorted(placed - set(names))
+    if missing:
+        raise UsageError(f"--placement: give --model NAME=MODEL for {', '.join(missing)} (the "
+                         f"placement places it)")
+    unplaced = sorted(set(names) - placed)
+    if unplaced:
+        raise UsageError(f"--model {unplaced[0]}: policy {args.policy} of {where} does not "
+                         f"place it; placed: {', '.join(sorted(placed))}")
+    return groups
+
+
+def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[str]]],
+                   sock) -> int:
+    """Start each group's process (its engines behind its own server), then the front."""
+    from graphpar.runtime.jobs import Job
+    from graphpar.serving.http.app import run
+    from graphpar.serving.http.router import GroupAddress, build_router
+
+    sources = {}
+    for item in args.models:
+        name, _, model = item.partition("=")
+        is_file = model.endswith(".py") or Path(model).exists()
+        if is_file and not Path(model).is_file():  # found here, not in a group's process
+            raise UsageError(f"--model {item}: {model}: no such file; give a model file "
+                             f"defining build() or a bundled example (gpt:tiny)")
+        sources[name] = str(Path(model).resolve()) if is_file else model
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("fn", "models") and isinstance(v, (str, int, float, bool, type(None)))}
+    jobs = []
+    try:
+        for i, (devices, models) in enumerate(groups):
+            job = Job(1, "graphpar.cli.serve:group_worker", prefix="serve-group",
+                      timeout=600.0, name=f"device group {i}")
+            jobs.append(job)
+            job.folder.describe({"options": {**options, "tensor_parallel": len(devices)},
+                                 "models": [f"{m}={sources[m]}" for m in models]})
+            job.start()  # every group loads its models at once
+        addresses = []
+        for i, ((devices, models), job) in enumerate(zip(groups, jobs)):
+            port = job.call("serve")[0]
+            addresses.append(GroupAddress(f"group{i}", f"http://127.0.0.1:{port}",
+                                          tuple(models)))
+            where = (f"device {devices[0]}" if len(devices) == 1 else
+                     f"devices {devices[0]}-{devices[-1]}, tensor parallel")
+            print(f"graphpar serve: device group {i} ({where}): "
+                  f"{', '.join(models)} in process {job.group.processes[0].pid}",
+                  file=sys.stderr, flush=True)
+        host, port = sock.getsockname()[:2]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        names = sorted({m for _, models in groups for m in models})
+
+        def ready() -> None:
+            print(f"graphpar serve: serving {','.join(names)} on {url} (OpenAI API at "
+                  f"{url}/v1; {len(groups)} device groups, least-loaded routing; metrics at "
+                  f"{url}/metrics); Ctrl-C stops", file=sys.stderr, flush=True)
+
+        run(build_router(addresses), sock, ready, args.graceful_seconds)
+    finally:
+        for job in jobs:
+            job.close()
+        print("graphpar serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def group_worker(jobdir: str, rank: int, world: int):
+    """The worker of one device group (``graphpar.cli.serve:group_worker``): loads the
+    group's models as `graphpar serve --model` would and hands their engines to a
+    :class:`~graphpar.serving.http.group.GroupServer`."""
+    from contextlib import ExitStack
+
+    import torch
+
+    from graphpar.runtime.jobs import JobFolder
+    from graphpar.runtime.workers import worker_threads
+    from graphpar.serving.http.group import GroupServer
+    from graphpar.serving.tokenizer import Tokenizer
+
+    description = JobFolder(jobdir).description
+    args = argparse.Namespace(**description["options"], models=description["models"])
+    if args.tensor_parallel > 1 and torch.distributed.is_initialized():
+        # This process is rank 0 of the engine's tensor-parallel world, which it starts; the
+        # one-rank world the worker group gave it makes way (its store still carries commands).
+        torch.distributed.destroy_process_group()
+    torch.set_num_threads(args.threads or worker_threads())
+    tokenizer = Tokenizer(args.tokenizer)
+    engines = _load_engines(args, _targets(args), tokenizer, ExitStack())  # lives as long as
+    return GroupServer(jobdir, rank, world, engines, tokenizer, args.max_waiting)  # the process

@@ -42,3 +42,19 @@ def test_placement_real_bench_sums_up_a_kept_json_s_errors_by_profile(load_bench
     assert run["errors"]["replay"]["simple"]["mean_latency_error_pct"] == 0.0
     out = capsys.readouterr().out
     assert out.index("probes") < out.index("replay")
+
+
+@pytest.mark.slow
+def test_placement_real_bench_replays_through_graphpar_serve(load_bench, tmp_path, capsys):
+    """--server: the trace goes through `graphpar serve --placement` over HTTP (every request
+    answered, or the replay raises), measured and simulated side by side."""
+    pytest.importorskip("httpx2")
+    bench = load_bench("placement_real")
+    out = tmp_path / "server.json"
+    assert bench.main(["--server", "--duration", "4", "--runs", "1", "--rate", "5",
+                       "--out", str(out)]) == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["requests"] > 0 and run["measured_mean_s"] > 0 and run["simulated_mean_s"] > 0
+    assert set(run["service_alone_s"]) == {"gpt", "llama"}
+    assert set(run["attainment_by_slo_scale"]) == {"1.5", "2.0", "3.0", "5.0"}
+    assert "simple" in capsys.readouterr().out

@@ -15,6 +15,16 @@ repeated with another trace seed. Each run in the JSON keeps its errors by profi
     python tools/bench/placement_real.py --quick         # 1 run of 20 s in 2 parts (a smoke check)
     python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
     python tools/bench/placement_real.py --errors tools/bench/placement_real.json  # kept runs
+    python tools/bench/placement_real.py --server --duration 30  # through `graphpar serve`
+
+With --server the replay goes through the product instead: `graphpar serve --placement` of
+two tiny LLMs (gpt:tiny, llama:tiny), one per device group (a process each), each request a
+real HTTP completion (16 tokens). Each model's service time is measured through the same
+server alone first (sequential requests), the simulator is given those, and its mean latency
+and SLO attainment are set beside the measured ones. The server batches requests of one
+model (continuous batching) where the simulator serves them one at a time, so under load the
+measured latencies can be shorter than simulated. Its JSON is placement_real.server.json; the
+figures above (the MLP processes) are untouched by it.
 
 Two worker processes and this one (asleep while they serve): no more processes than two
 cores. Report CPU load beside the numbers: on a shared machine the run measures its
@@ -91,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--errors", default=None, metavar="JSON",
                         help="run nothing: add the errors by profile to a kept JSON's runs "
                              "(from the numbers it kept) and print them")
+    parser.add_argument("--server", action="store_true",
+                        help="replay through `graphpar serve --placement` over HTTP (two tiny "
+                             "LLMs, one per group) instead of the MLP processes")
     args = parser.parse_args(argv)
     if args.errors:
         return kept_errors(Path(args.errors))
+    if args.server:
+        return server_check(args)
     duration, runs, segments = ((20.0, 1, 2) if args.quick
                                 else (args.duration, args.runs, args.segments))
     out = Path(args.out or Path(__file__).with_suffix(".json"))
@@ -172,6 +187,120 @@ def main(argv: list[str] | None = None) -> int:
                 f"x{scale}: {a['measured'] * 100:.1f} / {a['simulated'] * 100:.1f} / "
                 f"{a['simulated_probed'] * 100:.1f}" for scale, a in by.items()))
         out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+# --- the replay through `graphpar serve --placement` ------------------------------------------
+
+SERVED = {"gpt": "gpt:tiny", "llama": "llama:tiny"}
+PROMPT, TOKENS = list(range(1, 9)), 16  # 8 prompt tokens, 16 generated
+
+
+def _start_server(placement: Path) -> tuple[object, str]:
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    models = [a for name, example in SERVED.items() for a in ("--model", f"{name}={example}")]
+    proc = subprocess.Popen([sys.executable, "-m", "graphpar", "serve", "--placement",
+                             str(placement), "--policy", "simple", *models, "--port", "0",
+                             "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        found = re.search(r"serving \S+ on (http://\S+) ", line)
+        if found:
+            return proc, found.group(1)
+    raise SystemExit(f"placement_real: the server did not start (exit {proc.wait()})")
+
+
+async def _replay(url: str, models: list[str], arrivals: list[float]) -> list[float]:
+    """Each request sent at its arrival (seconds from now); its latency, wall clock."""
+    import asyncio
+
+    import httpx2
+
+    async with httpx2.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+
+        async def one(model: str, at: float) -> float:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            sent = time.perf_counter()
+            answer = await client.post(url + "/v1/completions", json={
+                "model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            answer.raise_for_status()
+            return time.perf_counter() - sent
+        return list(await asyncio.gather(*(one(m, a) for m, a in zip(models, arrivals))))
+
+
+def server_check(args: argparse.Namespace) -> int:
+    import asyncio
+    import tempfile
+
+    import numpy as np
+
+    from graphpar.placement.simulator import SimGroup, simulate
+    from graphpar.placement.workload import gamma_workload
+
+    names = list(SERVED)
+    duration = 20.0 if args.quick else args.duration
+    tmp = Path(tempfile.mkdtemp(prefix="placement-real-server-"))
+    placement = tmp / "placement.json"
+    placement.write_text(json.dumps({"policies": {"simple": {"groups": [
+        {"devices": [i], "parallel_config": {"stages": 1, "intra_op": 1}, "models": [m]}
+        for i, m in enumerate(names)]}}}))
+    proc, url = _start_server(placement)
+    out = Path(args.out or Path(__file__).with_name("placement_real.server.json"))
+    results = {"machine": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+               "server": "graphpar serve --placement (one model per device group)",
+               "prompt_tokens": len(PROMPT), "completion_tokens": TOKENS, "runs": []}
+    try:
+        for m in names:  # warm-up: the first requests of a fresh engine are slower
+            asyncio.run(_replay(url, [m] * 3, [0.0, 0.0, 0.0]))
+        service = {}
+        for m in names:  # alone and one at a time: the simulator's service time
+            times = [asyncio.run(_replay(url, [m], [0.0]))[0] for _ in range(10)]
+            service[m] = float(np.mean(times))
+        rate = args.rate or args.utilisation * sum(1 / service[m] for m in names)
+        for seed in range(1 if args.quick else args.runs):
+            w = gamma_workload(names, rate, 1.0, duration, seed=seed)
+            load = os.getloadavg()[0]
+            latency = np.array(asyncio.run(_replay(
+                url, [names[i] for i in w.model_ids], [float(a) for a in w.arrivals])))
+            slo = {m: args.slo_scale * service[m] for m in names}
+            sim = simulate([SimGroup({m: [service[m]]}) for m in names], w, slo)
+            bound = np.array([slo[names[i]] for i in w.model_ids])
+            run = {"seed": seed, "requests": len(w), "rate": rate, "duration_s": duration,
+                   "service_alone_s": service, "slo_s": slo,
+                   "load_average_1min_before": load,
+                   "measured_mean_s": float(latency.mean()),
+                   "simulated_mean_s": sim.mean_latency,
+                   "measured_attainment": float((latency <= bound).mean()),
+                   "simulated_attainment": sim.attainment, "attainment_by_slo_scale": {}}
+            for scale in (1.5, 2.0, 3.0, 5.0):
+                tight = {m: scale * service[m] for m in names}
+                bound = np.array([tight[names[i]] for i in w.model_ids])
+                run["attainment_by_slo_scale"][str(scale)] = {
+                    "measured": float((latency <= bound).mean()),
+                    "simulated": simulate([SimGroup({m: [service[m]]}) for m in names], w,
+                                          tight).attainment}
+            results["runs"].append(run)
+            print(f"run {seed} through {url}: {len(w)} requests at {rate:.3g} req/s over "
+                  f"{duration:g} s; service alone (measured, HTTP) "
+                  + ", ".join(f"{m} {service[m] * 1e3:.1f} ms" for m in names)
+                  + f"; load average {load:.1f} before")
+            print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} "
+                  f"{'error':>7s} {'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
+            print(_row("simple", run))
+            print("  SLO attainment (%) by SLO scale (x each model's service alone), measured / "
+                  "simulated: " + "   ".join(
+                      f"x{k}: {a['measured'] * 100:.1f} / {a['simulated'] * 100:.1f}"
+                      for k, a in run["attainment_by_slo_scale"].items()))
+            out.write_text(json.dumps(results, indent=1) + "\n")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
     print(f"wrote {out}")
     return 0
 

@@ -506,3 +506,24 @@ def run(app: FastAPI, sock: socket.socket, on_ready: Callable[[], None] | None =
                 on_ready()
         server.startup = announce  # type: ignore[method-assign]
     server.run(sockets=[sock])
+
+
+def start_in_thread(app: FastAPI, sock: socket.socket, timeout_s: float = 60.0) -> Any:
+    """Serve ``app`` on ``sock`` from a daemon thread (a device group's server, whose process
+    is stopped by its worker group, not by signals); returns the uvicorn server once it
+    listens."""
+    import threading
+
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="graphpar-http")
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the group's HTTP server did not start")
+        time.sleep(0.01)
+    return server

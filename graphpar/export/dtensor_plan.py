@@ -195,9 +195,37 @@ def apply_plan(module: torch.nn.Module, plan: str | Path | dict, device_mesh,
             return result
         return _full(result)
 
+    _replicate_plain_inputs(module, device_mesh)
     module.register_forward_pre_hook(lay_out_inputs)
     module.register_forward_hook(hand_back, always_call=True)
     return module
+
+
+def _replicate_plain_inputs(module: torch.nn.Module, device_mesh) -> None:
+    """Each submodule that holds DTensor parameters gets its plain-tensor inputs (args and
+    kwargs) as Replicate DTensors, as DTensor's own ParallelStyles lay out module inputs.
+    implicit_replication covers such tensors in the forward only: the autograd graph keeps the
+    plain tensor (GPT-2's position ids, made by arange inside its forward), and the op's
+    backward (embedding_dense_backward) then meets it beside a DTensor gradient and refuses.
+    Made a DTensor at the module boundary, it is saved as one. Every rank holds the same
+    tensor, so `from_local` lays it out without communicating."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    replicate = [Replicate()] * device_mesh.ndim
+
+    def as_dtensor(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return DTensor.from_local(value, device_mesh, replicate, run_check=False)
+        return value
+
+    def hook(_module, args, kwargs):
+        return (tuple(as_dtensor(a) for a in args),
+                {k: as_dtensor(v) for k, v in kwargs.items()})
+
+    for sub in module.modules():
+        if sub is not module and any(isinstance(p, DTensor)
+                                     for p in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _full(value: Any) -> Any:

@@ -42,8 +42,8 @@ def step():
 
 
 # DTensor has no sharding rule for the CPU flash-attention kernel SDPA picks on CPU ranks: the
-# math backend's matmuls and softmax have rules. The backward meets the plain tensors the model
-# made in its forward (GPT-2's position ids): taken as replicated there too, if it can.
+# math backend's matmuls and softmax have rules. Plain tensors used outside any module (a
+# causal mask) are taken as replicated; apply_plan makes those given to modules DTensors.
 with sdpa_kernel(SDPBackend.MATH), implicit_replication():
     counts = count_collectives(step)
 eager_out = eager(*inputs)

@@ -120,6 +120,44 @@ def test_a_plan_with_other_shapes_or_another_mesh_is_refused(one_rank_mesh):
     assert not isinstance(module.up.weight, torch.distributed.tensor.DTensor)  # untouched
 
 
+class _PositionEmbedding(torch.nn.Module):
+    """Makes its position ids inside its forward as a plain tensor, as GPT-2 does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wpe = torch.nn.Embedding(8, 6)
+        self.head = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1])
+        return self.head(x + self.wpe(positions))
+
+
+def test_a_plain_tensor_made_in_the_forward_meets_dtensor_parameters_in_the_backward(
+        one_rank_mesh):
+    """apply_plan makes the position ids a Replicate DTensor at the embedding's boundary, so
+    the embedding's backward runs; without it DTensor refuses the mix there."""
+    from torch.distributed.tensor import DTensor
+
+    module, eager = _PositionEmbedding(), _PositionEmbedding()
+    plan = {"format": FORMAT, "mesh": {"dim_names": ["axis0"], "shape": [1]},
+            "parameters": {n: {"placements": ["Shard(0)"], "shape": list(p.shape)}
+                           for n, p in module.named_parameters()},
+            "buffers": {}, "inputs": [{"name": "x", "placements": ["Replicate()"]}],
+            "outputs": None}
+    apply_plan(module, plan, one_rank_mesh)
+    x = torch.randn(2, 5, 6)
+    out = module(x)
+    out.square().sum().backward()
+    expected = eager(x)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    for (name, p), (_, q) in zip(module.named_parameters(), eager.named_parameters()):
+        assert isinstance(p, DTensor), name
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+
+
 def test_a_file_that_is_not_a_plan_is_refused(tmp_path):
     module, _ = _plan()
     path = tmp_path / "plan.json"
@@ -129,21 +167,26 @@ def test_a_file_that_is_not_a_plan_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_hugging_face_causal_lms_plan_on_a_2x2_device_mesh_equals_eager(tmp_path, capsys):
+def test_a_hugging_face_causal_lms_plan_on_a_2x2_device_mesh_equals_eager(tmp_path, capsys,
+                                                                           monkeypatch):
+    """GPT-2's plan by apply_plan on a (2, 2) DeviceMesh of 4 gloo ranks: the output, the loss
+    and every gradient equal to eager."""
     out = tmp_path / "out"
     hf_gpt2 = ROOT / "examples" / "hf_gpt2.py"
     code, _, _ = run_cli(capsys, "export", hf_gpt2, "--mode", "train", "--optimizer", "sgd",
                          "--mesh", "2x2", "--cluster", "cpu", "--to", "dtensor", "--out", out)
     assert code == 0
+    monkeypatch.syspath_prepend(str(hf_gpt2.parent))  # hf_gpt2 imports its sibling hf_opt
+    module, _ = load_model_file(hf_gpt2).build()
     found = _run_check(tmp_path, out / "plan.json", hf_gpt2)
+    # GPT-2 makes its position ids inside its forward as a plain tensor: apply_plan's hooks
+    # make them a Replicate DTensor at the position embedding, so its backward runs too
+    assert found["backward_error"] is None
     assert found["sharded"]
-    assert found["errors"].keys() == {"output", "loss"}
+    # every gradient, the tied embedding and LM head's once (as named_parameters names it)
+    assert found["errors"].keys() == {"output", "loss"} | {f"grad {n}" for n, _
+                                                           in module.named_parameters()}
     assert max(found["errors"].values()) < 1e-4, found["errors"]
-    # not yet: the backward of GPT-2's position embedding meets the position ids the model made
-    # in its forward as a plain tensor, and DTensor refuses them there even under
-    # implicit_replication (docs/export.md); when DTensor takes them, compare the gradients
-    assert "embedding_dense_backward.default got mixed torch.Tensor and DTensor" in \
-        found["backward_error"]
 
 
 @pytest.mark.slow

@@ -169,9 +169,10 @@ def _export_pipeline(args: argparse.Namespace, passes: list, staging: Path) -> d
     shard each stage on its sub-mesh as planned, and write the chosen format."""
     from graphpar.cli.pipeline import compile_pipeline
 
-    compiled = compile_pipeline(args, passes)
+    # built with its weights: the program's constants (tensors a forward makes, lifted by
+    # torch.export) are only real when the capture was
+    compiled = compile_pipeline(args, passes, weights=True)
     with step("sharding the stages on their sub-meshes"):
-        compiled.spec.real_module()  # the weights, made only now, to be written
         pipe = compiled.pipe.sharded_as_planned()
     world = sum(len(d) for d in pipe.devices)
     summary = {"model": compiled.spec.name, "mode": args.mode, "mesh": list(pipe.mesh.shape),

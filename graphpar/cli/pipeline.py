@@ -113,11 +113,13 @@ class CompiledPipeline:
     microbatch_size: int
 
 
-def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline:
+def compile_pipeline(args: argparse.Namespace, passes: list,
+                     weights: bool = False) -> CompiledPipeline:
     """Capture the step at the microbatch size, run `passes` and slice-stages, build the
     stage programs and the schedule and lower them to the MPMD program. Reads the options of
     `graphpar compile --pipeline` from `args` (model, example, mode, mesh, cluster, pipeline,
-    microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu)."""
+    microbatches, schedule, optimizer, memory_limit, time_limit, run_cpu). The model is built
+    with its weights when they will be used (`weights`, or --run-cpu); else on meta."""
     from graphpar.capture.optim import optimizer_from_name
     from graphpar.compiler.pipelined import slice_and_build
     from graphpar.passes.pipeline.lower_mpmd import lower_mpmd
@@ -131,7 +133,7 @@ def compile_pipeline(args: argparse.Namespace, passes: list) -> CompiledPipeline
         raise UsageError(f"--run-cpu {run_cpu} does not match mesh {args.mesh} "
                          f"({mesh.size} devices): run one CPU rank per device")
     with step("loading the model"):
-        spec = load_target(args.model, args.example, args.mode, weights=bool(run_cpu),
+        spec = load_target(args.model, args.example, args.mode, weights=weights or bool(run_cpu),
                            batch=args.batch, seq_len=args.seq_len)
     check_microbatches_fit(args, spec)
     if args.microbatches is None:

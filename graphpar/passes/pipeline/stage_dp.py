@@ -104,19 +104,27 @@ def pipeline_seconds(stage_seconds: Sequence[float], microbatches: int) -> float
 
 
 def solve_stages(costs: StageCosts, devices: int, microbatches: int, stages: int = 0,
-                 epsilon: float = 0.0, prune: bool = True) -> StageSolution | None:
+                 epsilon: float = 0.0, prune: bool = True, beat: float = math.inf
+                 ) -> StageSolution | None:
     """The cheapest slicing of all layers into stages covering exactly `devices` devices
-    (`stages` > 0 forces that many), or None when no slicing fits."""
+    (`stages` > 0 forces that many), or None when no slicing fits. `beat`: the step of a plan
+    already in hand; only a strictly cheaper slicing is wanted (None when there is none), so
+    the early stop starts from it rather than from the first slicing found. The answer is the
+    one found without `beat` whenever that one is cheaper than `beat`."""
     t = np.ascontiguousarray(costs.seconds, dtype=np.float64)
     after = np.ascontiguousarray(costs.max_after, dtype=np.int64)
     sizes = np.array([n * m for n, m in costs.shapes], dtype=np.int64)
     usable = np.isfinite(t) & (after >= 0)
     bounds = np.unique(t[usable])
+    # a slicing whose slowest stage takes t costs at least B * t: bounds that cannot beat
+    # `beat` find nothing wanted, so they are not tried (not even by the bisection)
+    bounds = bounds[microbatches * bounds < beat]
     if bounds.size == 0:
         return None
     best, path, count, tried = _search(t, after, sizes, int(devices), int(microbatches),
-                                       int(stages), float(epsilon), bool(prune), bounds)
-    if not math.isfinite(best):
+                                       int(stages), float(epsilon), bool(prune), bounds,
+                                       float(beat))
+    if count == 0:
         return None
     chosen = tuple((int(a), int(b), int(m)) for a, b, m in path[:count])
     return StageSolution(chosen, float(best), int(tried))
@@ -152,7 +160,7 @@ def _fill(t, after, sizes, devices, most_stages, t_max, total, slowest, end, mes
 
 
 @njit(cache=True)
-def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, bounds):
+def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, bounds, beat):
     layers = t.shape[0]
     most = min(layers, devices) if forced <= 0 else forced
     total = np.empty((most + 1, layers + 1, devices + 1))
@@ -160,7 +168,7 @@ def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, boun
     end = np.zeros((most + 1, layers + 1, devices + 1), dtype=np.int64)
     mesh = np.zeros((most + 1, layers + 1, devices + 1), dtype=np.int64)
     path = np.zeros((max(most, 1), 3), dtype=np.int64)
-    best, count, tried = np.inf, 0, 0
+    best, count, tried = beat, 0, 0
     low = 1 if forced <= 0 else forced
     first = 0
     if prune:  # skip the bounds no slicing meets: feasibility only grows with the bound

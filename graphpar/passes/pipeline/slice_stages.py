@@ -7,7 +7,9 @@
    Steps 2-4 run on each, and the plan with the least estimated step is kept.
 2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
    the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
-   solve, so the number of ILP solves grows with the kinds of layers, not with depth.
+   solve, so the number of ILP solves grows with the kinds of layers, not with depth; the
+   solves on one logical mesh share their resharding cost tables (layers of different kinds
+   still reshard the same activations between the same layouts).
 3. A stage of layers i..j on a logical mesh costs its layers' times, plus resharding the
    values its layers pass to each other (from one layer's plan to the next's), plus sending
    its boundary to the next stage (below). Per sub-mesh shape the best logical mesh is kept.

@@ -8,12 +8,14 @@ k..L-1 into s stages on exactly d devices, every stage at most t_max and within 
 the s - 1 stages after it (1F1B stashes one microbatch per stage still to run, Eq. 5).
 The plan's cost uses the actual slowest stage of the slicing found, not t_max.
 
-Three prunings, all sound:
+Four prunings, all sound:
 
 - the bounds below the least one some slicing meets are skipped, found by bisection (whether
   a slicing exists only grows with the bound);
 - early stop: every plan found at t_max or later costs at least B * t_max (its sum is at least
   its max), so the enumeration stops once B * t_max reaches the best cost so far;
+- a plan in hand (`beat`, another clustering's step): bounds t_max with B * t_max at or
+  above it are dropped before the bisection, since no slicing under them can beat it;
 - epsilon: candidates closer than `epsilon` are solved once, at the largest of them, so the
   answer is within (B - 1) * epsilon of the optimum (Alpa instead skips them, which loses
   that bound when the next candidate is far away).

@@ -100,6 +100,25 @@ def test_identical_layers_share_one_set_of_variables(tiny_gpts):
     assert len({weights[f"blocks.{i}.mlp.up.weight"] for i in range(4)}) == 1
 
 
+def test_problems_on_one_mesh_share_their_resharding_tables(tiny_gpts):
+    # The 2- and 4-layer GPTs reshard the same activations between the same layouts: with
+    # shared tables the second problem prices no new (shape, layouts) table, and both reduce
+    # to the same edge costs and plans as problems built alone.
+    mesh = mesh_for("2x2", CLUSTER)
+    tables: dict = {}
+    shared = {n: Reduced(Problem(g, mesh, ROOF, tables=tables)) for n, g in tiny_gpts.items()}
+    priced = len(tables[mesh])
+    assert priced > 0
+    Reduced(Problem(tiny_gpts[4], mesh, ROOF, tables=tables))
+    assert len(tables[mesh]) == priced
+    for n, graph in tiny_gpts.items():
+        alone = Reduced(Problem(graph, mesh, ROOF))
+        assert alone.edges.keys() == shared[n].edges.keys()
+        assert all((alone.edges[e] == shared[n].edges[e]).all() for e in alone.edges)
+        assert all((a == b).all() for a, b in zip(alone.unary, shared[n].unary))
+        assert alone.solve().node_strategy == shared[n].solve().node_strategy
+
+
 def test_hand_plans_are_valid_and_never_better_than_the_ilp(small_gpt):
     red = reduced(small_gpt, "2x4")
     ilp = red.solve()

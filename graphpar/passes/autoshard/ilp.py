@@ -117,7 +117,10 @@ class Problem:
     between them, and what each choice costs in time and memory."""
 
     def __init__(self, graph: Graph, mesh: Mesh, roofline: Roofline | float,
-                 deadline: Deadline = _NO_DEADLINE):
+                 deadline: Deadline = _NO_DEADLINE, tables: dict | None = None):
+        """`tables`: resharding cost tables to share with other problems (per mesh, by
+        shape and layouts): the layers of one model priced on the same mesh reshard the same
+        activations between the same layouts."""
         self.graph, self.mesh = graph, mesh
         self.roofline = roofline = Roofline.coerce(roofline)
         self.deadline = deadline
@@ -134,6 +137,8 @@ class Problem:
         self._layout_list: list[Layout] = []
         self._tables: dict[int, tuple] = {}  # id(choice list) -> layout ids of its choices
         self._costs: dict[tuple, np.ndarray] = {}
+        self._shared: dict[tuple, np.ndarray] = ({} if tables is None
+                                                 else tables.setdefault(mesh, {}))
         self.compute = [self._compute(i) for i in range(len(self.items))]
         self.memory = self._memory_terms()
         self.edges = self._edges()
@@ -175,8 +180,12 @@ class Problem:
             us, inv_s = np.unique(src_ids, return_inverse=True)
             ud, inv_d = np.unique(dst_ids, return_inverse=True)
             layouts = self._layout_list
-            base = np.array(resharding_cost_matrix(shape, itemsize, [layouts[a] for a in us],
-                                                   [layouts[b] for b in ud], self.mesh))
+            src = tuple(layouts[a] for a in us)
+            dst = tuple(layouts[b] for b in ud)
+            base = self._shared.get((shape, itemsize, src, dst))
+            if base is None:
+                base = np.array(resharding_cost_matrix(shape, itemsize, src, dst, self.mesh))
+                self._shared[(shape, itemsize, src, dst)] = base
             found = self._costs[key] = base[np.ix_(inv_s.ravel(), inv_d.ravel())]
         return found
 

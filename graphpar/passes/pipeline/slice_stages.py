@@ -7,7 +7,9 @@
    Steps 2-4 run on each, and the plan with the least estimated step is kept.
 2. Cost every layer on every (sub-mesh, logical mesh) with graphpar's own auto-shard ILP on
    the layer's stage subgraph. Layers with the same structure (`layer_signature`) share one
-   solve, so the number of ILP solves grows with the kinds of layers, not with depth.
+   solve, so the number of ILP solves grows with the kinds of layers, not with depth; the
+   solves on one logical mesh share their resharding cost tables (layers of different kinds
+   still reshard the same activations between the same layouts).
 3. A stage of layers i..j on a logical mesh costs its layers' times, plus resharding the
    values its layers pass to each other (from one layer's plan to the next's), plus sending
    its boundary to the next stage (below). Per sub-mesh shape the best logical mesh is kept.
@@ -279,7 +281,11 @@ def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
                 raise MemoryLimitError(f"the fixed stages {list(fixed)} do not fit "
                                        f"{format_bytes(limit)} per device")
         else:
-            c.solution = solve_stages(c.costs, hosts * per_host, microbatches, stages, epsilon)
+            # a later candidate is kept only if strictly faster (ties go to the earlier one),
+            # so its DP may stop as soon as it cannot beat the best plan so far
+            beat = best.solution.seconds if best is not None else np.inf
+            c.solution = solve_stages(c.costs, hosts * per_host, microbatches, stages, epsilon,
+                                      beat=beat)
         costing, searching = costing + costed - begun, searching + time.perf_counter() - costed
         # ties go to the earlier candidate: Eq. 6's clustering
         if c.solution is not None and (best is None
@@ -406,11 +412,13 @@ class _StageOptions:
         seconds = np.full((count, count, len(shapes), most), np.inf)
         persistent = np.zeros(seconds.shape)
         stashed = np.zeros(seconds.shape)
+        crossings = _crossings(units)
         for m, shape in enumerate(shapes):
             send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
                              if j < count - 1 else 0.0 for j in range(count)])
             for g, (lshape, family) in enumerate(choices[m]):
-                table = _range_costs(units, solver, mesh_for(lshape, cluster), family, shape)
+                table = _range_costs(units, solver, mesh_for(lshape, cluster), family, shape,
+                                     crossings)
                 if table is not None:
                     seconds[:, :, m, g] = table[0] + send[None, :]
                     persistent[:, :, m, g], stashed[:, :, m, g] = table[1], table[2]
@@ -448,6 +456,7 @@ class _LayerCosts:
         self.solves = 0
         self.outcomes = LayerSolves()  # this object's solves (not those found in `cache`)
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
+        self._tables: dict = {}  # resharding cost tables, shared by the solves on one mesh
 
     def cost(self, layer: _Layer, mesh: Mesh, family: str | None,
              submesh: tuple[int, int] | None = None) -> LayerCost | None:
@@ -472,7 +481,7 @@ class _LayerCosts:
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}", keep_order=True)
         costed = _without_boundary_outputs(sub)
         self.solves += 1
-        reduced = Reduced(Problem(costed, mesh, self.roofline))
+        reduced = Reduced(Problem(costed, mesh, self.roofline, tables=self._tables))
         try:
             plan = None
             if family is not None:
@@ -526,7 +535,8 @@ def _without_boundary_outputs(sub: Graph) -> Graph:
 
 
 def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: str | None,
-                 submesh: tuple[int, int] | None = None):
+                 submesh: tuple[int, int] | None = None,
+                 crossings: list[_Crossing] | None = None):
     """(seconds, persistent bytes, stashed bytes) of every layer range i..j on `mesh` (a
     logical mesh of `submesh`), as [L, L] arrays, or None when some layer has no plan on it
     (`solver.outcomes` counts why). The seconds include resharding between the layers' plans
@@ -535,7 +545,8 @@ def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: s
     per = [solver.cost(u, mesh, family, submesh) for u in units]
     if any(c is None for c in per):
         return None
-    pair = _reshard_between(units, per, mesh)  # pair[p, c]: from layer p's plan to layer c's
+    # pair[p, c]: from layer p's plan to layer c's
+    pair = _reshard_between(units, per, mesh, crossings)
     t = np.array([c.seconds for c in per])
     persistent = np.array([c.persistent_bytes for c in per], dtype=np.float64)
     stashed = np.array([c.stashed_bytes for c in per], dtype=np.float64)
@@ -553,33 +564,68 @@ def _range_costs(units: list[_Layer], solver: _LayerCosts, mesh: Mesh, family: s
     return seconds, mem_p, mem_s
 
 
-def _reshard_between(units: list[_Layer], per: list[LayerCost], mesh: Mesh) -> np.ndarray:
-    """pair[p, c]: seconds to reshard what layer p sends layer c, from the layout p's plan
-    gives it to the layout c's plan reads it in (same logical mesh)."""
-    count = len(units)
-    pair = np.zeros((count, count))
-    produced: dict[Value, tuple[int, object]] = {}
-    for p, (u, cost) in enumerate(zip(units, per)):
-        for orig, node in zip(u.nodes, cost.subgraph.nodes):
-            for o, n_out in zip(orig.outputs, node.outputs):
-                produced[o] = (p, cost.plan.node_strategy[node].outputs[n_out.index])
-    for c, (u, cost) in enumerate(zip(units, per)):
+@dataclass(frozen=True)
+class _Crossing:
+    """A value layer `p` makes and layer `c` reads: made by the `node`-th node of p (in
+    `canonical_order`, as p's stage subgraph lists them) as its `output`-th result, read as
+    the `read`-th input of c's stage subgraph."""
+
+    p: int
+    c: int
+    value: Value
+    node: int
+    output: int
+    read: int
+
+
+def _crossings(units: list[_Layer]) -> list[_Crossing]:
+    """Every value passed from one layer to another, found once per clustering: the walk over
+    the graph does not depend on the mesh, only the layouts read off each plan do."""
+    made: dict[Value, tuple[int, int, int]] = {}
+    for p, u in enumerate(units):
+        for k, node in enumerate(u.nodes):
+            for out in node.outputs:
+                made[out] = (p, k, out.index)
+    found = []
+    for c, u in enumerate(units):
         members = set(u.nodes)
         seen: set[Value] = set()
-        inputs = iter(cost.subgraph.inputs)
-        for orig in u.nodes:
-            for v in orig.input_values:
+        for node in u.nodes:  # the subgraph's inputs, in the order `stage_subgraph` makes them
+            for v in node.input_values:
                 if v.producer in members or v in seen:
                     continue
                 seen.add(v)
-                sub_input = next(inputs)
-                if v not in produced or sub_input.role is not Role.INPUT:
-                    continue
-                p, src = produced[v]
-                dst = cost.plan.input_layout[sub_input]
-                if p != c and src != dst:
-                    pair[p, c] += resharding_cost(v.type.shape, v.type.itemsize, src, dst,
-                                                  mesh).seconds
+                if v in made and made[v][0] != c:
+                    p, k, index = made[v]
+                    found.append(_Crossing(p, c, v, k, index, len(seen) - 1))
+    return found
+
+
+def _reshard_between(units: list[_Layer], per: list[LayerCost], mesh: Mesh,
+                     crossings: list[_Crossing] | None = None) -> np.ndarray:
+    """pair[p, c]: seconds to reshard what layer p sends layer c, from the layout p's plan
+    gives it to the layout c's plan reads it in (same logical mesh). Identical layers repeat
+    the same (shape, layouts) resharding, which is priced once."""
+    count = len(units)
+    pair = np.zeros((count, count))
+    listed: dict[int, tuple[list[Node], list[Value]]] = {}  # per distinct LayerCost
+    for cost in per:
+        if id(cost) not in listed:
+            listed[id(cost)] = (list(cost.subgraph.nodes), list(cost.subgraph.inputs))
+    priced: dict[tuple, float] = {}
+    for x in crossings if crossings is not None else _crossings(units):
+        made, read = per[x.p], per[x.c]
+        sub_input = listed[id(read)][1][x.read]
+        if sub_input.role is not Role.INPUT:
+            continue
+        src = made.plan.node_strategy[listed[id(made)][0][x.node]].outputs[x.output]
+        dst = read.plan.input_layout[sub_input]
+        if src != dst:
+            shape, itemsize = x.value.type.shape, x.value.type.itemsize
+            key = (shape, itemsize, src, dst)
+            if key not in priced:
+                priced[key] = resharding_cost(shape, itemsize, src, dst, mesh).seconds
+            pair[x.p, x.c] += priced[key]
     return pair
 
 

@@ -8,12 +8,14 @@ k..L-1 into s stages on exactly d devices, every stage at most t_max and within 
 the s - 1 stages after it (1F1B stashes one microbatch per stage still to run, Eq. 5).
 The plan's cost uses the actual slowest stage of the slicing found, not t_max.
 
-Three prunings, all sound:
+Four prunings, all sound:
 
 - the bounds below the least one some slicing meets are skipped, found by bisection (whether
   a slicing exists only grows with the bound);
 - early stop: every plan found at t_max or later costs at least B * t_max (its sum is at least
   its max), so the enumeration stops once B * t_max reaches the best cost so far;
+- a plan in hand (`beat`, another clustering's step): bounds t_max with B * t_max at or
+  above it are dropped before the bisection, since no slicing under them can beat it;
 - epsilon: candidates closer than `epsilon` are solved once, at the largest of them, so the
   answer is within (B - 1) * epsilon of the optimum (Alpa instead skips them, which loses
   that bound when the next candidate is far away).
@@ -104,19 +106,27 @@ def pipeline_seconds(stage_seconds: Sequence[float], microbatches: int) -> float
 
 
 def solve_stages(costs: StageCosts, devices: int, microbatches: int, stages: int = 0,
-                 epsilon: float = 0.0, prune: bool = True) -> StageSolution | None:
+                 epsilon: float = 0.0, prune: bool = True, beat: float = math.inf
+                 ) -> StageSolution | None:
     """The cheapest slicing of all layers into stages covering exactly `devices` devices
-    (`stages` > 0 forces that many), or None when no slicing fits."""
+    (`stages` > 0 forces that many), or None when no slicing fits. `beat`: the step of a plan
+    already in hand; only a strictly cheaper slicing is wanted (None when there is none), so
+    the early stop starts from it rather than from the first slicing found. The answer is the
+    one found without `beat` whenever that one is cheaper than `beat`."""
     t = np.ascontiguousarray(costs.seconds, dtype=np.float64)
     after = np.ascontiguousarray(costs.max_after, dtype=np.int64)
     sizes = np.array([n * m for n, m in costs.shapes], dtype=np.int64)
     usable = np.isfinite(t) & (after >= 0)
     bounds = np.unique(t[usable])
+    # a slicing whose slowest stage takes t costs at least B * t: bounds that cannot beat
+    # `beat` find nothing wanted, so they are not tried (not even by the bisection)
+    bounds = bounds[microbatches * bounds < beat]
     if bounds.size == 0:
         return None
     best, path, count, tried = _search(t, after, sizes, int(devices), int(microbatches),
-                                       int(stages), float(epsilon), bool(prune), bounds)
-    if not math.isfinite(best):
+                                       int(stages), float(epsilon), bool(prune), bounds,
+                                       float(beat))
+    if count == 0:
         return None
     chosen = tuple((int(a), int(b), int(m)) for a, b, m in path[:count])
     return StageSolution(chosen, float(best), int(tried))
@@ -152,7 +162,7 @@ def _fill(t, after, sizes, devices, most_stages, t_max, total, slowest, end, mes
 
 
 @njit(cache=True)
-def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, bounds):
+def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, bounds, beat):
     layers = t.shape[0]
     most = min(layers, devices) if forced <= 0 else forced
     total = np.empty((most + 1, layers + 1, devices + 1))
@@ -160,7 +170,7 @@ def _search(t, after, sizes, devices, microbatches, forced, epsilon, prune, boun
     end = np.zeros((most + 1, layers + 1, devices + 1), dtype=np.int64)
     mesh = np.zeros((most + 1, layers + 1, devices + 1), dtype=np.int64)
     path = np.zeros((max(most, 1), 3), dtype=np.int64)
-    best, count, tried = np.inf, 0, 0
+    best, count, tried = beat, 0, 0
     low = 1 if forced <= 0 else forced
     first = 0
     if prune:  # skip the bounds no slicing meets: feasibility only grows with the bound

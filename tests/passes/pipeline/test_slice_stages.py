@@ -223,6 +223,21 @@ def test_ilp_solves_do_not_grow_with_depth(gpt_step):
     assert deep.plan.ilp_solves == shallow.plan.ilp_solves <= 5 + 2
 
 
+def test_repeated_sub_problems_are_solved_once(gpt_step):
+    # A (layer structure, logical mesh) is solved once: a second search on the same graph
+    # with the first one's cache (the same cluster, dtype, microbatches) solves nothing and
+    # finds the same plan.
+    graph = gpt_step(6)
+    cache: dict = {}
+    first = slice_stages(graph, "1x2", microbatches=4, cache=cache)
+    again = slice_stages(graph, "1x2", microbatches=4, cache=cache)
+    assert first.plan.ilp_solves == first.plan.layer_solves.counted > 0
+    assert again.plan.ilp_solves == again.plan.layer_solves.counted == 0
+    assert again.plan.est_step_seconds == first.plan.est_step_seconds
+    assert [(s.layers, s.submesh, s.logical_mesh) for s in again.plan.stages] == [
+        (s.layers, s.submesh, s.logical_mesh) for s in first.plan.stages]
+
+
 def test_finer_layers_win_where_block_long_layers_balance_stages_poorly(gpt_step):
     # The tiny GPT with a heavy head on 1x2, B = 8: on Eq. 6's layers (one per block) the
     # stage ends fall on block boundaries and the head's stage is the slowest; with middle

@@ -109,6 +109,31 @@ def test_epsilon_stays_within_its_bound_and_pruning_saves_bounds():
     assert saved > 0  # the early stop does cut the enumeration
 
 
+def test_a_plan_in_hand_gives_the_same_answer_below_it_and_none_at_or_above_it():
+    # `beat` (another clustering's step): the DP answers exactly as without it when it finds
+    # something strictly cheaper, None otherwise (where the early stop, starting from `beat`,
+    # saves the most: the candidate that loses is not searched to its end).
+    rng = random.Random(2)
+    checked = 0
+    for case in range(120):
+        hosts, per_host = CLUSTERS[case % len(CLUSTERS)]
+        costs = random_costs(rng, rng.randint(2, 6), submesh_shapes(hosts, per_host))
+        microbatches = rng.choice([2, 4, 8])
+        free = solve_stages(costs, hosts * per_host, microbatches)
+        if free is None:
+            assert solve_stages(costs, hosts * per_host, microbatches, beat=1e9) is None
+            continue
+        for beat in (free.seconds * 1.2, free.seconds, free.seconds * 0.9):
+            got = solve_stages(costs, hosts * per_host, microbatches, beat=beat)
+            if free.seconds < beat:
+                assert got is not None and got.stages == free.stages
+                assert got.seconds == free.seconds and got.bounds_tried <= free.bounds_tried
+                checked += 1
+            else:
+                assert got is None, (case, beat)
+    assert checked > 50
+
+
 def test_homogeneous_layers_get_equal_layers_per_stage():
     # Identical GPT-like layers: a stage's time is linear in its layers, and intra-op
     # parallelism loses 10% per doubling of devices. Alpa §8.3: the DP cuts equal stages.

@@ -26,6 +26,12 @@ from graphpar.serving.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestRejected"]
 
+# Engines of several models in one process (`graphpar serve --model a=... --model b=...`) step
+# one at a time: two engine threads stepping at once gave wrong greedy tokens now and then
+# (tests/serving/test_api_server.py::test_several_models_routed_by_name; the shared state is
+# not found yet), and on a CPU the steps compete for the same cores anyway.
+_STEP_LOCK = threading.Lock()
+
 
 class RequestRejected(GenerationError):
     """The engine refused a request when it was added (bad tokens, too long, never fits)."""
@@ -142,7 +148,10 @@ class AsyncEngine:
                         self._stop()
                         return
                     self._handle(command)
-                outputs = engine.step(stream=True) if engine.has_unfinished_requests() else []
+                outputs = []
+                if engine.has_unfinished_requests():
+                    with _STEP_LOCK:
+                        outputs = engine.step(stream=True)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -185,6 +194,9 @@ class AsyncEngine:
     def _stop(self) -> None:
         for request_id in list(self._streams):
             self._handle(("abort", request_id))
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            with _STEP_LOCK:
+                outputs = self.engine.step()
         if self.on_iteration is not None:
             self.on_iteration(self.engine, outputs)

@@ -74,7 +74,9 @@ def test_a_plainly_built_model_far_too_big_for_the_machine_plans_in_little_memor
     peak = compile_measuring_peak_rss(model, "--out", tmp_path / "out")
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["parameters"] == 8 * 2**34
-    assert peak < 2**30, f"peak RSS {peak / 2**20:.0f} MiB planning a 512 GiB model"
+    # 2 GiB: torch, OR-Tools and a cold numba cache's compiles take ~1.1 GiB in a fresh checkout;
+    # the model's real weights would take 512 GiB
+    assert peak < 2 * 2**30, f"peak RSS {peak / 2**20:.0f} MiB planning a 512 GiB model"
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

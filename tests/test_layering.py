@@ -37,12 +37,13 @@ MAY_IMPORT = {
 }
 # modules of a wing that its engine-side code must not import: serving's engine, scheduler,
 # KV cache manager and model ranks run programs the serving compile made
-SERVING_COMPILE = ("graphpar.serving.compile", "graphpar.serving.llm", "graphpar.capture",
-                   "graphpar.passes")
+SERVING_COMPILE = ("graphpar.serving.compile", "graphpar.serving.llm",
+                   "graphpar.serving.stage_split", "graphpar.capture", "graphpar.passes")
 SERVING_ENGINE = ("graphpar.serving.engine", "graphpar.serving.scheduler",
                   "graphpar.serving.kv_cache_manager", "graphpar.serving.sampling",
                   "graphpar.serving.outputs", "graphpar.serving.paged_model",
-                  "graphpar.serving.model_rank", "graphpar.serving.tensor_parallel")
+                  "graphpar.serving.model_rank", "graphpar.serving.tensor_parallel",
+                  "graphpar.serving.pipeline_parallel")
 
 
 def _modules() -> dict[str, Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def _load_engines(args: argparse.Namespace, targets: list[tuple[str, argparse.Na
     from graphpar.errors import GenerationError
     from graphpar.serving.llm import LLM
 
-    config = engine_config(args)
+    config = _config(args)
     engines = {}
     for name, options in targets:
         with step(f"loading {name}" if args.models else "loading the model"):
@@ -149,7 +150,7 @@ def _load_engines(args: argparse.Namespace, targets: list[tuple[str, argparse.Na
         progress = lambda message: print(f"graphpar: {message} ...", file=sys.stderr,
                                          flush=True)
         try:
-            llm = LLM(module, engine_config(args), progress=progress,
+            llm = LLM(module, _config(args), progress=progress,
                       detokenize=tokenizer.decode)
         except GenerationError as exc:
             if args.kv_memory and "kv_cache_bytes=" in str(exc):
@@ -159,8 +160,10 @@ def _load_engines(args: argparse.Namespace, targets: list[tuple[str, argparse.Na
         stack.enter_context(llm)
         engine = engines[name] = llm.engine
         info = engine.info
+        where = (engine.model.ranks.summary() if config.pipeline_stages > 1
+                 else _where(engine))
         print(f"graphpar: {name}: {spec.name} ({info.family}: {info.num_layers} layers, "
-              f"context {info.max_model_len}) on {_where(engine)}; KV cache "
+              f"context {info.max_model_len}) on {where}; KV cache "
               f"{engine.scheduler.num_device_blocks} blocks of {config.block_size} "
               f"tokens; setup {time.perf_counter() - start:.1f} s", file=sys.stderr,
               flush=True)
@@ -168,6 +171,17 @@ def _load_engines(args: argparse.Namespace, targets: list[tuple[str, argparse.Na
             where = Path(args.dump_programs)
             _dump_programs(engine.model, where / name if args.models else where, False)
     return engines
+
+
+def _config(args: argparse.Namespace):
+    """The engine options as an EngineConfig; a pipelined group of a placement adds its stages
+    (options no flag sets: the placement gives them)."""
+    import dataclasses
+
+    layers = getattr(args, "stage_layers", None)
+    return dataclasses.replace(engine_config(args),
+                               pipeline_stages=getattr(args, "pipeline_stages", 1),
+                               stage_layers=tuple(layers) if layers else None)
 
 
 def _bind(host: str, port: int):
@@ -211,10 +225,31 @@ def _run(args: argparse.Namespace, engines: dict, tokenizer, sock) -> int:
 
 # --- a placement: a process per device group, a front routing by load ---------------------------
 
-def _placement_groups(args: argparse.Namespace, names: list[str]
-                      ) -> list[tuple[list[int], list[str]]]:
-    """The devices and models of each group of `--policy`'s placement that hosts models; a
-    group of several devices runs its models tensor-parallel over all of them."""
+@dataclass
+class _Group:
+    """A device group of the placement as served: its devices, models, and how they run."""
+
+    devices: list[int]
+    models: list[str]
+    stages: int = 1
+    stage_layers: list[int] | None = None
+
+    def where(self) -> str:
+        if len(self.devices) == 1:
+            return f"device {self.devices[0]}"
+        span = f"devices {self.devices[0]}-{self.devices[-1]}"
+        if self.stages == 1:
+            return f"{span}, tensor parallel"
+        layers = f", blocks {'+'.join(map(str, self.stage_layers))}" if self.stage_layers \
+            else ""
+        return f"{span}, {self.stages} pipeline stages{layers}"
+
+
+def _placement_groups(args: argparse.Namespace, names: list[str]) -> list[_Group]:
+    """The groups of `--policy`'s placement that host models. A group of several devices runs
+    its models tensor-parallel over all of them (one stage, intra-op over every device), or
+    pipelined (one device per stage; the decoder's blocks split as ``stage_layers`` says, else
+    evenly)."""
     from graphpar.datafile import read_data_file
     from graphpar.errors import PlacementSpecError
 
@@ -235,17 +270,27 @@ def _placement_groups(args: argparse.Namespace, names: list[str]
             models = [str(m) for m in group.get("models", [])]
             config = group.get("parallel_config", {})
             stages, intra = int(config.get("stages", 1)), int(config.get("intra_op", 1))
+            layers = config.get("stage_layers")
+            layers = None if layers is None else [int(n) for n in layers]
         except (KeyError, TypeError, ValueError, AttributeError):
             raise PlacementSpecError(f"{field}: not a group (\"devices\": [...], \"models\": "
                                      f"[...], \"parallel_config\": {{...}})") from None
         if not models:
             continue
-        if stages != 1 or intra != len(devices):
-            raise UsageError(f"{field}: devices {devices} run {stages} stage(s) x {intra} "
-                             f"intra-op; serve --placement serves one-stage groups only so far "
-                             f"(one device, or intra-op over all of them: tensor parallel)")
-        groups.append((devices, models))
-    placed = {m for _, models in groups for m in models}
+        if stages < 1 or intra < 1 or stages * intra != len(devices):
+            raise PlacementSpecError(f"{field}: {stages} stage(s) x {intra} intra-op is not "
+                                     f"its {len(devices)} device(s) {devices}")
+        if stages > 1 and intra > 1:
+            raise UsageError(f"{field}: devices {devices} run {stages} stages x {intra} "
+                             f"intra-op; serve --placement serves a group either pipelined "
+                             f"(one device per stage) or tensor parallel (one stage), not both "
+                             f"yet")
+        if layers is not None and (len(layers) != stages or min(layers) < 1):
+            raise PlacementSpecError(f"{field}: parallel_config.stage_layers {layers}: give "
+                                     f"one count of decoder blocks (at least 1) per stage, "
+                                     f"{stages} in all")
+        groups.append(_Group(devices, models, stages, layers))
+    placed = {m for g in groups for m in g.models}
     if not groups:
         raise PlacementSpecError(f"{where}: policy {args.policy} places no model")
     missing = sorted(placed - set(names))
@@ -259,8 +304,7 @@ def _placement_groups(args: argparse.Namespace, names: list[str]
     return groups
 
 
-def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[str]]],
-                   sock) -> int:
+def _run_placement(args: argparse.Namespace, groups: list[_Group], sock) -> int:
     """Start each group's process (its engines behind its own server), then the front."""
     from graphpar.runtime.jobs import Job
     from graphpar.serving.http.app import run
@@ -278,26 +322,26 @@ def _run_placement(args: argparse.Namespace, groups: list[tuple[list[int], list[
                if k not in ("fn", "models") and isinstance(v, (str, int, float, bool, type(None)))}
     jobs = []
     try:
-        for i, (devices, models) in enumerate(groups):
+        for i, group in enumerate(groups):
             job = Job(1, "graphpar.cli.serve:group_worker", prefix="serve-group",
                       timeout=600.0, name=f"device group {i}")
             jobs.append(job)
-            job.folder.describe({"options": {**options, "tensor_parallel": len(devices)},
-                                 "models": [f"{m}={sources[m]}" for m in models]})
+            parallel = ({"tensor_parallel": len(group.devices)} if group.stages == 1 else
+                        {"pipeline_stages": group.stages, "stage_layers": group.stage_layers})
+            job.folder.describe({"options": {**options, **parallel},
+                                 "models": [f"{m}={sources[m]}" for m in group.models]})
             job.start()  # every group loads its models at once
         addresses = []
-        for i, ((devices, models), job) in enumerate(zip(groups, jobs)):
+        for i, (group, job) in enumerate(zip(groups, jobs)):
             port = job.call("serve")[0]
             addresses.append(GroupAddress(f"group{i}", f"http://127.0.0.1:{port}",
-                                          tuple(models)))
-            where = (f"device {devices[0]}" if len(devices) == 1 else
-                     f"devices {devices[0]}-{devices[-1]}, tensor parallel")
-            print(f"graphpar serve: device group {i} ({where}): "
-                  f"{', '.join(models)} in process {job.group.processes[0].pid}",
+                                          tuple(group.models)))
+            print(f"graphpar serve: device group {i} ({group.where()}): "
+                  f"{', '.join(group.models)} in process {job.group.processes[0].pid}",
                   file=sys.stderr, flush=True)
         host, port = sock.getsockname()[:2]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        names = sorted({m for _, models in groups for m in models})
+        names = sorted({m for g in groups for m in g.models})
 
         def ready() -> None:
             print(f"graphpar serve: serving {','.join(names)} on {url} (OpenAI API at "
@@ -327,8 +371,10 @@ def group_worker(jobdir: str, rank: int, world: int):
 
     description = JobFolder(jobdir).description
     args = argparse.Namespace(**description["options"], models=description["models"])
-    if args.tensor_parallel > 1 and torch.distributed.is_initialized():
-        # This process is rank 0 of the engine's tensor-parallel world, which it starts; the
+    if (args.tensor_parallel > 1 or getattr(args, "pipeline_stages", 1) > 1) \
+            and torch.distributed.is_initialized():
+        # This process is rank 0 of the engine's tensor-parallel (or pipeline) world, which it
+        # starts; the
         # one-rank world the worker group gave it makes way (its store still carries commands).
         torch.distributed.destroy_process_group()
     torch.set_num_threads(args.threads or worker_threads())

@@ -4,7 +4,8 @@
 (:mod:`graphpar.capture.decoder`) at a base size and one step per size symbol (prefill: tokens
 ``T`` and sequences ``N``; decode: sequences ``N``), runs ``paged-attention,cleanup`` on them and,
 for ``tensor_parallel > 1``, plans and lowers them for that many ranks
-(:mod:`graphpar.passes.autoshard.serving`). The serving runtime
+(:mod:`graphpar.passes.autoshard.serving`), or for ``pipeline_stages > 1`` cuts them into that
+many stages by layer (:mod:`graphpar.serving.stage_split`). The serving runtime
 (:class:`graphpar.serving.paged_model.PagedDecoder`) receives the result and only runs it.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from graphpar.ir.paged_reference import SUPPORTED_HEAD_SIZES
 from graphpar.passes import parse_pipeline, run_pipeline
 from graphpar.passes.autoshard.serving import ServingProgram, plan_serving
 from graphpar.passes.paged_attention import PagedAttention
+from graphpar.serving.stage_split import ServingStages, even_layers, split_stages
 
 __all__ = ["ServingPrograms", "compile_decoder"]
 
@@ -55,7 +57,8 @@ class ServingPrograms:
     ``graphs``: the paged global programs, ``name -> (base graph, base sizes, {symbol: (size,
     graph)})`` for "decode" and "prefill" (in planning order); ``state``: the weights by graph
     input name; ``device_programs``: with ``tensor_parallel > 1``, each program planned and
-    lowered for that many ranks (else None).
+    lowered for that many ranks (else None); ``stages``: with ``pipeline_stages > 1``, the
+    programs cut into stages by layer (else None).
     """
 
     info: DecoderInfo
@@ -71,25 +74,31 @@ class ServingPrograms:
     captured_decode: Captured
     tensor_parallel: int = 1
     device_programs: dict[str, ServingProgram] | None = None
+    stages: ServingStages | None = None
 
 
 def compile_decoder(model: torch.nn.Module, *, block_size: int = 16, num_blocks: int = 256,
                     kernel: str = "auto", tensor_parallel: int = 1, tp_plan: str = "auto",
-                    tp_cluster: str = "cpu", progress: Callable[[str], None] | None = None
-                    ) -> ServingPrograms:
+                    tp_cluster: str = "cpu", pipeline_stages: int = 1,
+                    stage_layers: Sequence[int] | None = None,
+                    progress: Callable[[str], None] | None = None) -> ServingPrograms:
     """Compile ``model`` (a causal LM :func:`~graphpar.capture.decoder.decoder_adapter`
     accepts, in eval mode, on its device, in the dtype to serve in) for serving; arguments as
-    :class:`graphpar.serving.paged_model.PagedDecoder`'s."""
+    :class:`graphpar.serving.paged_model.PagedDecoder`'s; ``stage_layers``: decoder blocks
+    per pipeline stage (default: as even as can be)."""
     if kernel not in KERNELS:
         raise GenerationError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if tensor_parallel < 1:
         raise GenerationError(f"tensor_parallel must be at least 1, got {tensor_parallel}")
+    if pipeline_stages > 1 and tensor_parallel > 1:
+        raise GenerationError("serve with tensor_parallel or pipeline_stages, not both (a "
+                              "stage of several tensor-parallel ranks is not built)")
     say = progress or (lambda message: None)
     adapter = decoder_adapter(model)
     info = adapter.info()
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     uses_cuda = _uses_cuda_kernels(kernel, device, info)
-    if tensor_parallel > 1 and device.type != "cpu":
+    if max(tensor_parallel, pipeline_stages) > 1 and device.type != "cpu":
         raise GenerationError("tensor-parallel serving runs on CPU ranks over gloo; move "
                               "the model to the CPU or serve with tensor_parallel=1")
     max_blocks_per_seq = math.ceil(info.max_model_len / block_size)
@@ -136,9 +145,18 @@ def compile_decoder(model: torch.nn.Module, *, block_size: int = 16, num_blocks:
     if tensor_parallel > 1:
         say(f"planning for {tensor_parallel} tensor-parallel ranks ({tp_plan})")
         device_programs = plan_serving(graphs, tensor_parallel, tp_plan, tp_cluster)
+    stages = None
+    if pipeline_stages > 1 or stage_layers is not None:
+        layers = (list(stage_layers) if stage_layers is not None
+                  else even_layers(info.num_layers, pipeline_stages))
+        if len(layers) != pipeline_stages:
+            raise GenerationError(f"stage_layers {layers} name {len(layers)} stages, not "
+                                  f"pipeline_stages={pipeline_stages}")
+        say(f"cutting the programs into {pipeline_stages} pipeline stages")
+        stages = split_stages(graphs, info.num_layers, layers)
     return ServingPrograms(info, device, block_size, num_blocks, max_blocks_per_seq, kernel,
                            uses_cuda, graphs, state, prefill[None], decode[None],
-                           tensor_parallel, device_programs)
+                           tensor_parallel, device_programs, stages)
 
 
 def _uses_cuda_kernels(kernel: str, device: torch.device, info: DecoderInfo) -> bool:

@@ -82,6 +82,9 @@ class EngineConfig:
     every rank holds its kv heads of each block); ``tp_plan``: ``auto`` (the ILP) or
     ``megatron`` (see graphpar.passes.autoshard.serving); ``tp_cluster``: the cluster preset or
     file the ILP costs the ranks with (``cpu``; `graphpar calibrate` measures one).
+    ``pipeline_stages``: CPU ranks to cut the model's layers over (gloo processes, one batch in
+    flight; graphpar.serving.pipeline_parallel), ``stage_layers`` decoder blocks each (default:
+    as even as can be).
 
     ``max_num_batched_tokens``: at most this many tokens in one step (decodes and prompt
     chunks together): a longer prompt is prefilled in chunks over several steps beside the
@@ -104,6 +107,8 @@ class EngineConfig:
     tensor_parallel: int = 1
     tp_plan: str = "auto"
     tp_cluster: str = "cpu"
+    pipeline_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None
     seed: int = 0
 
 

@@ -86,6 +86,8 @@ class LLM:
                                    num_blocks=kv_blocks_for(config, info), kernel=config.kernel,
                                    tensor_parallel=config.tensor_parallel,
                                    tp_plan=config.tp_plan, tp_cluster=config.tp_cluster,
+                                   pipeline_stages=config.pipeline_stages,
+                                   stage_layers=config.stage_layers,
                                    progress=progress)
         self.engine = LLMEngine(programs, config, progress=progress, detokenize=detokenize)
 

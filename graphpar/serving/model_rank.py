@@ -67,6 +67,12 @@ class ModelRank:
             ) -> torch.Tensor:
         """Run the ``kind`` ("prefill" or "decode") program at ``sizes`` on the step's tensors;
         returns its logits (whole on every rank)."""
+        return self.run_all(kind, sizes, step)[0]
+
+    def run_all(self, kind: str, sizes: dict[str, int], step: dict[str, torch.Tensor]
+                ) -> list[torch.Tensor]:
+        """:meth:`run`, returning every output of the program in order (a pipeline stage's
+        are what it passes on)."""
         key = (kind, *sizes.values())
         program = self._programs.get(key)
         if program is None:
@@ -81,9 +87,9 @@ class ModelRank:
         inputs = self._inputs  # weights and caches stay; the step's tensors are replaced
         inputs.update(step)
         if self.device.type == "cpu":
-            return program.run(inputs)[0]
+            return program.run(inputs)
         with torch.device(self.device):  # creation ops (full, arange) on the model's device
-            return program.run(inputs)[0]
+            return program.run(inputs)
 
     def copy_blocks(self, pairs: Sequence) -> None:
         """Copy-on-write: copy device blocks ``src -> dst`` in every layer, one batched call."""

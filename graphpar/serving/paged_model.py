@@ -13,7 +13,9 @@ its weights, its KV cache tensors (device pool and CPU swap pool). With one rank
 whole model and runs the graphs on the reference interpreter (torch on the CPU, or the GPU with
 the paged-attention CUDA kernels). With ``tensor_parallel=n``,
 :mod:`graphpar.serving.tensor_parallel` runs rank 0 here and the others in their own processes
-over gloo; the block manager stays one, here, and every rank gets the same step inputs.
+over gloo; the block manager stays one, here, and every rank gets the same step inputs. With
+``pipeline_stages=n``, :mod:`graphpar.serving.pipeline_parallel` runs the programs cut into n
+stages by layer, stage 0 here and the others in their own processes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from graphpar.ir.graph import Graph
 from graphpar.ir.graph_template import GraphTemplate
 from graphpar.serving.model_rank import ModelRank
+from graphpar.serving.pipeline_parallel import PipelineRanks
 from graphpar.serving.tensor_parallel import TensorParallelRanks
 
 if TYPE_CHECKING:  # the compiler's result type only: the runtime does not compile
@@ -80,7 +83,11 @@ class PagedDecoder:
         self.captured_prefill = programs.captured_prefill
         self.captured_decode = programs.captured_decode
         self.graphs = programs.graphs
-        if programs.device_programs is None:
+        if programs.stages is not None:
+            self.ranks = PipelineRanks(programs.stages, programs.state,
+                                       num_cpu_blocks=num_cpu_blocks, kernel=self.kernel,
+                                       progress=say)
+        elif programs.device_programs is None:
             say("shape templates")
             templates = {name: GraphTemplate.fit(base, sizes, variants)
                          for name, (base, sizes, variants) in self.graphs.items()}

@@ -53,8 +53,12 @@ def test_placement_real_bench_replays_through_graphpar_serve(load_bench, tmp_pat
     out = tmp_path / "server.json"
     assert bench.main(["--server", "--duration", "4", "--runs", "1", "--rate", "5",
                        "--out", str(out)]) == 0
-    [run] = json.loads(out.read_text())["runs"]
-    assert run["requests"] > 0 and run["measured_mean_s"] > 0 and run["simulated_mean_s"] > 0
-    assert set(run["service_alone_s"]) == {"gpt", "llama"}
-    assert set(run["attainment_by_slo_scale"]) == {"1.5", "2.0", "3.0", "5.0"}
-    assert "simple" in capsys.readouterr().out
+    policies = json.loads(out.read_text())["policies"]
+    for name in ("simple", "pipeline"):
+        [run] = policies[name]["runs"]
+        assert run["requests"] > 0 and run["measured_mean_s"] > 0 and run["simulated_mean_s"] > 0
+        assert set(policies[name]["service_alone_s"]) == {"gpt", "llama"}
+        assert set(run["attainment_by_slo_scale"]) == {"1.5", "2.0", "3.0", "5.0"}
+    assert "simulated_as_served_mean_s" in policies["pipeline"]["runs"][0]
+    printed = capsys.readouterr().out
+    assert "simple, run 0" in printed and "pipeline, run 0" in printed

@@ -1,7 +1,8 @@
 """`graphpar serve --placement`: a 2-device placement of two tiny models, each device group a
 process of its own behind one front (a real server, the official openai client): each
 request's greedy tokens equal eager PyTorch for its model, requests go to the least-loaded
-group holding their model, an unknown model is a 404; the placement's usage errors."""
+group holding their model, an unknown model is a 404; a group that pipelines both models over
+its 2 devices (a stage process per device and model); the placement's usage errors."""
 
 import asyncio
 import json
@@ -14,12 +15,13 @@ httpx = pytest.importorskip("httpx2")
 
 from test_api_server import Server  # noqa: E402  (the CLI in a subprocess, its URL)
 
-# Group 0 holds both models, group 1 a second replica of gpt (as AlpaServe replicates a
-# popular model): gpt requests can go to either group, llama requests only to group 0.
-PLACEMENT = {"devices": 2, "policies": {"alpaserve": {"policy": "alpaserve", "groups": [
-    {"devices": [0], "parallel_config": {"stages": 1, "intra_op": 1},
+# Group 0 pipelines both models over 2 devices (2 stages, a decoder block each), group 1 holds
+# a second replica of gpt (as AlpaServe replicates a popular model): gpt requests can go to
+# either group, llama requests only to group 0.
+PLACEMENT = {"devices": 3, "policies": {"alpaserve": {"policy": "alpaserve", "groups": [
+    {"devices": [0, 1], "parallel_config": {"stages": 2, "intra_op": 1},
      "models": ["gpt", "llama"]},
-    {"devices": [1], "parallel_config": {"stages": 1, "intra_op": 1}, "models": ["gpt"]}]}}}
+    {"devices": [2], "parallel_config": {"stages": 1, "intra_op": 1}, "models": ["gpt"]}]}}}
 MODELS = ["--model", "gpt=gpt:tiny", "--model", "llama=llama:tiny"]
 # gpt with a long context, so that a stream stays open for seconds (the routing test)
 MODEL_FILE = """\
@@ -68,7 +70,8 @@ def test_each_request_runs_its_model_on_a_group_holding_it(server):
     from graphpar.cli.common import load_target
     from graphpar.models import get_model
 
-    assert "device group 1 (device 1): gpt in process" in server.stderr
+    assert "device group 0 (devices 0-1, 2 pipeline stages): gpt, llama" in server.stderr
+    assert "device group 1 (device 2): gpt in process" in server.stderr
     client = server.client(max_retries=0)
     assert [m.id for m in client.models.list().data] == ["gpt", "llama"]
     prompts = {"gpt": [[3, 1, 4, 1, 5], [2, 7, 1, 8]], "llama": [[1, 6, 1, 8, 0, 3]]}
@@ -128,9 +131,49 @@ def test_requests_go_to_the_least_loaded_group(server):
     assert server.metric("graphpar_router_requests_in_flight") == 0
 
 
+@pytest.mark.slow
+def test_a_pipelined_group_serves_both_models(tmp_path):
+    """A 2-device placement, AlpaServe's shape: one group pipelines both models (2 stages, a
+    decoder block each), so each device holds half of each model; the openai client gets each
+    model's eager greedy tokens, streamed and not. (The default tests' server has such a
+    group beside a one-device replica.)"""
+    from serve_testutil import eager_greedy
+
+    from graphpar.cli.common import load_target
+
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"devices": 2, "policies": {"alpaserve": {"groups": [
+        {"devices": [0, 1], "parallel_config": {"stages": 2, "intra_op": 1},
+         "models": ["gpt", "llama"]}]}}}))
+    server = Server(["--placement", str(path), "--policy", "alpaserve", *MODELS], tmp_path)
+    try:
+        assert "device group 0 (devices 0-1, 2 pipeline stages): gpt, llama" in server.stderr
+        client = server.client(max_retries=0)
+        prompts = {"gpt": [3, 1, 4, 1, 5], "llama": [2, 7, 1, 8, 2, 8]}
+
+        async def both():
+            async_client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+            outs = await asyncio.gather(*(async_client.completions.create(
+                model=name, prompt=prompt, max_tokens=6, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True}) for name, prompt in prompts.items()))
+            await async_client.close()
+            return outs
+        for (name, prompt), out in zip(prompts.items(), asyncio.run(both())):
+            module = load_target(None, f"{name}:tiny").real_module().eval()
+            expected = [bytes([t]).decode("utf-8", errors="replace")
+                        for t in eager_greedy(module, prompt, 6)]
+            assert out.model == name and out.choices[0].logprobs.tokens == expected
+            streamed = client.completions.create(model=name, prompt=prompt, max_tokens=6,
+                                                 temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True})
+            assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    finally:
+        assert server.stop() == 143, server.stderr
+
+
 def test_placement_usage_errors(placement, tmp_path):
     from graphpar.cli.main import build_parser
-    from graphpar.cli.serve import _check, _placement_groups, _targets
+    from graphpar.cli.serve import _check, _Group, _placement_groups, _targets
     from graphpar.errors import UsageError
 
     def groups(path, *argv):
@@ -138,17 +181,22 @@ def test_placement_usage_errors(placement, tmp_path):
         _check(args)
         return _placement_groups(args, [n for n, _ in _targets(args)])
     assert groups(placement, "--policy", "alpaserve", *MODELS) == [
-        ([0], ["gpt", "llama"]), ([1], ["gpt"])]
-    pipelined = tmp_path / "placement.json"
-    pipelined.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
-        {"devices": [0, 1], "parallel_config": {"stages": 2, "intra_op": 1},
-         "models": ["gpt"]}]}}}))
+        _Group([0, 1], ["gpt", "llama"], 2), _Group([2], ["gpt"])]
+
+    def placed(name, config, devices=(0, 1)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
+            {"devices": list(devices), "parallel_config": config, "models": ["gpt"]}]}}}))
+        return path
+    pipelined = placed("pipelined", {"stages": 2, "intra_op": 1, "stage_layers": [1, 1]})
+    assert groups(pipelined, "--policy", "alpaserve", "--model", "gpt=gpt:tiny") == [
+        _Group([0, 1], ["gpt"], 2, [1, 1])]
     sharded = tmp_path / "sharded.json"
     sharded.write_text(json.dumps({"policies": {"alpaserve": {"groups": [
         {"devices": [0, 1], "parallel_config": {"stages": 1, "intra_op": 2},
          "models": ["gpt"]}]}}}))
     assert groups(sharded, "--policy", "alpaserve", "--model", "gpt=gpt:tiny") == [
-        ([0, 1], ["gpt"])]
+        _Group([0, 1], ["gpt"])]
     for path, argv, words in (
             (placement, ["--policy", "sr", *MODELS], "no such policy; it has alpaserve"),
             (placement, ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
@@ -157,8 +205,15 @@ def test_placement_usage_errors(placement, tmp_path):
              "--model x: policy alpaserve .* does not place it"),
             (placement, [*MODELS], "together"),
             (placement, ["--policy", "alpaserve"], "needs --model"),
-            (pipelined, ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
-             r"groups\[0\]: devices \[0, 1\] run 2 stage\(s\)")):
+            (placed("both", {"stages": 2, "intra_op": 2}, range(4)),
+             ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
+             r"groups\[0\]: devices \[0, 1, 2, 3\] run 2 stages x 2 intra-op; .* not both"),
+            (placed("mismatch", {"stages": 3, "intra_op": 1}),
+             ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
+             r"groups\[0\]: 3 stage\(s\) x 1 intra-op is not its 2 device\(s\)"),
+            (placed("layers", {"stages": 2, "intra_op": 1, "stage_layers": [2]}),
+             ["--policy", "alpaserve", "--model", "gpt=gpt:tiny"],
+             r"stage_layers \[2\]: give one count")):
         with pytest.raises(UsageError, match=words):
             groups(path, *argv)
 

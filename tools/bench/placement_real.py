@@ -16,15 +16,19 @@ repeated with another trace seed. Each run in the JSON keeps its errors by profi
     python tools/bench/placement_real.py --utilisation 0.25 --out x.json  # a loaded machine
     python tools/bench/placement_real.py --errors tools/bench/placement_real.json  # kept runs
     python tools/bench/placement_real.py --server --duration 30  # through `graphpar serve`
+    python tools/bench/placement_real.py --server --policy pipeline --quick
 
 With --server the replay goes through the product instead: `graphpar serve --placement` of
-two tiny LLMs (gpt:tiny, llama:tiny), one per device group (a process each), each request a
-real HTTP completion (16 tokens). Each model's service time is measured through the same
-server alone first (sequential requests), the simulator is given those, and its mean latency
-and SLO attainment are set beside the measured ones. The server batches requests of one
-model (continuous batching) where the simulator serves them one at a time, so under load the
-measured latencies can be shorter than simulated. Its JSON is placement_real.server.json; the
-figures above (the MLP processes) are untouched by it.
+two tiny LLMs (gpt:tiny, llama:tiny) on two devices, under both placements of the check: one
+model per device group ("simple"), and one group pipelining both models over both devices
+(2 stages, "pipeline"; a stage process per device and model). Each request is a real HTTP
+completion (16 tokens) sent at its arrival time. Each model's service time is measured
+through the same server alone first (sequential requests), the simulator is given those (the
+pipeline: two stages of half each, as placed; and, beside it, as the server runs it: one
+batch in flight, one stage of the whole), and its mean latency and SLO attainment per policy
+are set beside the measured ones. The server batches requests of one model (continuous
+batching) where the simulator serves them one at a time, so under load the measured
+latencies can be shorter than simulated. Its JSON is placement_real.server.json.
 
 Two worker processes and this one (asleep while they serve): no more processes than two
 cores. Report CPU load beside the numbers: on a shared machine the run measures its
@@ -103,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
                              "(from the numbers it kept) and print them")
     parser.add_argument("--server", action="store_true",
                         help="replay through `graphpar serve --placement` over HTTP (two tiny "
-                             "LLMs, one per group) instead of the MLP processes")
+                             "LLMs on two devices: one per device, or both pipelined over "
+                             "both) instead of the MLP processes")
+    parser.add_argument("--policy", choices=["simple", "pipeline"], default=None,
+                        help="with --server: replay through this placement only (default: "
+                             "both, one server after the other, the same traces)")
     args = parser.parse_args(argv)
     if args.errors:
         return kept_errors(Path(args.errors))
@@ -195,9 +203,16 @@ def main(argv: list[str] | None = None) -> int:
 
 SERVED = {"gpt": "gpt:tiny", "llama": "llama:tiny"}
 PROMPT, TOKENS = list(range(1, 9)), 16  # 8 prompt tokens, 16 generated
+# the real check's two placements of two models on two devices, as `graphpar place` writes them
+SERVER_POLICIES = {
+    "simple": [{"devices": [i], "parallel_config": {"stages": 1, "intra_op": 1}, "models": [m]}
+               for i, m in enumerate(SERVED)],
+    "pipeline": [{"devices": [0, 1], "parallel_config": {"stages": 2, "intra_op": 1},
+                  "models": list(SERVED)}],
+}
 
 
-def _start_server(placement: Path) -> tuple[object, str]:
+def _start_server(placement: Path, policy: str) -> tuple[object, str]:
     import re
     import subprocess
 
@@ -205,7 +220,7 @@ def _start_server(placement: Path) -> tuple[object, str]:
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     models = [a for name, example in SERVED.items() for a in ("--model", f"{name}={example}")]
     proc = subprocess.Popen([sys.executable, "-m", "graphpar", "serve", "--placement",
-                             str(placement), "--policy", "simple", *models, "--port", "0",
+                             str(placement), "--policy", policy, *models, "--port", "0",
                              "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         found = re.search(r"serving \S+ on (http://\S+) ", line)
@@ -234,73 +249,98 @@ async def _replay(url: str, models: list[str], arrivals: list[float]) -> list[fl
         return list(await asyncio.gather(*(one(m, a) for m, a in zip(models, arrivals))))
 
 
+def _sim_groups(policy: str, service: dict[str, float], as_served: bool = False) -> list:
+    """The simulator's groups for `policy`, given each model's service time alone. The
+    pipeline as placed: two stages of half the time each (a decoder block each), overlapping
+    across requests; as served (one batch in flight, the two models' engines taking turns in
+    the group's process): one stage of the whole time for both."""
+    from graphpar.placement.simulator import SimGroup
+
+    if policy == "simple":
+        return [SimGroup({m: [t]}) for m, t in service.items()]
+    return [SimGroup({m: [t] if as_served else [t / 2, t / 2] for m, t in service.items()})]
+
+
 def server_check(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
     import numpy as np
 
-    from graphpar.placement.simulator import SimGroup, simulate
+    from graphpar.placement.simulator import simulate
     from graphpar.placement.workload import gamma_workload
 
     names = list(SERVED)
     duration = 20.0 if args.quick else args.duration
+    policies = [args.policy] if args.policy else list(SERVER_POLICIES)
     tmp = Path(tempfile.mkdtemp(prefix="placement-real-server-"))
     placement = tmp / "placement.json"
-    placement.write_text(json.dumps({"policies": {"simple": {"groups": [
-        {"devices": [i], "parallel_config": {"stages": 1, "intra_op": 1}, "models": [m]}
-        for i, m in enumerate(names)]}}}))
-    proc, url = _start_server(placement)
+    placement.write_text(json.dumps({"devices": 2, "policies": {
+        name: {"policy": name, "groups": groups} for name, groups in SERVER_POLICIES.items()}}))
     out = Path(args.out or Path(__file__).with_name("placement_real.server.json"))
     results = {"machine": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
-               "server": "graphpar serve --placement (one model per device group)",
-               "prompt_tokens": len(PROMPT), "completion_tokens": TOKENS, "runs": []}
-    try:
-        for m in names:  # warm-up: the first requests of a fresh engine are slower
-            asyncio.run(_replay(url, [m] * 3, [0.0, 0.0, 0.0]))
-        service = {}
-        for m in names:  # alone and one at a time: the simulator's service time
-            times = [asyncio.run(_replay(url, [m], [0.0]))[0] for _ in range(10)]
-            service[m] = float(np.mean(times))
-        rate = args.rate or args.utilisation * sum(1 / service[m] for m in names)
-        for seed in range(1 if args.quick else args.runs):
-            w = gamma_workload(names, rate, 1.0, duration, seed=seed)
-            load = os.getloadavg()[0]
-            latency = np.array(asyncio.run(_replay(
-                url, [names[i] for i in w.model_ids], [float(a) for a in w.arrivals])))
-            slo = {m: args.slo_scale * service[m] for m in names}
-            sim = simulate([SimGroup({m: [service[m]]}) for m in names], w, slo)
-            bound = np.array([slo[names[i]] for i in w.model_ids])
-            run = {"seed": seed, "requests": len(w), "rate": rate, "duration_s": duration,
-                   "service_alone_s": service, "slo_s": slo,
-                   "load_average_1min_before": load,
-                   "measured_mean_s": float(latency.mean()),
-                   "simulated_mean_s": sim.mean_latency,
-                   "measured_attainment": float((latency <= bound).mean()),
-                   "simulated_attainment": sim.attainment, "attainment_by_slo_scale": {}}
-            for scale in (1.5, 2.0, 3.0, 5.0):
-                tight = {m: scale * service[m] for m in names}
-                bound = np.array([tight[names[i]] for i in w.model_ids])
-                run["attainment_by_slo_scale"][str(scale)] = {
-                    "measured": float((latency <= bound).mean()),
-                    "simulated": simulate([SimGroup({m: [service[m]]}) for m in names], w,
-                                          tight).attainment}
-            results["runs"].append(run)
-            print(f"run {seed} through {url}: {len(w)} requests at {rate:.3g} req/s over "
-                  f"{duration:g} s; service alone (measured, HTTP) "
-                  + ", ".join(f"{m} {service[m] * 1e3:.1f} ms" for m in names)
-                  + f"; load average {load:.1f} before")
-            print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} "
-                  f"{'error':>7s} {'measured SLO':>13s} {'simulated SLO':>14s} {'points':>7s}")
-            print(_row("simple", run))
-            print("  SLO attainment (%) by SLO scale (x each model's service alone), measured / "
-                  "simulated: " + "   ".join(
-                      f"x{k}: {a['measured'] * 100:.1f} / {a['simulated'] * 100:.1f}"
-                      for k, a in run["attainment_by_slo_scale"].items()))
-            out.write_text(json.dumps(results, indent=1) + "\n")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+               "server": "graphpar serve --placement, one server per policy",
+               "client": "httpx2, each request sent at its arrival time",
+               "placements": SERVER_POLICIES, "prompt_tokens": len(PROMPT),
+               "completion_tokens": TOKENS, "policies": {}}
+    rate = args.rate
+    for policy in policies:
+        proc, url = _start_server(placement, policy)
+        try:
+            for m in names:  # warm-up: the first requests of a fresh engine are slower
+                asyncio.run(_replay(url, [m] * 3, [0.0, 0.0, 0.0]))
+            service = {}
+            for m in names:  # alone and one at a time: the simulator's service time
+                times = [asyncio.run(_replay(url, [m], [0.0]))[0] for _ in range(10)]
+                service[m] = float(np.mean(times))
+            if rate is None:  # set by the first policy: every policy replays the same traces
+                rate = args.utilisation * sum(1 / service[m] for m in names)
+            entry = results["policies"][policy] = {"service_alone_s": service, "runs": []}
+            for seed in range(1 if args.quick else args.runs):
+                w = gamma_workload(names, rate, 1.0, duration, seed=seed)
+                load = os.getloadavg()[0]
+                latency = np.array(asyncio.run(_replay(
+                    url, [names[i] for i in w.model_ids], [float(a) for a in w.arrivals])))
+                run = {"seed": seed, "requests": len(w), "rate": rate, "duration_s": duration,
+                       "load_average_1min_before": load,
+                       "measured_mean_s": float(latency.mean()),
+                       "attainment_by_slo_scale": {}}
+                for key, as_served in (("simulated", False), ("simulated_as_served", True)):
+                    if key == "simulated_as_served" and policy == "simple":
+                        continue
+                    groups = _sim_groups(policy, service, as_served)
+                    slo = {m: args.slo_scale * service[m] for m in names}
+                    sim = simulate(groups, w, slo)
+                    run[f"{key}_mean_s"] = sim.mean_latency
+                    run[f"{key}_attainment"] = sim.attainment
+                    bound = np.array([slo[names[i]] for i in w.model_ids])
+                    run["measured_attainment"] = float((latency <= bound).mean())
+                    for scale in (1.5, 2.0, 3.0, 5.0):
+                        tight = {m: scale * service[m] for m in names}
+                        bound = np.array([tight[names[i]] for i in w.model_ids])
+                        row = run["attainment_by_slo_scale"].setdefault(str(scale), {
+                            "measured": float((latency <= bound).mean())})
+                        row[key] = simulate(groups, w, tight).attainment
+                entry["runs"].append(run)
+                print(f"{policy}, run {seed} through {url}: {len(w)} requests at {rate:.3g} "
+                      f"req/s over {duration:g} s; service alone (measured, HTTP) "
+                      + ", ".join(f"{m} {service[m] * 1e3:.1f} ms" for m in names)
+                      + f"; load average {load:.1f} before")
+                print(f"  {'placement':10s} {'measured mean':>14s} {'simulated mean':>15s} "
+                      f"{'error':>7s} {'measured SLO':>13s} {'simulated SLO':>14s} "
+                      f"{'points':>7s}")
+                print(_row(policy, run))
+                if policy != "simple":
+                    print(_row("as served", run, "simulated_as_served"))
+                print("  SLO attainment (%) by SLO scale (x each model's service alone), "
+                      "measured / simulated" + (" / simulated as served" if policy != "simple"
+                                                else "") + ": " + "   ".join(
+                          f"x{k}: " + " / ".join(f"{v * 100:.1f}" for v in a.values())
+                          for k, a in run["attainment_by_slo_scale"].items()))
+                out.write_text(json.dumps(results, indent=1) + "\n")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     print(f"wrote {out}")
     return 0
 

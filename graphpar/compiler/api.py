@@ -251,6 +251,21 @@ def compile_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, optimizer:
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 
 
+def compile_pipelined_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits,
+                               optimizer: Optimizer, stages: str | int = "auto",
+                               microbatches: int = 4, schedule: str = "1f1b",
+                               passes: str = "cleanup") -> PipelineCompiled:
+    """A model file's training step sliced into pipeline stages on sub-meshes of `mesh`
+    (`stages`: "auto" or a number) over `microbatches`, run by `schedule`, each stage on
+    several devices auto-sharded there under `limits` (`graphpar train --pipeline`)."""
+    from graphpar.compiler.pipelined import slice_and_build
+
+    sliced = slice_and_build(spec, mesh, limits, stages=stages, microbatches=microbatches,
+                             schedule=schedule, optimizer=optimizer,
+                             passes=parse_pipeline(passes))
+    return sliced.pipe.sharded_as_planned()
+
+
 def lower(captured: Captured, ctx: PassContext, spec: ModelSpec | None = None,
           optimizer: Optimizer | None = None) -> Compiled:
     """The device program of an auto-sharded capture (its graph stays the global one);

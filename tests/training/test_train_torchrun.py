@@ -1,7 +1,9 @@
 """graphpar train under torchrun as two nodes of two processes on 127.0.0.1 (a 2x2 mesh):
 losses equal an eager PyTorch loop with SGD and Adam, a run resumed from step 4 (under
 torchrun, on a mesh of 4 and on 1 device) logs the same losses, and the final DCP checkpoint
-loads into the plain module equal to eager's. A rank killed under torchrun stops the job."""
+loads into the plain module equal to eager's; the same with --pipeline 2, and checkpoints
+crossing between the pipelined and the plain plan. A rank killed under torchrun stops the
+job."""
 
 import os
 import shutil
@@ -66,6 +68,17 @@ def test_two_nodes_train_resume_and_reshard_equal_eager(tmp_path, optimizer, lr)
     assert torchrun(tmp_path, "--steps", 8, *common, "--checkpoint-dir", again, "--resume",
                     "--log-file", "again.jsonl") == [0, 0]
     assert logged_losses(tmp_path / "again.jsonl") == pytest.approx(losses[4:], rel=1e-4)
+    resume_elsewhere(ckpt, tmp_path, common, losses)
+    # and under torchrun with a pipelined plan on the same 4 devices
+    piped = resume_from_step_4(ckpt, tmp_path / "piped")
+    assert torchrun(tmp_path, "--steps", 8, *common, "--pipeline", 2, "--microbatches", 2,
+                    "--checkpoint-dir", piped, "--resume", "--log-file", "piped.jsonl") == [0, 0]
+    assert logged_losses(tmp_path / "piped.jsonl") == pytest.approx(losses[4:], rel=1e-4)
+
+
+def resume_elsewhere(ckpt: Path, tmp_path: Path, common: tuple, losses: list[float]) -> None:
+    """Checkpoint step-4 of a 2x2 run resumed alone on a mesh of 4 and on 1 device: the same
+    losses as the uninterrupted eager loop."""
     for mesh in ("4", "1"):
         moved = resume_from_step_4(ckpt, tmp_path / f"mesh{mesh}")
         assert main(["train", str(MODEL), "--mesh", mesh, "--steps", "8", *map(str, common),
@@ -73,6 +86,31 @@ def test_two_nodes_train_resume_and_reshard_equal_eager(tmp_path, optimizer, lr)
                      "--log", str(tmp_path / f"mesh{mesh}.jsonl")]) == 0
         assert logged_losses(tmp_path / f"mesh{mesh}.jsonl") == pytest.approx(losses[4:],
                                                                              rel=1e-4)
+
+
+@pytest.mark.parametrize("optimizer, lr", [("sgd", 0.5), ("adam", 0.01)])
+def test_two_nodes_train_pipelined_resume_and_reshard_equal_eager(tmp_path, optimizer, lr):
+    """The same with --pipeline 2 (two stages on 1x2 sub-meshes, 1F1B over 2 microbatches):
+    each stage's ranks write its parameters, and the checkpoint resumes without a pipeline."""
+    module, losses = eager_run(8, optimizer, lr)
+    common = ("--optimizer", optimizer, "--lr", lr)
+    piped = (*common, "--pipeline", 2, "--microbatches", 2)
+    ckpt = tmp_path / "ckpt"
+    assert torchrun(tmp_path, "--steps", 8, *piped, "--checkpoint-dir", ckpt,
+                    "--checkpoint-every", 4, "--log-file", "run.jsonl") == [0, 0]
+    assert logged_losses(tmp_path / "run.jsonl") == pytest.approx(losses, rel=1e-4)
+    saved = checkpoint_model(ckpt / "step-8", tmp_path)
+    plain = type(module)(type(module.model)(module.model.config)).eval()
+    plain.load_state_dict(saved)
+    tolerance = 1e-5 if optimizer == "sgd" else 1e-4
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=tolerance,
+                                   atol=tolerance, msg=name)
+    again = resume_from_step_4(ckpt, tmp_path / "again")
+    assert torchrun(tmp_path, "--steps", 8, *piped, "--checkpoint-dir", again, "--resume",
+                    "--log-file", "again.jsonl") == [0, 0]
+    assert logged_losses(tmp_path / "again.jsonl") == pytest.approx(losses[4:], rel=1e-4)
+    resume_elsewhere(ckpt, tmp_path, common, losses)
 
 
 def test_a_rank_killed_under_torchrun_stops_the_job(tmp_path):

@@ -73,10 +73,6 @@ def check_train_options(args: argparse.Namespace) -> None:
     check_pipeline_options_need_pipeline(args)
     if args.pipeline:
         check_pipeline_options(args)
-        if args.token_slices is not None:
-            raise UsageError("--token-slices: train does not run token-sliced pipelines yet; "
-                             "train with --pipeline alone, or check token slices with "
-                             "`graphpar compile --pipeline ... --token-slices ... --run-cpu`")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -88,7 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_train_options(args)
     mesh = plan_mesh(args)
     limits = plan_limits(args, mesh.cluster)
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != mesh.size:
+    # a pipelined plan's world is its stages' devices, checked once it is compiled
+    if under_torchrun() and not args.pipeline and int(os.environ["WORLD_SIZE"]) != mesh.size:
         raise UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) "
                          f"but --mesh {args.mesh} has {mesh.size} devices: start one process "
                          "per device (--nnodes x --nproc-per-node)")
@@ -106,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress,
         pipeline=args.pipeline or None, microbatches=args.microbatches or 4,
-        schedule=args.schedule or "1f1b")
+        schedule=args.schedule or "1f1b", token_slices=args.token_slices)
     summary = train(options)
     if summary:
         losses = summary["losses"]

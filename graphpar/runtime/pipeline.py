@@ -42,8 +42,8 @@ from graphpar.ir.types import TensorType
 from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 
 __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
-           "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
-           "stage_meshes"]
+           "describe_job", "gather_whole", "run_in_process", "run_multiprocess",
+           "split_microbatches", "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
 # a boundary whose receives are posted: called, it waits for them and gives (names, tensors)

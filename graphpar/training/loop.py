@@ -57,6 +57,7 @@ class TrainOptions:
     pipeline: str | None = None
     microbatches: int = 4
     schedule: str = "1f1b"
+    token_slices: str | None = None  # "auto" or a number: the stages run token slices
 
 
 def under_torchrun() -> bool:
@@ -125,7 +126,8 @@ def prepare(options: TrainOptions) -> Start:
 
         pipe = compile_pipelined_training(options.spec, options.mesh, options.limits,
                                           optimizer, options.pipeline, options.microbatches,
-                                          options.schedule)
+                                          options.schedule,
+                                          token_slices=options.token_slices)
         plan = pipeline_plan_from(pipe, options.spec, options.mesh, options.spec.name,
                                   options.cluster)
         start = Start(plan, [], data, pipe=pipe)
@@ -159,8 +161,9 @@ def run_alone(start: Start, options: TrainOptions, reporter: Reporter) -> None:
     from graphpar.training.rank import PROGRESS, plan_description
 
     plan = start.plan
-    worker = ("graphpar.training.stage_rank:StageTrainWorker" if start.pipe is not None
-              else "graphpar.training.rank:TrainWorker")
+    worker = ("graphpar.training.rank:TrainWorker" if start.pipe is None
+              else "graphpar.training.stage_rank:TokenTrainWorker" if _is_tokens(start.pipe)
+              else "graphpar.training.stage_rank:StageTrainWorker")
     job = Job(plan.world, worker, prefix="train", timeout=TIMEOUT_S, name="training")
     finished = False
     try:
@@ -188,16 +191,29 @@ def write_pipeline_job(folder, start: Start) -> None:
     """A pipelined run's job folder: the pipeline runtime's (`runtime.pipeline.describe_job`:
     each stage's programs, starting state and action list) with the run's plan and data."""
     from graphpar.runtime.pipeline import describe_job
+    from graphpar.runtime.token_pipeline import describe_token_job
     from graphpar.training.rank import plan_description
-    from graphpar.training.stage_rank import loss_stage, state_transfers
+    from graphpar.training.stage_rank import loss_stage, stage_graphs, state_transfers
 
     pipe, plan = start.pipe, start.plan
-    describe_job(folder, pipe.programs, pipe.schedule, pipe.captured.state, [], pipe.sharded,
-                 microbatches=pipe.microbatches, timeout=TIMEOUT_S,
-                 train={"plan": plan_description(plan), "data": start.data,
-                        "loss_rank": pipe.devices[loss_stage(pipe)][0],
-                        "state_transfers": state_transfers(pipe)})
+    graphs = stage_graphs(pipe)
+    train = {"plan": plan_description(plan), "data": start.data,
+             "loss_rank": plan.pipeline["devices"][loss_stage(graphs)][0],
+             "state_transfers": state_transfers(graphs)}
+    if _is_tokens(pipe):
+        describe_token_job(folder, pipe.programs, pipe.schedule, pipe.pipe.captured.state, [],
+                           pipe.sharded, microbatches=pipe.pipe.microbatches,
+                           timeout=TIMEOUT_S, train=train)
+    else:
+        describe_job(folder, pipe.programs, pipe.schedule, pipe.captured.state, [],
+                     pipe.sharded, microbatches=pipe.microbatches, timeout=TIMEOUT_S,
+                     train=train)
     folder.save("constants.pt", plan.constants)
+
+
+def _is_tokens(pipe) -> bool:
+    """Whether a pipelined plan runs token slices (a compiler.token_pipelined.TokenPipeline)."""
+    return hasattr(pipe, "token_slices")
 
 
 def train_as_torchrun_rank(options: TrainOptions) -> dict:
@@ -238,13 +254,14 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
         if files is not None:  # a pipeline: this rank's worker reads the job folder rank 0 made
             import tempfile
 
-            from graphpar.training.stage_rank import StageTrainWorker
+            from graphpar.training.stage_rank import StageTrainWorker, TokenTrainWorker
 
             jobdir = Path(tempfile.mkdtemp(prefix="graphpar-train-"))
             cleanup.append(jobdir)
             for name, content in files.items():
                 (jobdir / name).write_bytes(content)
-            trainer = StageTrainWorker(jobdir, rank, world)
+            worker = TokenTrainWorker if plan.pipeline["token_slices"] else StageTrainWorker
+            trainer = worker(jobdir, rank, world)
         else:
             mine: list = [None]
             dist.scatter_object_list(mine, states if rank == 0 else None, src=0)

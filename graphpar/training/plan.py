@@ -131,11 +131,14 @@ def state_keys(glob, spec, state: dict[str, Tensor], opt) -> dict:
 
 def pipeline_plan_from(pipe, spec, mesh: Mesh, name: str, cluster: str) -> TrainPlan:
     """The plan of a pipelined training step (`compiler.pipelined.PipelineCompiled`, its
-    stages sharded as planned): no SPMD program (the stages' programs travel in the pipeline
-    job, `runtime.pipeline.describe_job`), every state tensor whole on each device of its
-    stage (laid out replicated), the inputs at the full batch."""
+    stages sharded as planned, or a `compiler.token_pipelined.TokenPipeline`): no SPMD program
+    (the stages' programs travel in the pipeline job, `runtime.pipeline.describe_job`), every
+    state tensor whole on each device of its stage (laid out replicated), the inputs at the
+    full batch."""
     from graphpar.ir.graph import Role
 
+    tokens = pipe if hasattr(pipe, "token_slices") else None  # a TokenPipeline
+    pipe = tokens.pipe if tokens is not None else pipe
     glob = pipe.captured.graph
     names = pipe.captured.user_inputs
     full = (*spec.inputs, *spec.targets)
@@ -144,13 +147,17 @@ def pipeline_plan_from(pipe, spec, mesh: Mesh, name: str, cluster: str) -> Train
     state = {v.name: Tensor(tuple(v.type.shape), str(v.type.dtype).removeprefix("torch."), "{R}")
              for v in glob.inputs if v.role is not Role.INPUT}
     estimated = pipe.plan.est_step_seconds if pipe.plan is not None else 0.0
+    # the token pipeline runs one process per stage (a stage on several devices runs them in
+    # lockstep there); the microbatch pipeline one per device
+    devices = ([[s] for s in range(pipe.stages)] if tokens is not None
+               else [list(d) for d in pipe.devices])
     return TrainPlan(
         name=name, program="", targets=[], mesh_shape=tuple(mesh.shape), axes=[],
         inputs=inputs, state=state, loss_index=0, estimated_seconds=estimated,
-        cluster=cluster, world_size=sum(len(d) for d in pipe.devices),
+        cluster=cluster, world_size=sum(len(d) for d in devices),
         pipeline={"stages": pipe.stages, "microbatches": pipe.microbatches,
-                  "schedule": pipe.schedule_name,
-                  "devices": [list(d) for d in pipe.devices]},
+                  "schedule": (tokens or pipe).schedule_name, "devices": devices,
+                  "token_slices": list(tokens.token_slices) if tokens is not None else None},
         **state_keys(glob, spec, state, pipe.optimizer))
 
 

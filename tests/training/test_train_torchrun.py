@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(cwd: Path, *args, model: Path = MODEL, env: dict | None = None,
-             timeout: float = 600) -> list[int]:
-    """Two torchrun launches (node ranks 0 and 1, two processes each) of graphpar train."""
+             timeout: float = 600, nproc: int = 2) -> list[int]:
+    """Two torchrun launches (node ranks 0 and 1, `nproc` processes each) of graphpar train
+    on a 2x2 mesh."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-         "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+         str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
          str(port), "-m", "graphpar", "train", str(model), "--mesh", "2x2", "--no-progress",
          *map(str, args)], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True) for node in (0, 1)]
@@ -111,6 +112,34 @@ def test_two_nodes_train_pipelined_resume_and_reshard_equal_eager(tmp_path, opti
                     "--log-file", "again.jsonl") == [0, 0]
     assert logged_losses(tmp_path / "again.jsonl") == pytest.approx(losses[4:], rel=1e-4)
     resume_elsewhere(ckpt, tmp_path, common, losses)
+
+
+def test_two_nodes_train_token_sliced_equal_eager(tmp_path):
+    """--pipeline 2 --token-slices 2 on the 2x2 mesh: the token pipeline runs one process per
+    stage (each stage's 1x2 sub-mesh in lockstep there), so two nodes of one process each;
+    SGD losses equal eager's, a resumed run continues them, the checkpoint resumes plain."""
+    module, losses = eager_run(8, "sgd", 0.5)
+    common = ("--optimizer", "sgd", "--lr", 0.5)
+    tokens = (*common, "--pipeline", 2, "--microbatches", 2, "--token-slices", 2)
+    ckpt = tmp_path / "ckpt"
+    assert torchrun(tmp_path, "--steps", 8, *tokens, "--checkpoint-dir", ckpt,
+                    "--checkpoint-every", 4, "--log-file", "run.jsonl", nproc=1) == [0, 0]
+    assert logged_losses(tmp_path / "run.jsonl") == pytest.approx(losses, rel=1e-4)
+    saved = checkpoint_model(ckpt / "step-8", tmp_path)
+    plain = type(module)(type(module.model)(module.model.config)).eval()
+    plain.load_state_dict(saved)
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=1e-5, atol=1e-5,
+                                   msg=name)
+    again = resume_from_step_4(ckpt, tmp_path / "again")
+    assert torchrun(tmp_path, "--steps", 8, *tokens, "--checkpoint-dir", again, "--resume",
+                    "--log-file", "again.jsonl", nproc=1) == [0, 0]
+    assert logged_losses(tmp_path / "again.jsonl") == pytest.approx(losses[4:], rel=1e-4)
+    moved = resume_from_step_4(ckpt, tmp_path / "mesh1")
+    assert main(["train", str(MODEL), "--mesh", "1", "--steps", "8", *map(str, common),
+                 "--checkpoint-dir", str(moved), "--resume", "--no-progress",
+                 "--log", str(tmp_path / "mesh1.jsonl")]) == 0
+    assert logged_losses(tmp_path / "mesh1.jsonl") == pytest.approx(losses[4:], rel=1e-4)
 
 
 def test_a_rank_killed_under_torchrun_stops_the_job(tmp_path):

@@ -221,7 +221,7 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != options.mesh.size:
+    if options.pipeline is None and world != options.mesh.size:  # a pipeline: once compiled
         raise UsageError(f"torchrun started {world} processes (WORLD_SIZE) but --mesh "
                          f"{'x'.join(map(str, options.mesh.shape))} has {options.mesh.size} "
                          "devices: start one process per device (--nnodes x --nproc-per-node)")

@@ -114,6 +114,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"step time  {summary['step_seconds_measured'] * 1e3:.2f} ms measured "
                   f"(median, rank 0), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
                   f"estimated (cost model, cluster {summary['estimated_on']})")
+        if summary.get("pipeline"):
+            p = summary["pipeline"]
+            slices = f", token slices {p['token_slices']}" if p.get("token_slices") else ""
+            print(f"pipeline   {p['stages']} stages on devices {p['devices']}, "
+                  f"{p['microbatches']} microbatches, schedule {p['schedule']}{slices}")
         if args.checkpoint_dir is not None:
             print(f"checkpoint {args.checkpoint_dir / f'step-{args.steps}'}")
         if "loss_curve" in summary:

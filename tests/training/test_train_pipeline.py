@@ -32,7 +32,9 @@ def test_pipelined_training_resumes_plain_and_equals_eager(tmp_path, capsys):
     common = ("--optimizer", "sgd", "--lr", "0.5", "--checkpoint-dir", ckpt, "--log", log)
     assert train("--mesh", 2, "--pipeline", 2, "--microbatches", 2, "--schedule", "gpipe",
                  "--steps", 2, *common) == 0
-    assert "trained tiny_causal_lm on mesh 2: steps 1..2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "trained tiny_causal_lm on mesh 2: steps 1..2" in out
+    assert "pipeline   2 stages on devices [[0], [1]], 2 microbatches, schedule gpipe" in out
     module, losses = eager_run(4, "sgd", 0.5)
     assert set(checkpoint_model(ckpt / "step-2", tmp_path)) == set(module.state_dict())
     assert train("--mesh", 1, "--steps", 4, "--resume", *common) == 0
@@ -40,13 +42,15 @@ def test_pipelined_training_resumes_plain_and_equals_eager(tmp_path, capsys):
     equals_eager_module(ckpt / "step-4", module, tmp_path)
 
 
-def test_token_sliced_training_equals_eager(tmp_path):
+def test_token_sliced_training_equals_eager(tmp_path, capsys):
     """SGD: 2 steps through 2 stages, each sequence cut into 2 token slices (1F1B over the
     (microbatch, slice) items): the token pipeline's persistent workers."""
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
     assert train("--mesh", 2, "--pipeline", 2, "--microbatches", 2, "--token-slices", 2,
                  "--steps", 2, "--optimizer", "sgd", "--lr", "0.5", "--checkpoint-dir", ckpt,
                  "--log", log) == 0
+    assert ("pipeline   2 stages on devices [[0], [1]], 2 microbatches, schedule 1f1b, token "
+            "slices [4, 4]") in capsys.readouterr().out
     module, losses = eager_run(2, "sgd", 0.5)
     assert logged_losses(log) == pytest.approx(losses, rel=1e-4)
     equals_eager_module(ckpt / "step-2", module, tmp_path)

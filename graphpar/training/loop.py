@@ -105,7 +105,7 @@ class Start:
     data: dict
     step: int = 0
     resume: str | None = None
-    pipe: Any = None  # a pipelined plan's stages (compiler.pipelined.PipelineCompiled)
+    pipe: Any = None  # a pipelined plan: a PipelineCompiled or a TokenPipeline (compiler)
 
 
 def prepare(options: TrainOptions) -> Start:

@@ -5,7 +5,9 @@ its stage's programs, its action list, tiles over gloo) kept for the whole run. 
 reads the step's batch, cuts it into microbatches, runs its action list on its stage's runner
 (`StageRunner.next_step`: the interpreters are kept), keeps the updates, and sends the updated
 tensors another stage reads (a tied embedding, Adam's step count) to it. The loss, made on the
-last stage, is broadcast so rank 0 reports it.
+last stage, is broadcast so rank 0 reports it. `TokenTrainWorker` does the same on the token
+pipeline runtime's worker (`graphpar.runtime.token_pipeline.TokenPipelineWorker`: one process
+per stage, each microbatch cut into token slices); `StageRanks` is what the two share.
 
 A stage's state is whole on each of its devices (a stage on several devices shards each phase
 from whole tensors), so its checkpoint entries are DTensors with `Replicate()` on the stage's

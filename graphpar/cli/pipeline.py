@@ -56,7 +56,7 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         from graphpar.passes.pipeline.slice_tokens import slice_count
 
         slice_count(args.token_slices, "--token-slices ")
-    if args.trace and not args.run_cpu:
+    if getattr(args, "trace", None) and not getattr(args, "run_cpu", None):
         raise UsageError("--trace writes the measured timeline of a run: give --run-cpu too")
     if getattr(args, "token_slices", None):
         from graphpar.passes.pipeline.schedules import TOKEN_SCHEDULES

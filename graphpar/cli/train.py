@@ -6,7 +6,13 @@ import argparse
 import os
 from pathlib import Path
 
-from graphpar.cli.common import add_plan_options, check_plan_options, plan_limits, plan_mesh
+from graphpar.cli.common import (
+    add_pipeline_options,
+    add_plan_options,
+    check_plan_options,
+    plan_limits,
+    plan_mesh,
+)
 from graphpar.errors import UsageError
 
 
@@ -17,13 +23,16 @@ def add_train_parser(sub) -> None:
                                             "and, for its data, batch(step) (see README)")
     t.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny (with --data)")
     add_plan_options(t, "the device mesh to train on, e.g. 2x2 (one rank per device)")
-    t.set_defaults(cluster="cpu")
+    t.set_defaults(cluster="cpu", mode="train")
+    add_pipeline_options(t, "train with a pipelined plan: 'auto' or a number of stages on "
+                            "sub-meshes of --mesh (one process per device)")
     t.add_argument("--steps", type=int, required=True, help="train up to this step")
     t.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     t.add_argument("--lr", type=float, help="learning rate (default: torch.optim's)")
     t.add_argument("--data", type=Path,
-                   help="a causal LM's data: a flat token file (.bin of uint16, .npy) or a text "
-                        "file read as bytes (default: the model file's batch(step))")
+                   help="a causal LM's data: a flat token file (.bin of uint16, .u32.bin of "
+                        "uint32, .npy) or a text file read as bytes (default: the model file's "
+                        "batch(step))")
     t.add_argument("--checkpoint-dir", type=Path, help="write DCP checkpoints to DIR/step-<N>")
     t.add_argument("--checkpoint-every", type=int, metavar="K",
                    help="a checkpoint every K steps (and always after the last)")
@@ -59,6 +68,11 @@ def check_train_options(args: argparse.Namespace) -> None:
     if args.log is not None and args.log.is_dir():
         raise UsageError(f"--log {args.log}: is a folder; give a file (FILE.jsonl)")
     check_plan_options(args)
+    from graphpar.cli.pipeline import check_pipeline_options, check_pipeline_options_need_pipeline
+
+    check_pipeline_options_need_pipeline(args)
+    if args.pipeline:
+        check_pipeline_options(args)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -70,17 +84,26 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_train_options(args)
     mesh = plan_mesh(args)
     limits = plan_limits(args, mesh.cluster)
-    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != mesh.size:
+    # a pipelined plan's world is its stages' devices, checked once it is compiled
+    if under_torchrun() and not args.pipeline and int(os.environ["WORLD_SIZE"]) != mesh.size:
         raise UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) "
                          f"but --mesh {args.mesh} has {mesh.size} devices: start one process "
                          "per device (--nnodes x --nproc-per-node)")
     torch.manual_seed(args.seed)
     spec = load_target(args.model, args.example, "train")
+    if args.pipeline:
+        from graphpar.cli.pipeline import check_microbatches_fit, default_microbatches
+
+        check_microbatches_fit(args, spec)
+        if args.microbatches is None:
+            args.microbatches = default_microbatches(len(spec.inputs[0]))
     options = TrainOptions(
         spec=spec, mesh=mesh, limits=limits, cluster=args.cluster, steps=args.steps,
         optimizer=args.optimizer, lr=args.lr, data=args.data,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress)
+        resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress,
+        pipeline=args.pipeline or None, microbatches=args.microbatches or 4,
+        schedule=args.schedule or "1f1b", token_slices=args.token_slices)
     summary = train(options)
     if summary:
         losses = summary["losses"]
@@ -91,6 +114,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"step time  {summary['step_seconds_measured'] * 1e3:.2f} ms measured "
                   f"(median, rank 0), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
                   f"estimated (cost model, cluster {summary['estimated_on']})")
+        if summary.get("pipeline"):
+            p = summary["pipeline"]
+            slices = f", token slices {p['token_slices']}" if p.get("token_slices") else ""
+            print(f"pipeline   {p['stages']} stages on devices {p['devices']}, "
+                  f"{p['microbatches']} microbatches, schedule {p['schedule']}{slices}")
         if args.checkpoint_dir is not None:
             print(f"checkpoint {args.checkpoint_dir / f'step-{args.steps}'}")
         if "loss_curve" in summary:

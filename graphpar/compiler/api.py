@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from graphpar.compiler.check.eager import EagerCheck
     from graphpar.compiler.driver import ModelSpec
     from graphpar.compiler.pipelined import PipelineCompiled
+    from graphpar.compiler.token_pipelined import TokenPipeline
     from graphpar.runtime.program import StepTimes
 
 
@@ -249,6 +250,35 @@ def compile_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, optimizer:
     pipeline = [*parse_pipeline(passes), AutoShard.of(mesh, limits)]
     result = compile_model(spec, "train", pipeline, optimizer=optimizer)
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
+
+
+def compile_pipelined_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits,
+                               optimizer: Optimizer, stages: str | int = "auto",
+                               microbatches: int = 4, schedule: str = "1f1b",
+                               passes: str = "cleanup", token_slices: str | int | None = None
+                               ) -> PipelineCompiled | TokenPipeline:
+    """A model file's training step sliced into pipeline stages on sub-meshes of `mesh`
+    (`stages`: "auto" or a number) over `microbatches`, run by `schedule`, each stage on
+    several devices auto-sharded there under `limits` (`graphpar train --pipeline`). With
+    `token_slices` ("auto": slice-tokens' DP, or a number of equal slices) the stages run
+    token slice by token slice: a `TokenPipeline`."""
+    from graphpar.compiler.pipelined import slice_and_build
+    from graphpar.passes.pipeline.slice_tokens import slice_count
+
+    sliced = slice_and_build(spec, mesh, limits, stages=stages, microbatches=microbatches,
+                             schedule=schedule, optimizer=optimizer,
+                             passes=parse_pipeline(passes),
+                             # token slicing feeds the update programs the gradients by name
+                             keep_grads=token_slices is not None,
+                             token_slices=slice_count(token_slices, "--token-slices "))
+    if token_slices is None:
+        return sliced.pipe.sharded_as_planned()
+    from graphpar.compiler.token_pipelined import token_pipeline
+
+    tokens = token_pipeline(sliced.pipe, list(sliced.result.graph.attrs["token_slices"]),
+                            schedule)
+    submeshes = sliced.pipe.planned_submeshes()
+    return tokens.on_submeshes(submeshes) if submeshes else tokens
 
 
 def lower(captured: Captured, ctx: PassContext, spec: ModelSpec | None = None,

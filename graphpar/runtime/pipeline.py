@@ -42,8 +42,8 @@ from graphpar.ir.types import TensorType
 from graphpar.runtime.jobs import Job, JobWorker, mesh_entry
 
 __all__ = ["PipelineRun", "PipelineWorker", "ReceivesAhead", "StageRunner", "assemble_outputs",
-           "gather_whole", "run_in_process", "run_multiprocess", "split_microbatches",
-           "stage_meshes"]
+           "describe_job", "gather_whole", "run_in_process", "run_multiprocess",
+           "split_microbatches", "stage_meshes"]
 
 _PHASE = {ActionKind.F: "F", ActionKind.B: "B", ActionKind.I: "I", ActionKind.W: "W"}
 # a boundary whose receives are posted: called, it waits for them and gives (names, tensors)
@@ -87,23 +87,30 @@ class StageRunner:
         self.intra_stage_bytes = 0  # what the sub-mesh's collectives sent (plan's definition)
         self.stage = program.stage
         self.microbatches = microbatches
-        self.inputs = inputs  # per microbatch, the user's tensors by name
         self.interpreters = {p: Interpreter(g) for p in ("F", "B", "I", "W", "U")
                              if (g := program.program(p)) is not None}
-        needed = {v.name for i in self.interpreters.values() for v in i.graph.inputs}
-        self.state = {k: v for k, v in state.items() if k in needed}
-        self.env: list[dict[str, torch.Tensor]] = [{} for _ in range(microbatches)]
+        self.needed = frozenset(v.name for i in self.interpreters.values()
+                                for v in i.graph.inputs)
+        self.bytes_sent = 0
+        # called with (stage, phase, microbatch or None for the update, inputs, results) after
+        # each phase runs: what a check that looks inside the step reads
+        self.observe: Callable[..., None] | None = None
+        self.next_step(state, inputs)
+
+    def next_step(self, state: Mapping[str, torch.Tensor],
+                  inputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """Start a step from `state` on `inputs` (per microbatch, the user's tensors by
+        name), keeping the programs' interpreters: what a training run calls between steps."""
+        self.inputs = inputs
+        self.state = {k: v for k, v in state.items() if k in self.needed}
+        self.env: list[dict[str, torch.Tensor]] = [{} for _ in range(self.microbatches)]
         self.grad_sums: dict[str, torch.Tensor] = {}
         self.grad_outputs: dict[str, torch.Tensor] = {}  # GRAD outputs, summed
         self.losses: dict[int, torch.Tensor] = {}
         self.updates: dict[str, torch.Tensor] = {}  # UPDATE outputs by target
-        self.bytes_sent = 0
         self.spans: list[tuple[Action, float, float]] = []  # measured: action, start, end
         self.backward_done: set[int] = set()  # microbatches whose gradients are summed
         self.sent_back: set[int] = set()  # microbatches whose SEND_B has run
-        # called with (stage, phase, microbatch or None for the update, inputs, results) after
-        # each phase runs: what a check that looks inside the step reads
-        self.observe: Callable[..., None] | None = None
 
     # --- compute ----------------------------------------------------------------------------
 
@@ -454,36 +461,7 @@ def run_multiprocess(programs: PipelinePrograms, schedule: Schedule,
     world = sum(mesh.size for mesh in meshes)
     with Job(world, "graphpar.runtime.pipeline:PipelineWorker", prefix="pipeline",
              timeout=timeout, name="pipeline") as job:
-        folder = job.folder
-        job_stages = []
-        for program in programs.stages:
-            s = program.stage
-            graphs = {phase: folder.write_graph(f"stage{s}_{phase}.gpir", g)
-                      for phase in PHASES if (g := program.program(phase)) is not None}
-            spmd = {phase: folder.write_graph(f"stage{s}_{phase}_spmd.gpir",
-                                              planned.device_program)
-                    for phase, planned in (sharded or {}).get(s, {}).items()}
-            needed = {v.name for g in program.graphs() for v in g.inputs}
-            folder.save(f"tensors{s}.pt",
-                        {"state": {k: t for k, t in state.items() if k in needed},
-                         "inputs": list(inputs)})
-            job_stages.append({
-                **mesh_entry(meshes[s]),
-                "graphs": graphs,
-                "spmd": spmd,
-                "send_forward": list(program.send_forward),
-                "send_backward": list(program.send_backward),
-                "keep_after_forward": sorted(program.keep_after_forward),
-                "grads": list(program.grads),
-                "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
-                # the gradient sums this stage sends at UPDATE (by receiving stage) and those
-                # it receives (by sending stage), each stage's in grad_transfers order
-                "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
-                "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
-            })
-        folder.describe({"microbatches": len(inputs), "stages": job_stages,
-                         "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
-                                   for n, t in programs.types.items()}})
+        describe_job(job.folder, programs, schedule, state, inputs, sharded)
         results = job.call("run")
         timings = job.call("time_steps", timed_steps, warmup) if timed_steps else []
     leads = [results[mesh.device_ids[0]] for mesh in meshes]
@@ -510,6 +488,49 @@ def run_multiprocess(programs: PipelinePrograms, schedule: Schedule,
                                    warmup)
         run.stage_compute_seconds = [timings[mesh.device_ids[0]]["compute"] for mesh in meshes]
     return run
+
+
+def describe_job(folder: Any, programs: PipelinePrograms, schedule: Schedule,
+                 state: Mapping[str, torch.Tensor],
+                 inputs: Sequence[Mapping[str, torch.Tensor]],
+                 sharded: Mapping[int, Mapping[str, Any]] | None = None,
+                 microbatches: int | None = None, **extra: Any) -> list[Mesh]:
+    """Write what a :class:`PipelineWorker` reads into a job's `folder` (a `JobFolder`): each
+    stage's programs as IR text, its part of `state` and the microbatch `inputs` (none: a
+    launcher that feeds every step its own, `microbatches` of them), its sub-mesh and action
+    list; `extra` goes into the description as it is. Returns the stages' sub-meshes."""
+    meshes = stage_meshes(len(programs.stages), sharded)
+    job_stages = []
+    for program in programs.stages:
+        s = program.stage
+        graphs = {phase: folder.write_graph(f"stage{s}_{phase}.gpir", g)
+                  for phase in PHASES if (g := program.program(phase)) is not None}
+        spmd = {phase: folder.write_graph(f"stage{s}_{phase}_spmd.gpir",
+                                          planned.device_program)
+                for phase, planned in (sharded or {}).get(s, {}).items()}
+        needed = {v.name for g in program.graphs() for v in g.inputs}
+        folder.save(f"tensors{s}.pt",
+                    {"state": {k: t for k, t in state.items() if k in needed},
+                     "inputs": list(inputs)})
+        job_stages.append({
+            **mesh_entry(meshes[s]),
+            "graphs": graphs,
+            "spmd": spmd,
+            "send_forward": list(program.send_forward),
+            "send_backward": list(program.send_backward),
+            "keep_after_forward": sorted(program.keep_after_forward),
+            "grads": list(program.grads),
+            "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
+            # the gradient sums this stage sends at UPDATE (by receiving stage) and those
+            # it receives (by sending stage), each stage's in grad_transfers order
+            "grads_out": [[dst, n] for src, dst, n in programs.grad_transfers if src == s],
+            "grads_in": [[src, n] for src, dst, n in programs.grad_transfers if dst == s],
+        })
+    folder.describe({"microbatches": len(inputs) if microbatches is None else microbatches,
+                     "stages": job_stages,
+                     "types": {n: [list(t.shape), str(t.dtype).removeprefix("torch.")]
+                               for n, t in programs.types.items()}, **extra})
+    return meshes
 
 
 def _check_replica(lead: dict, other: dict, lead_rank: int, rank: int) -> None:

@@ -44,8 +44,8 @@ from graphpar.runtime.pipeline import (
     take_turns,
 )
 
-__all__ = ["SliceRunner", "TokenStage", "run_tokens_in_process", "run_tokens_multiprocess",
-           "slice_inputs"]
+__all__ = ["SliceRunner", "TokenPipelineWorker", "TokenStage", "describe_token_job",
+           "run_tokens_in_process", "run_tokens_multiprocess", "slice_inputs"]
 
 
 class SliceRunner(StageRunner):
@@ -53,8 +53,9 @@ class SliceRunner(StageRunner):
     returns into earlier slices' caches are kept per microbatch for the neighbouring slices,
     not reported as the step's outputs."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def next_step(self, state: Mapping[str, torch.Tensor],
+                  inputs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        super().next_step(state, inputs)
         self.kv: list[dict[str, torch.Tensor]] = [{} for _ in range(self.microbatches)]
 
     def _keep(self, role: OutputRole, target: str | None, t: torch.Tensor, env: dict,
@@ -119,6 +120,19 @@ class TokenStage:
         self.spans: list[tuple[Action, float, float]] = []
         # bytes this stage sent to others, each tensor's own: activations and their
         # gradients as they leave, plus summed gradients sent to another stage's update
+        self.sent_bytes = 0
+
+    def next_step(self, state: Mapping[str, torch.Tensor],
+                  inputs: Sequence[Sequence[Mapping[str, torch.Tensor]]]) -> None:
+        """Start a step from `state` on `inputs` (per slice, per microbatch: `slice_inputs`),
+        keeping every runner's interpreters: what a training run calls between steps."""
+        for j, runner in enumerate(self.runners):
+            runner.next_step(state, [dict(mb) for mb in inputs[j]])
+        if self.update_runner is not None:
+            self.update_runner.next_step(state, [])
+        self.updates = {}
+        self.items_backward = 0
+        self.spans = []
         self.sent_bytes = 0
 
     def _runner(self, action: Action) -> tuple[SliceRunner, Action, int, int]:
@@ -295,44 +309,9 @@ def run_tokens_multiprocess(programs: TokenPrograms, schedule: Schedule,
     the stage's process (as the microbatch pipeline does: not yet one process per device)."""
     validate(schedule)
     stages = programs.stages
-    names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
-    sharded = sharded or {}
     with Job(stages, "graphpar.runtime.token_pipeline:TokenPipelineWorker", prefix="tokens",
              timeout=timeout, name="token pipeline stage") as job:
-        folder = job.folder
-
-        def write(graph: Graph | None, stem: str) -> dict | None:
-            return None if graph is None else folder.write_graph(f"{stem}.gpir", graph)
-
-        def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
-            return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
-                    for phase, planned in (phases or {}).items()}
-
-        description: dict[str, Any] = {
-            "microbatches": len(inputs), "names": names, "token_slices": programs.token_slices,
-            "grad_param": programs.grad_param, "slices": [], "stages": []}
-        for j, sl in enumerate(programs.slices):
-            description["slices"].append({"types": {n: [list(t.shape), str(t.dtype).removeprefix(
-                "torch.")] for n, t in sl.programs.types.items()}, "stages": []})
-            for p in sl.programs.stages:
-                description["slices"][j]["stages"].append({
-                    "F": write(p.forward, f"slice{j}_stage{p.stage}_F"),
-                    "B": write(p.backward, f"slice{j}_stage{p.stage}_B"),
-                    "send_forward": list(p.send_forward), "send_backward": list(p.send_backward),
-                    "keep_after_forward": sorted(p.keep_after_forward),
-                    "grads": list(p.grads),
-                    "spmd": write_spmd(_sharded_slice(sharded, p.stage, j),
-                                       f"slice{j}_stage{p.stage}")})
-        for s in range(stages):
-            description["stages"].append({
-                "U": write(programs.update(s), f"stage{s}_U"),
-                "U_spmd": write_spmd({"U": sharded[s]["U"]} if "U" in sharded.get(s, {})
-                                     else None, f"stage{s}"),
-                "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
-                "grads_out": [[dst, p] for src, dst, p in programs.grad_transfers if src == s],
-                "grads_in": [[src, p] for src, dst, p in programs.grad_transfers if dst == s]})
-        folder.save("tensors.pt", {"state": dict(state), "inputs": list(inputs)})
-        folder.describe(description)
+        describe_token_job(job.folder, programs, schedule, state, inputs, sharded)
         results = job.call("run")
     runners = [FinishedStage.of(r) for r in results]
     begin = min((span[2] for r in results for span in r["spans"]), default=0.0)
@@ -341,6 +320,53 @@ def run_tokens_multiprocess(programs: TokenPrograms, schedule: Schedule,
     return PipelineRun(assemble_outputs(programs.whole.graph, runners, len(inputs)),
                        [r["bytes_sent"] for r in results], spans,
                        bytes_counted=[r["bytes_counted"] for r in results])
+
+
+def describe_token_job(folder: Any, programs: TokenPrograms, schedule: Schedule,
+                       state: Mapping[str, torch.Tensor],
+                       inputs: Sequence[Mapping[str, torch.Tensor]],
+                       sharded: Mapping[int, Mapping[str, Any]] | None = None,
+                       microbatches: int | None = None, **extra: Any) -> None:
+    """Write what a :class:`TokenPipelineWorker` reads into a job's `folder` (a `JobFolder`):
+    every slice's stage programs and every stage's update as IR text, the state and the
+    microbatch `inputs` (none: a launcher that feeds every step its own, `microbatches` of
+    them), each stage's action list; `extra` goes into the description as it is."""
+    names = [v.name for v in programs.whole.graph.inputs if v.role.value == "input"]
+    sharded = sharded or {}
+
+    def write(graph: Graph | None, stem: str) -> dict | None:
+        return None if graph is None else folder.write_graph(f"{stem}.gpir", graph)
+
+    def write_spmd(phases: Mapping[str, Any] | None, stem: str) -> dict:
+        return {phase: write(planned.device_program, f"{stem}_{phase}_spmd")
+                for phase, planned in (phases or {}).items()}
+
+    description: dict[str, Any] = {
+        "microbatches": len(inputs) if microbatches is None else microbatches, "names": names,
+        "token_slices": programs.token_slices, "grad_param": programs.grad_param,
+        "slices": [], "stages": [], **extra}
+    for j, sl in enumerate(programs.slices):
+        description["slices"].append({"types": {n: [list(t.shape), str(t.dtype).removeprefix(
+            "torch.")] for n, t in sl.programs.types.items()}, "stages": []})
+        for p in sl.programs.stages:
+            description["slices"][j]["stages"].append({
+                "F": write(p.forward, f"slice{j}_stage{p.stage}_F"),
+                "B": write(p.backward, f"slice{j}_stage{p.stage}_B"),
+                "send_forward": list(p.send_forward), "send_backward": list(p.send_backward),
+                "keep_after_forward": sorted(p.keep_after_forward),
+                "grads": list(p.grads),
+                "spmd": write_spmd(_sharded_slice(sharded, p.stage, j),
+                                   f"slice{j}_stage{p.stage}")})
+    for s in range(programs.stages):
+        description["stages"].append({
+            "U": write(programs.update(s), f"stage{s}_U"),
+            "U_spmd": write_spmd({"U": sharded[s]["U"]} if "U" in sharded.get(s, {})
+                                 else None, f"stage{s}"),
+            "actions": [[a.kind.value, a.microbatch] for a in schedule[s]],
+            "grads_out": [[dst, p] for src, dst, p in programs.grad_transfers if src == s],
+            "grads_in": [[src, p] for src, dst, p in programs.grad_transfers if dst == s]})
+    folder.save("tensors.pt", {"state": dict(state), "inputs": list(inputs)})
+    folder.describe(description)
 
 
 def _sharded_slice(sharded: Mapping[int, Mapping[str, Any]], stage: int, j: int) -> dict:
@@ -384,16 +410,36 @@ class TokenPipelineWorker(JobWorker):
         sharded = {"slices": sharded_slices, **read_spmd(self.spec["U_spmd"])}
         self.stage = TokenStage(rank, loaded, read(self.spec["U"]), job["grad_param"],
                                 job["microbatches"], tensors["state"], per_slice, sharded)
+        self.tensors = tensors
+        self._comm = None
 
     def run(self) -> dict:
         """One step: this stage's results, what it sent and its spans."""
-        from graphpar.ir.mesh import Mesh
-        from graphpar.ir.types import TensorType
-        from graphpar.runtime.gloo import GlooCommunicator
+        spans = self._step()
+        stage = self.stage
+        return {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
+                "updates": stage.updates, "bytes_sent": stage.bytes_sent,
+                "bytes_counted": int(self.comm.bytes_counted), "spans": spans}
 
-        # the world as a mesh with no groups (none needed): its sends and receives, an item's
-        # boundary as one message tagged by the item, the gradients tagged after every item
-        comm = GlooCommunicator(Mesh((self.world,), tuple(range(self.world))), axes=())
+    @property
+    def comm(self) -> Any:
+        """The world as a mesh with no groups (none needed): its sends and receives, an
+        item's boundary as one message tagged by the item, the gradients tagged after every
+        item."""
+        if self._comm is None:
+            from graphpar.ir.mesh import Mesh
+            from graphpar.runtime.gloo import GlooCommunicator
+
+            self._comm = GlooCommunicator(Mesh((self.world,), tuple(range(self.world))),
+                                          axes=())
+        return self._comm
+
+    def _step(self) -> list[tuple]:
+        """This stage's action list for one step; returns its spans (kind, item, start, end;
+        wall-clock seconds)."""
+        from graphpar.ir.types import TensorType
+
+        comm = self.comm
         stage, spans = self.stage, []
         slices = len(self.slices)
         grads_tag = stage.microbatches * slices
@@ -443,6 +489,4 @@ class TokenPipelineWorker(JobWorker):
                 stage.compute(action)
             spans.append((kind.value, item, start, time.time()))
         comm.finish()
-        return {"losses": stage.losses, "grad_outputs": stage.grad_outputs,
-                "updates": stage.updates, "bytes_sent": stage.bytes_sent,
-                "bytes_counted": int(comm.bytes_counted), "spans": spans}
+        return spans

@@ -235,13 +235,15 @@ class WorkerGroup:
         return text or None
 
     def failure(self) -> str | None:
-        """What failed, naming the rank: a rank's own error first, then one that saw a peer's
-        connection break, then one that exited without a message (with its log tail)."""
+        """What failed, naming the rank: a rank's own error first, then one that exited
+        without a message (it died: the others' broken connections are its doing; with its
+        log tail), then one that saw a peer's connection break."""
         codes = {r: p.poll() for r, p in self.processes.items()}
         failed = [r for r, c in codes.items() if c not in (None, 0)]
         messages = {r: m for r in self.ranks if (m := self._message(r)) is not None}
         own = [r for r in self.ranks if r in messages and not messages[r].startswith("[peer]")]
-        candidates = own or [r for r in failed if r in messages] or failed
+        candidates = (own or [r for r in failed if r not in messages]
+                      or [r for r in failed if r in messages])
         if not candidates:
             return None
         rank = candidates[0]

@@ -5,10 +5,11 @@ the same for every rank and every run with the same seed, so a resumed run reads
 uninterrupted one would have: its position is the step alone (`state`).
 
 `TokenWindows` feeds a causal LM from a flat token file, nanoGPT-style: `.bin` holds uint16
-tokens, `.npy` any integer array, anything else is UTF-8 text read as bytes (a vocabulary of
-256). Each step draws `batch` window starts from a generator seeded with (seed, step) and cuts
-`[batch, seq + 1]` windows: inputs are the first `seq` tokens, targets the next-token labels.
-The file is memory-mapped and a rank reads only the rows it holds (`rows`).
+tokens (`.u32.bin` uint32: the suffix says the dtype), `.npy` any integer array, anything else
+is UTF-8 text read as bytes (a vocabulary of 256). Each step draws `batch` window starts from a
+generator seeded with (seed, step) and cuts `[batch, seq + 1]` windows: inputs are the first
+`seq` tokens, targets the next-token labels. The file is memory-mapped and a rank reads only
+the rows it holds (`rows`).
 """
 
 from __future__ import annotations
@@ -62,16 +63,42 @@ class TokenWindows:
         return (windows[:, :-1].contiguous(),), (windows[:, 1:].contiguous(),)
 
 
+# a flat `.bin` token file's dtype, from the suffix before `.bin`; a bare `.bin` is nanoGPT's
+# uint16 (the file holds no header that could say otherwise)
+BIN_DTYPES = {"": np.uint16, ".u16": np.uint16, ".uint16": np.uint16,
+              ".u32": np.uint32, ".uint32": np.uint32}
+
+
+def bin_dtype(path: Path) -> np.dtype:
+    """The dtype of the `.bin` token file `path`: `x.bin` and `x.u16.bin` uint16, `x.u32.bin`
+    uint32; another inner suffix that names a dtype is an error naming the ones there are."""
+    inner = Path(path.stem).suffix.lower()
+    if inner in BIN_DTYPES:
+        return np.dtype(BIN_DTYPES[inner])
+    if inner.lstrip(".") in {"i8", "u8", "i16", "i32", "i64", "u64", "int32", "int64", "uint8",
+                             "uint64", "f16", "f32"}:
+        raise UsageError(f"--data {path}: a .bin of {inner.lstrip('.')} tokens is not "
+                         "supported: name it .u16.bin (uint16) or .u32.bin (uint32), or save "
+                         "it as .npy (any integer dtype)")
+    return np.dtype(np.uint16)
+
+
 def open_tokens(path: Path) -> np.ndarray:
-    """The file's tokens, memory-mapped: `.bin` uint16, `.npy` as saved, else bytes."""
+    """The file's tokens, memory-mapped: `.bin` uint16 (`.u32.bin` uint32), `.npy` as saved,
+    else bytes."""
     if not path.is_file():
         raise UsageError(f"--data {path}: no such file; give a token file (.bin of uint16, "
-                         ".npy) or a text file")
+                         ".u32.bin of uint32, .npy) or a text file")
     try:
         if path.suffix == ".npy":
             tokens = np.load(path, mmap_mode="r")
         elif path.suffix == ".bin":
-            tokens = np.memmap(path, dtype=np.uint16, mode="r")
+            dtype = bin_dtype(path)
+            if path.stat().st_size % dtype.itemsize:
+                raise UsageError(f"--data {path}: {path.stat().st_size} bytes is not a whole "
+                                 f"number of {dtype} tokens ({dtype.itemsize} bytes each); "
+                                 "is it a token file of another dtype?")
+            tokens = np.memmap(path, dtype=dtype, mode="r")
         else:
             tokens = np.memmap(path, dtype=np.uint8, mode="r")
     except (ValueError, OSError) as exc:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +26,7 @@ from graphpar.cost.limits import PlanLimits
 from graphpar.errors import GraphparError, UsageError
 from graphpar.ir.mesh import Mesh
 from graphpar.training import checkpoint
-from graphpar.training.plan import TrainPlan, initial_state, plan_from
+from graphpar.training.plan import TrainPlan, initial_state, pipeline_plan_from, plan_from
 from graphpar.training.report import Reporter
 
 if TYPE_CHECKING:
@@ -52,6 +53,11 @@ class TrainOptions:
     log: Path | None = None
     seed: int = 0
     progress: bool = True
+    # a pipelined plan: "auto" or a number of stages, its microbatches and schedule
+    pipeline: str | None = None
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    token_slices: str | None = None  # "auto" or a number: the stages run token slices
 
 
 def under_torchrun() -> bool:
@@ -95,10 +101,11 @@ class Start:
     """What every rank starts from: the plan, its shards, the data and the step."""
 
     plan: TrainPlan
-    states: list[dict[str, torch.Tensor]]
+    states: list[dict[str, torch.Tensor]]  # each rank's shards (an SPMD plan)
     data: dict
     step: int = 0
     resume: str | None = None
+    pipe: Any = None  # a pipelined plan: a PipelineCompiled or a TokenPipeline (compiler)
 
 
 def prepare(options: TrainOptions) -> Start:
@@ -114,9 +121,20 @@ def prepare(options: TrainOptions) -> Start:
         raise UsageError(f"--resume: {resume[1]} is already at step {resume[0]}; give --steps "
                          f"above {resume[0]} to train on")
     optimizer = optimizer_from_name(options.optimizer, options.lr)
-    compiled = compile_training(options.spec, options.mesh, options.limits, optimizer)
-    plan = plan_from(compiled, options.spec.name, options.cluster)
-    start = Start(plan, initial_state(compiled, plan), data)
+    if options.pipeline is not None:
+        from graphpar.compiler.api import compile_pipelined_training
+
+        pipe = compile_pipelined_training(options.spec, options.mesh, options.limits,
+                                          optimizer, options.pipeline, options.microbatches,
+                                          options.schedule,
+                                          token_slices=options.token_slices)
+        plan = pipeline_plan_from(pipe, options.spec, options.mesh, options.spec.name,
+                                  options.cluster)
+        start = Start(plan, [], data, pipe=pipe)
+    else:
+        compiled = compile_training(options.spec, options.mesh, options.limits, optimizer)
+        plan = plan_from(compiled, options.spec.name, options.cluster)
+        start = Start(plan, initial_state(compiled, plan), data)
     from graphpar.training.rank import batch_source
 
     batch_source(data, plan)(resume[0] if resume else 0)  # a bad batch() is named now
@@ -143,15 +161,20 @@ def run_alone(start: Start, options: TrainOptions, reporter: Reporter) -> None:
     from graphpar.training.rank import PROGRESS, plan_description
 
     plan = start.plan
-    job = Job(plan.world, "graphpar.training.rank:TrainWorker", prefix="train",
-              timeout=TIMEOUT_S, name="training")
+    worker = ("graphpar.training.rank:TrainWorker" if start.pipe is None
+              else "graphpar.training.stage_rank:TokenTrainWorker" if _is_tokens(start.pipe)
+              else "graphpar.training.stage_rank:StageTrainWorker")
+    job = Job(plan.world, worker, prefix="train", timeout=TIMEOUT_S, name="training")
     finished = False
     try:
-        job.folder.describe({"plan": plan_description(plan), "data": start.data,
-                             "timeout": TIMEOUT_S})
-        job.folder.write_text("step.gpir", plan.program)
-        job.folder.save("constants.pt", plan.constants)
-        job.save_each("state", start.states)
+        if start.pipe is not None:
+            write_pipeline_job(job.folder, start)
+        else:
+            job.folder.describe({"plan": plan_description(plan), "data": start.data,
+                                 "timeout": TIMEOUT_S})
+            job.folder.write_text("step.gpir", plan.program)
+            job.folder.save("constants.pt", plan.constants)
+            job.save_each("state", start.states)
         job.start()
         command = job.send("train", start.step, options.steps, start.resume,
                            str(options.checkpoint_dir) if options.checkpoint_dir else None,
@@ -164,24 +187,60 @@ def run_alone(start: Start, options: TrainOptions, reporter: Reporter) -> None:
         job.close(kill=not finished)
 
 
+def write_pipeline_job(folder, start: Start) -> None:
+    """A pipelined run's job folder: the pipeline runtime's (`runtime.pipeline.describe_job`:
+    each stage's programs, starting state and action list) with the run's plan and data."""
+    from graphpar.runtime.pipeline import describe_job
+    from graphpar.runtime.token_pipeline import describe_token_job
+    from graphpar.training.rank import plan_description
+    from graphpar.training.stage_rank import loss_stage, stage_graphs, state_transfers
+
+    pipe, plan = start.pipe, start.plan
+    graphs = stage_graphs(pipe)
+    train = {"plan": plan_description(plan), "data": start.data,
+             "loss_rank": plan.pipeline["devices"][loss_stage(graphs)][0],
+             "state_transfers": state_transfers(graphs)}
+    if _is_tokens(pipe):
+        describe_token_job(folder, pipe.programs, pipe.schedule, pipe.pipe.captured.state, [],
+                           pipe.sharded, microbatches=pipe.pipe.microbatches,
+                           timeout=TIMEOUT_S, train=train)
+    else:
+        describe_job(folder, pipe.programs, pipe.schedule, pipe.captured.state, [],
+                     pipe.sharded, microbatches=pipe.microbatches, timeout=TIMEOUT_S,
+                     train=train)
+    folder.save("constants.pt", plan.constants)
+
+
+def _is_tokens(pipe) -> bool:
+    """Whether a pipelined plan runs token slices (a compiler.token_pipelined.TokenPipeline)."""
+    return hasattr(pipe, "token_slices")
+
+
 def train_as_torchrun_rank(options: TrainOptions) -> dict:
     """This process is rank $RANK of $WORLD_SIZE: rank 0 compiles and hands out the plan."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != options.mesh.size:
+    if options.pipeline is None and world != options.mesh.size:  # a pipeline: once compiled
         raise UsageError(f"torchrun started {world} processes (WORLD_SIZE) but --mesh "
                          f"{'x'.join(map(str, options.mesh.shape))} has {options.mesh.size} "
                          "devices: start one process per device (--nnodes x --nproc-per-node)")
     # gloo: the ranks run the step with the CPU interpreter (NCCL waits for a CUDA runtime)
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    cleanup: list[Path] = []
     try:
         outcome: list = [None]
         if rank == 0:
             try:
                 start = prepare(options)
-                outcome = [(start.plan, start.data, start.step, start.resume)]
-                states: list = start.states
+                if start.plan.world != world:
+                    raise UsageError(
+                        f"torchrun started {world} processes (WORLD_SIZE) but the pipelined "
+                        f"plan runs on {start.plan.world} devices: start one process per "
+                        "device")
+                outcome = [(start.plan, start.data, start.step, start.resume,
+                            _job_files(start) if start.pipe is not None else None)]
+                states: list = start.states or [None] * world
             except Exception as exc:  # every rank hears why, none waits for a plan
                 outcome = [exc if isinstance(exc, GraphparError)
                            else GraphparError(f"{type(exc).__name__}: {exc}")]
@@ -191,22 +250,51 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
         dist.broadcast_object_list(outcome, src=0)
         if isinstance(outcome[0], GraphparError):
             raise type(outcome[0])(f"rank 0: {outcome[0]}")
-        plan, data, step, resume = outcome[0]
-        mine: list = [None]
-        dist.scatter_object_list(mine, states if rank == 0 else None, src=0)
-        from graphpar.training.rank import TrainRank
+        plan, data, step, resume, files = outcome[0]
+        if files is not None:  # a pipeline: this rank's worker reads the job folder rank 0 made
+            import tempfile
 
-        trainer = TrainRank(plan, rank, data, mine[0])
+            from graphpar.training.stage_rank import StageTrainWorker, TokenTrainWorker
+
+            jobdir = Path(tempfile.mkdtemp(prefix="graphpar-train-"))
+            cleanup.append(jobdir)
+            for name, content in files.items():
+                (jobdir / name).write_bytes(content)
+            worker = TokenTrainWorker if plan.pipeline["token_slices"] else StageTrainWorker
+            trainer = worker(jobdir, rank, world)
+        else:
+            mine: list = [None]
+            dist.scatter_object_list(mine, states if rank == 0 else None, src=0)
+            from graphpar.training.rank import TrainRank
+
+            trainer = TrainRank(plan, rank, data, mine[0])
         if resume:
             trainer.load(Path(resume))
         reporter = Reporter(plan, options, first_step=step) if rank == 0 else None
-        trainer.train(step, options.steps,
+        trainer.run_steps(step, options.steps,
                       str(options.checkpoint_dir) if options.checkpoint_dir else None,
                       options.checkpoint_every, reporter.record if reporter else None)
         dist.barrier()
         return reporter.finish() if reporter else {}
     finally:
         dist.destroy_process_group()
+        for folder in cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _job_files(start: Start) -> dict[str, bytes]:
+    """A pipelined run's job folder as {file: content}, for torchrun's ranks (on other
+    machines too): rank 0 writes it locally, every rank rebuilds it in its own folder."""
+    import tempfile
+
+    from graphpar.runtime.jobs import JobFolder
+
+    folder = Path(tempfile.mkdtemp(prefix="graphpar-train-"))
+    try:
+        write_pipeline_job(JobFolder(folder), start)
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Tail:

@@ -59,6 +59,10 @@ class TrainPlan:
     cluster: str
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # state_dict keys the
     # step does not read (non-persistent in the step): saved as they were built
+    # a pipelined step: its stages, microbatches, schedule and each stage's devices (global
+    # ranks); None for an SPMD step
+    pipeline: dict | None = None
+    world_size: int | None = None  # processes it runs on, when not the mesh's size
 
     @property
     def mesh(self) -> Mesh:
@@ -66,7 +70,7 @@ class TrainPlan:
 
     @property
     def world(self) -> int:
-        return self.mesh.size
+        return self.world_size or self.mesh.size
 
     @property
     def tokens_per_step(self) -> int:
@@ -91,29 +95,70 @@ def plan_from(compiled: Compiled, name: str, cluster: str) -> TrainPlan:
 
     inputs = {v.name: described(v) for v in spmd.inputs if v.role is Role.INPUT}
     state = {v.name: described(v) for v in spmd.inputs if v.role is not Role.INPUT}
-    module_keys = list(compiled.spec_or_raise().real_module().state_dict())
+    return TrainPlan(
+        name=name, program=print_graph(spmd, show_source=False, show_cost=False),
+        targets=[o.target for o in spmd.outputs], mesh_shape=tuple(compiled.mesh.shape),
+        axes=[tuple(a) for a in axes], inputs=inputs, state=state,
+        loss_index=next(i for i, o in enumerate(spmd.outputs) if o.role is OutputRole.LOSS),
+        estimated_seconds=compiled.plan.step_seconds, cluster=cluster,
+        **state_keys(glob, compiled.spec_or_raise(), state, compiled.optimizer))
+
+
+def state_keys(glob, spec, state: dict[str, Tensor], opt) -> dict:
+    """How the module's `state_dict` and torch.optim's state map onto the step's `state`
+    (`glob`: the captured training graph): TrainPlan's model_keys, optimizer_keys,
+    optimizer and constants."""
+    from graphpar.ir.graph import Role
+
+    module_keys = list(spec.real_module().state_dict())
     tied = dict(glob.attrs.get("tied", ()))
     model_keys = {k: tied.get(k, k) for k in module_keys if tied.get(k, k) in state}
-    constants = {k: v.detach().clone() for k, v in compiled.spec_or_raise().module.state_dict()
-                 .items() if k not in model_keys}
-    params = [v.name for v in spmd.inputs if v.role is Role.PARAM]
+    constants = {k: v.detach().clone() for k, v in spec.module.state_dict().items()
+                 if k not in model_keys}
+    params = [v.name for v in glob.inputs if v.role is Role.PARAM]
     optimizer_keys: dict[str, dict[str, str]] = {p: {} for p in params}
-    for v in spmd.inputs:
+    for v in glob.inputs:
         if v.role is Role.OPTIM_STATE and v.name != ADAM_STEP:
             param, _, slot = v.name.rpartition(".")
             optimizer_keys.setdefault(param, {})[slot] = v.name
     if ADAM_STEP in state:
         for slots in optimizer_keys.values():
             slots["step"] = ADAM_STEP
-    opt = compiled.optimizer
     optimizer = {"kind": type(opt).__name__.lower(), **(vars(opt) if opt is not None else {})}
+    return {"model_keys": model_keys, "optimizer_keys": optimizer_keys,
+            "optimizer": optimizer, "constants": constants}
+
+
+def pipeline_plan_from(pipe, spec, mesh: Mesh, name: str, cluster: str) -> TrainPlan:
+    """The plan of a pipelined training step (`compiler.pipelined.PipelineCompiled`, its
+    stages sharded as planned, or a `compiler.token_pipelined.TokenPipeline`): no SPMD program
+    (the stages' programs travel in the pipeline job, `runtime.pipeline.describe_job`), every
+    state tensor whole on each device of its stage (laid out replicated), the inputs at the
+    full batch."""
+    from graphpar.ir.graph import Role
+
+    tokens = pipe if hasattr(pipe, "token_slices") else None  # a TokenPipeline
+    pipe = tokens.pipe if tokens is not None else pipe
+    glob = pipe.captured.graph
+    names = pipe.captured.user_inputs
+    full = (*spec.inputs, *spec.targets)
+    inputs = {n: Tensor(tuple(t.shape), str(t.dtype).removeprefix("torch."), "{R}")
+              for n, t in zip(names, full)}
+    state = {v.name: Tensor(tuple(v.type.shape), str(v.type.dtype).removeprefix("torch."), "{R}")
+             for v in glob.inputs if v.role is not Role.INPUT}
+    estimated = pipe.plan.est_step_seconds if pipe.plan is not None else 0.0
+    # the token pipeline runs one process per stage (a stage on several devices runs them in
+    # lockstep there); the microbatch pipeline one per device
+    devices = ([[s] for s in range(pipe.stages)] if tokens is not None
+               else [list(d) for d in pipe.devices])
     return TrainPlan(
-        name=name, program=print_graph(spmd, show_source=False, show_cost=False),
-        targets=[o.target for o in spmd.outputs], mesh_shape=tuple(compiled.mesh.shape),
-        axes=[tuple(a) for a in axes], inputs=inputs, state=state,
-        loss_index=next(i for i, o in enumerate(spmd.outputs) if o.role is OutputRole.LOSS),
-        model_keys=model_keys, optimizer_keys=optimizer_keys, optimizer=optimizer,
-        estimated_seconds=compiled.plan.step_seconds, cluster=cluster, constants=constants)
+        name=name, program="", targets=[], mesh_shape=tuple(mesh.shape), axes=[],
+        inputs=inputs, state=state, loss_index=0, estimated_seconds=estimated,
+        cluster=cluster, world_size=sum(len(d) for d in devices),
+        pipeline={"stages": pipe.stages, "microbatches": pipe.microbatches,
+                  "schedule": (tokens or pipe).schedule_name, "devices": devices,
+                  "token_slices": list(tokens.token_slices) if tokens is not None else None},
+        **state_keys(glob, spec, state, pipe.optimizer))
 
 
 def initial_state(compiled: Compiled, plan: TrainPlan) -> list[dict[str, torch.Tensor]]:

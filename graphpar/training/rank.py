@@ -46,7 +46,89 @@ def batch_source(data: dict, plan: TrainPlan):
     return TokenWindows(data["path"], batch, seq, data["seed"])
 
 
-class TrainRank:
+class RankSteps:
+    """What every kind of training rank shares: the step loop with its reports and
+    checkpoints, DCP save and load. A rank provides `plan`, `rank`, `state` (its tensors by
+    the step's names), `step(index) -> loss` and `state_dict(step)` (the checkpoint's layout,
+    its tensors over `state`'s)."""
+
+    plan: TrainPlan
+    rank: int
+    state: dict[str, torch.Tensor]
+
+    def step(self, index: int) -> float:
+        raise NotImplementedError
+
+    def state_dict(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def run_steps(self, start: int, stop: int, checkpoint_dir: str | None = None,
+                  every: int | None = None,
+                  on_step: Callable[[dict], None] | None = None) -> list[float]:
+        """Steps `start`..`stop`-1; after each update (numbered start+1..stop) report it, and
+        save a checkpoint every `every` updates and after the last."""
+        losses = []
+        for index in range(start, stop):
+            began = time.perf_counter()
+            loss = self.step(index)
+            seconds = time.perf_counter() - began
+            losses.append(loss)
+            done = index + 1
+            if on_step is not None:
+                on_step({"step": done, "loss": loss, "seconds": seconds,
+                         "tokens_per_second": self.plan.tokens_per_step / seconds,
+                         "estimated_seconds": self.plan.estimated_seconds})
+            if checkpoint_dir and ((every and done % every == 0) or done == stop):
+                self.save(Path(checkpoint_dir), done)
+        return losses
+
+    def save(self, directory: Path, step: int) -> None:
+        """Write checkpoint `step` (every rank its shards); rank 0 publishes it when all are
+        in."""
+        import torch.distributed.checkpoint as dcp
+
+        partial = checkpoint.partial_path(directory, step)
+        if self.rank == 0:
+            if partial.exists():
+                import shutil
+
+                shutil.rmtree(partial)
+            partial.mkdir(parents=True)
+        dist.barrier()
+        dcp.save(self.state_dict(step), storage_writer=dcp.FileSystemWriter(str(partial)))
+        dist.barrier()
+        if self.rank == 0:
+            checkpoint.publish(directory, step)
+        dist.barrier()
+
+    def load(self, path: Path) -> int:
+        """Load the checkpoint at `path` into this rank's state (DCP reshards it to this
+        plan's layouts); returns its step."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state_dict(0)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:  # DCP's own errors: a shard file missing or cut short
+            raise CheckpointError(f"{path}: could not be loaded ({type(exc).__name__}: "
+                                  f"{str(exc).strip().splitlines()[-1] if str(exc) else ''}); "
+                                  "delete it to resume from an older one") from None
+        for key, name in self.plan.model_keys.items():
+            if key in state["model"]:
+                self.state[name] = _local(state["model"][key])
+        for param, slots in self.plan.optimizer_keys.items():
+            for slot, name in slots.items():
+                if slot in state["optimizer"]["state"].get(param, {}):
+                    self.state[name] = _local(state["optimizer"]["state"][param][slot])
+        return int(state["step"])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a checkpoint's tensor: a DTensor's local shard, or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TrainRank(RankSteps):
     """Rank `rank` of `plan`'s mesh; torch.distributed must be initialized with one process
     per device of the mesh."""
 
@@ -94,26 +176,6 @@ class TrainRank:
         dist.all_gather(gathered, local.contiguous())
         return float(unshard(gathered, layout, self.mesh))
 
-    def train(self, start: int, stop: int, checkpoint_dir: str | None = None,
-              every: int | None = None,
-              on_step: Callable[[dict], None] | None = None) -> list[float]:
-        """Steps `start`..`stop`-1; after each update (numbered start+1..stop) report it, and
-        save a checkpoint every `every` updates and after the last."""
-        losses = []
-        for index in range(start, stop):
-            began = time.perf_counter()
-            loss = self.step(index)
-            seconds = time.perf_counter() - began
-            losses.append(loss)
-            done = index + 1
-            if on_step is not None:
-                on_step({"step": done, "loss": loss, "seconds": seconds,
-                         "tokens_per_second": self.plan.tokens_per_step / seconds,
-                         "estimated_seconds": self.plan.estimated_seconds})
-            if checkpoint_dir and ((every and done % every == 0) or done == stop):
-                self.save(Path(checkpoint_dir), done)
-        return losses
-
     # --- checkpoints ------------------------------------------------------------------------
 
     def _dtensor(self, name: str):
@@ -142,44 +204,6 @@ class TrainRank:
         return {"model": model, "optimizer": optimizer, "step": step,
                 "data": {"seed": int(self.data.get("seed", 0)), "step": step}}
 
-    def save(self, directory: Path, step: int) -> None:
-        """Write checkpoint `step` (every rank its shards); rank 0 publishes it when all are
-        in."""
-        import torch.distributed.checkpoint as dcp
-
-        partial = checkpoint.partial_path(directory, step)
-        if self.rank == 0:
-            if partial.exists():
-                import shutil
-
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-        dist.barrier()
-        dcp.save(self.state_dict(step), storage_writer=dcp.FileSystemWriter(str(partial)))
-        dist.barrier()
-        if self.rank == 0:
-            checkpoint.publish(directory, step)
-        dist.barrier()
-
-    def load(self, path: Path) -> int:
-        """Load the checkpoint at `path` into this rank's state (DCP reshards it to this
-        plan's layouts); returns its step."""
-        import torch.distributed.checkpoint as dcp
-
-        state = self.state_dict(0)
-        try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:  # DCP's own errors: a shard file missing or cut short
-            raise CheckpointError(f"{path}: could not be loaded ({type(exc).__name__}: "
-                                  f"{str(exc).strip().splitlines()[-1] if str(exc) else ''}); "
-                                  "delete it to resume from an older one") from None
-        for key, name in self.plan.model_keys.items():
-            self.state[name] = state["model"][key].to_local()
-        for param, slots in self.plan.optimizer_keys.items():
-            for slot, name in slots.items():
-                self.state[name] = state["optimizer"]["state"][param][slot].to_local()
-        return int(state["step"])
-
 
 class TrainWorker(JobWorker):
     """A rank of `graphpar train`'s own job: the plan, data and this rank's starting state
@@ -193,20 +217,27 @@ class TrainWorker(JobWorker):
 
     def train(self, start: int, stop: int, resume: str | None, checkpoint_dir: str | None,
               every: int | None) -> None:
-        if resume:
-            self.trainer.load(Path(resume))
-        progress = None
-        if self.rank == 0:
-            progress = open(self.folder.path / PROGRESS, "a", encoding="utf-8")  # noqa: SIM115
-        try:
-            def report(record: dict) -> None:
-                progress.write(json.dumps(record) + "\n")  # type: ignore[union-attr]
-                progress.flush()  # type: ignore[union-attr]
-            self.trainer.train(start, stop, checkpoint_dir, every,
-                               report if progress is not None else None)
-        finally:
-            if progress is not None:
-                progress.close()
+        train_in_job(self.trainer, self.folder.path, start, stop, resume, checkpoint_dir, every)
+
+
+def train_in_job(trainer: RankSteps, folder: Path, start: int, stop: int, resume: str | None,
+                 checkpoint_dir: str | None, every: int | None) -> None:
+    """A job's `train` command on one rank: resume, train, rank 0 appending each step's
+    record to the job folder's progress file for the driver."""
+    if resume:
+        trainer.load(Path(resume))
+    progress = None
+    if trainer.rank == 0:
+        progress = open(folder / PROGRESS, "a", encoding="utf-8")  # noqa: SIM115
+    try:
+        def report(record: dict) -> None:
+            progress.write(json.dumps(record) + "\n")  # type: ignore[union-attr]
+            progress.flush()  # type: ignore[union-attr]
+        trainer.run_steps(start, stop, checkpoint_dir, every,
+                          report if progress is not None else None)
+    finally:
+        if progress is not None:
+            progress.close()
 
 
 def plan_description(plan: TrainPlan) -> dict:

@@ -74,6 +74,7 @@ class Reporter:
             "step_seconds_measured": statistics.median(timed) if timed else None,
             "step_seconds_estimated": self.plan.estimated_seconds,
             "estimated_on": self.plan.cluster,
+            "pipeline": self.plan.pipeline,
         }
         if self.options.log is not None:
             curve = self.options.log.with_suffix(".html")

@@ -1,6 +1,8 @@
 """graphpar train's batches from a token file: windows and next-token labels, the same for a
 (seed, step) everywhere, a rank reading only its rows."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -41,3 +43,25 @@ def test_a_file_shorter_than_a_window(tmp_path):
     (tmp_path / "t.txt").write_text("abc")
     with pytest.raises(UsageError, match="fewer than one window of 9"):
         TokenWindows(tmp_path / "t.txt", batch=2, seq=8)
+
+
+def test_a_u32_bin_holds_uint32_tokens(tmp_path):
+    """Tokens above 65535 (a vocabulary of 100k) survive: the suffix says uint32."""
+    tokens = np.arange(70_000, 71_000, dtype=np.uint32)
+    tokens.tofile(tmp_path / "t.u32.bin")
+    windows = TokenWindows(tmp_path / "t.u32.bin", batch=2, seq=4, seed=3)
+    (inputs,), (targets,) = windows(0)
+    assert torch.equal(inputs, 70_000 + windows.starts(0)[:, None] + torch.arange(4))
+    assert torch.equal(targets, inputs + 1)
+
+
+@pytest.mark.parametrize("name, size, message", [
+    ("t.i32.bin", 400, "a .bin of i32 tokens is not supported: name it .u16.bin (uint16) or "
+                       ".u32.bin (uint32)"),
+    ("t.u32.bin", 402, "402 bytes is not a whole number of uint32 tokens"),
+    ("t.bin", 401, "401 bytes is not a whole number of uint16 tokens"),
+])
+def test_a_bin_of_another_dtype_is_named(tmp_path, name, size, message):
+    (tmp_path / name).write_bytes(bytes(size))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        TokenWindows(tmp_path / name, batch=2, seq=4)

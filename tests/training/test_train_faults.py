@@ -29,12 +29,18 @@ def _graphpar_processes(marker: str) -> list[int]:
     return found
 
 
-def test_a_dead_rank_stops_the_job_naming_it(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("plan", [
+    (),
+    # a pipelined plan: rank 0 sees its receive from the dead rank break first; the dead rank
+    # is still the one named
+    pytest.param(("--pipeline", "2", "--microbatches", "2"), marks=pytest.mark.slow),
+])
+def test_a_dead_rank_stops_the_job_naming_it(tmp_path, monkeypatch, capsys, plan):
     monkeypatch.setenv("DIE_RANK", "1")
     monkeypatch.setenv("DIE_STEP", "2")
     began = time.monotonic()
     code = main(["train", str(MODEL.with_name("dying_lm.py")), "--no-progress", "--mesh", "2",
-                 "--steps", "5"])
+                 "--steps", "5", *plan])
     assert code == 1 and time.monotonic() - began < 120
     err = capsys.readouterr().err
     assert "training rank 1 exited with code 7" in err

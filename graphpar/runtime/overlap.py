@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.graph import Graph, Node, OutputRole, Value
 from graphpar.ir.registry import Trait, get_op
 from graphpar.ir.spmd_ops import node_axes
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "defer_reduced", "plan_buckets"]
 
 # about one gloo latency's worth of bytes on loopback (0.4 ms x 2 GB/s): a bucket this big
 # costs twice one of nothing, a smaller one is mostly latency
@@ -48,6 +48,50 @@ class Bucket:
     launch_after: int
     wait_before: int
     nbytes: int
+
+
+def defer_reduced(graph: Graph) -> int:
+    """Move the all-reduces `plan_buckets` may bucket whose results only reach the
+    parameter and state updates (the gradients' all-reduces), and the nodes that read them
+    (the updates), to the end of `graph`, in their order: the optimizer updates after the
+    whole backward, as DDP runs `optimizer.step()` after `backward()`. A program
+    that updates each layer's parameters as soon as its gradients are reduced leaves a bucket
+    nothing to overlap with (its wait comes right after its launch); deferred, the buckets
+    launch during the backward and are waited for after it. Nothing that stays reads what
+    moves, so the order stays topological; every rank moves the same nodes, so collectives
+    keep one order across ranks. Returns how many nodes moved."""
+    nodes = list(graph.nodes)
+    if any(get_op(n.op).has(Trait.WRITES_OPERAND) for n in nodes):
+        return 0
+    # the nodes whose results only ever reach parameter and state updates (not the loss,
+    # nor anything the backward reads): those may wait
+    returned = {o.value: o.role for o in graph.outputs}
+    updating: set[Node] = set()
+    for node in reversed(nodes):
+        if all(returned.get(v, OutputRole.UPDATE) is OutputRole.UPDATE
+               and all(u in updating for u in v.users) for v in node.outputs):
+            updating.add(node)
+    moved: set[Node] = set()
+    for node in nodes:
+        if node in updating and (_bucketable(node)
+                                 or any(v.producer in moved for v in node.input_values)):
+            moved.add(node)
+    if len(moved) == len(nodes) or not moved:
+        return 0
+    for node in nodes:
+        if node in moved:
+            graph.nodes.remove(node)
+            graph.nodes.append(node)
+    return len(moved)
+
+
+def _bucketable(node: Node) -> bool:
+    """An all-reduce over a group of two or more, not of another all-reduce's result (which a
+    bucket may deliver later than the node is: such a one runs where it is)."""
+    if node.op != "all_reduce" or node.attrs.get("n", 1) < 2:
+        return False
+    v = node.inputs[0]
+    return isinstance(v, Value) and (v.producer is None or v.producer.op != "all_reduce")
 
 
 def plan_buckets(graph: Graph, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
@@ -68,13 +112,7 @@ def plan_buckets(graph: Graph, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list
     def first_use(node: Node) -> int:
         return min((position[u] for u in node.outputs[0].users), default=end)
 
-    def bucketable(node: Node) -> bool:  # not one reading another all-reduce's result,
-        if node.op != "all_reduce" or node.attrs.get("n", 1) < 2:  # which a bucket may
-            return False                                          # deliver late
-        v = node.inputs[0]
-        return isinstance(v, Value) and (v.producer is None or v.producer.op != "all_reduce")
-
-    reduces = sorted(filter(bucketable, nodes), key=lambda n: (ready(n), position[n]))
+    reduces = sorted(filter(_bucketable, nodes), key=lambda n: (ready(n), position[n]))
     buckets: list[Bucket] = []
     open_: dict[tuple, list[Node]] = {}
 

@@ -24,7 +24,7 @@ from graphpar.errors import CheckpointError
 from graphpar.ir.parser import parse
 from graphpar.runtime.gloo import GlooCommunicator
 from graphpar.runtime.jobs import JobWorker
-from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES, plan_buckets
+from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES, defer_reduced, plan_buckets
 from graphpar.runtime.spmd import shard_tensor, unshard
 from graphpar.training import checkpoint
 from graphpar.training.data import ModelFileBatches, TokenWindows
@@ -56,15 +56,18 @@ class TrainRank:
                  bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
         """`bucket_bytes`: the gradient all-reduces go in buckets of about this many bytes,
         each launched as soon as its gradients are computed and waited for where the update
-        first reads one (`graphpar.runtime.overlap`); None runs each where the program has
-        it."""
+        first reads one, the updates deferred until after the backward
+        (`graphpar.runtime.overlap`); None runs the program as it is."""
         self.plan, self.rank, self.data = plan, rank, data
         graph = parse(plan.program, f"{plan.name}.gpir")
         for out, target in zip(graph.outputs, plan.targets):
             out.target = target
         self.mesh = graph.mesh
         self.comm = GlooCommunicator(self.mesh, rank, plan.axes, deterministic=False)
-        buckets = [] if bucket_bytes is None else plan_buckets(graph, bucket_bytes)
+        buckets = []
+        if bucket_bytes is not None:
+            defer_reduced(graph)
+            buckets = plan_buckets(graph, bucket_bytes)
         self.interpreter = Interpreter(graph, self.comm, buckets=buckets)
         self.outputs = graph.outputs
         self.state = dict(state)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from graphpar.ir.parser import parse
-from graphpar.runtime.overlap import Bucket, plan_buckets
+from graphpar.ir.printer import print_graph
+from graphpar.runtime.overlap import Bucket, defer_reduced, plan_buckets
 from graphpar.runtime.spmd import run_spmd_multiprocess
 
 # a backward's shape: three gradients computed one after another, then each all-reduced right
@@ -63,6 +64,32 @@ graph @g(%x: f32[4,4] input, %a: f32[4,4] param) on @mesh {
 }
 """)
     assert plan_buckets(graph) == [Bucket((1,), 0, 2, 64), Bucket((4,), 3, 5, 64)]
+
+
+def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
+    # as a training step's program has it: each layer's update right after its gradient's
+    # all-reduce, the loss's all-reduce in the forward, which the backward reads
+    graph = parse("""
+mesh @mesh = <[2]>
+graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
+  %0 = matmul(%x, %a)                           : f32[4,4]
+  %1 = sum(%0)                                  : f32[]
+  %2 = all_reduce(%1) {axes=[0], n=2, op="avg"} : f32[]
+  %3 = mul(%x, %2)                              : f32[4,4]
+  %4 = all_reduce(%3) {axes=[0], n=2, op="sum"} : f32[4,4]
+  %5 = sub(%b, %4)                              : f32[4,4]
+  %6 = mul(%3, %0)                              : f32[4,4]
+  %7 = all_reduce(%6) {axes=[0], n=2, op="sum"} : f32[4,4]
+  %8 = sub(%a, %7)                              : f32[4,4]
+  return %2 loss, %5 update(%b), %8 update(%a)
+}
+""")
+    assert [b.members for b in plan_buckets(graph)] == [(2,), (4,), (7,)]
+    assert defer_reduced(graph) == 4  # %4, %5, %7, %8; the loss's all-reduce stays
+    assert [n.op for n in graph.nodes] == ["matmul", "sum", "all_reduce", "mul", "mul",
+                                           "all_reduce", "sub", "all_reduce", "sub"]
+    assert plan_buckets(graph) == [Bucket((2,), 1, 3, 4), Bucket((5, 7), 4, 6, 128)]
+    assert "%6 = sub(%b, %5)" in print_graph(graph)  # the same program, renumbered
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")

@@ -86,6 +86,7 @@ class TrainRank:
     def step(self, index: int) -> float:
         """Step `index` (0-based): its batch, the program, the updates kept; the loss."""
         inputs, targets = self.batches(index, self.rows)
+        self.comm.records.clear()  # a step's byte records only, not a whole run's
         local = dict(self.state)
         for (name, layout), tensor in zip(self.layouts.items(), (*inputs, *targets)):
             local[name] = shard_tensor(tensor, layout, self.mesh, self.rank)

@@ -27,7 +27,7 @@ from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.gloo import GlooCommunicator
 from graphpar.runtime.jobs import Job, JobWorker, mesh_entry, torchrun_main
-from graphpar.runtime.overlap import plan_buckets
+from graphpar.runtime.overlap import defer_reduced, plan_buckets
 from graphpar.runtime.program import (
     GraphArg,
     Inputs,
@@ -140,9 +140,11 @@ class SpmdWorker(JobWorker):
         graph = self.folder.read_graph(self.job["graphs"][rank])
         self.comm = GlooCommunicator(mesh, rank, [tuple(a) for a in self.job["axes"]],
                                      deterministic=self.job["deterministic"])
-        bucket_bytes = self.job.get("bucket_bytes")
-        self.interpreter = Interpreter(graph, self.comm, buckets=(
-            [] if bucket_bytes is None else plan_buckets(graph, bucket_bytes)))
+        bucket_bytes, buckets = self.job.get("bucket_bytes"), []
+        if bucket_bytes is not None:  # as a training rank runs a step (byte records then
+            defer_reduced(graph)      # name the nodes' positions in the reordered graph)
+            buckets = plan_buckets(graph, bucket_bytes)
+        self.interpreter = Interpreter(graph, self.comm, buckets=buckets)
 
     def run(self, number: int = 1) -> dict:
         """Run on ``inputs<rank>.<number>.pt``: the outputs and the byte records."""

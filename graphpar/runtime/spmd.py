@@ -245,8 +245,9 @@ def run_spmd_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs],
     A failing rank, or a run longer than `timeout` seconds, kills every rank and raises
     BackendError with the failing rank's message. `deterministic=False` uses gloo's own
     all-reduce (faster; sums in gloo's order, so results may differ in the last bits).
-    `bucket_bytes`: run the all-reduces in buckets of about that many bytes, overlapped with
-    compute (`graphpar.runtime.overlap`). See `graphpar.runtime.launch`."""
+    `bucket_bytes`: run the program as a training rank does, the gradients' all-reduces and
+    the updates after the backward and the all-reduces in buckets of about that many bytes
+    (`graphpar.runtime.overlap`). See `graphpar.runtime.launch`."""
     return run_multiprocess(graph, per_rank_inputs, mesh, timeout=timeout,
                             deterministic=deterministic, bucket_bytes=bucket_bytes)
 

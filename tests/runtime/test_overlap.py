@@ -66,10 +66,9 @@ graph @g(%x: f32[4,4] input, %a: f32[4,4] param) on @mesh {
     assert plan_buckets(graph) == [Bucket((1,), 0, 2, 64), Bucket((4,), 3, 5, 64)]
 
 
-def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
-    # as a training step's program has it: each layer's update right after its gradient's
-    # all-reduce, the loss's all-reduce in the forward, which the backward reads
-    graph = parse("""
+# as a training step's program has it: each layer's update right after its gradient's
+# all-reduce, the loss's all-reduce in the forward, which the backward reads
+LAYERWISE = """
 mesh @mesh = <[2]>
 graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
   %0 = matmul(%x, %a)                           : f32[4,4]
@@ -83,7 +82,11 @@ graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
   %8 = sub(%a, %7)                              : f32[4,4]
   return %2 loss, %5 update(%b), %8 update(%a)
 }
-""")
+"""
+
+
+def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
+    graph = parse(LAYERWISE)
     assert [b.members for b in plan_buckets(graph)] == [(2,), (4,), (7,)]
     assert defer_reduced(graph) == 4  # %4, %5, %7, %8; the loss's all-reduce stays
     assert [n.op for n in graph.nodes] == ["matmul", "sum", "all_reduce", "mul", "mul",
@@ -93,27 +96,39 @@ graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
 
 
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
-@pytest.mark.parametrize("deterministic, bucket_bytes", [
-    (False, 1 << 20),  # what training runs: gloo's all-reduce, two nodes in one bucket
-    pytest.param(True, 64 * 4, marks=pytest.mark.slow),  # all-gather and sum, one per bucket
+@pytest.mark.parametrize("program, deterministic, bucket_bytes", [
+    # what training runs: gloo's all-reduce, the updates deferred, two gradients in a bucket
+    (LAYERWISE, False, 1 << 20),
+    pytest.param(STEP, True, 64 * 4, marks=pytest.mark.slow),  # all-gather and sum
 ])
-def test_bucketed_ranks_give_the_plain_results_bit_for_bit(deterministic, bucket_bytes):
+def test_bucketed_ranks_give_the_plain_results_bit_for_bit(program, deterministic,
+                                                           bucket_bytes):
     g = torch.Generator().manual_seed(0)
-    state = {"a": torch.randn(8, 8, generator=g), "b": torch.randn(8, 16, generator=g),
-             "c": torch.randn(16, 16, generator=g)}
-    inputs = [{"x": torch.randn(4, 8, generator=g), **state} for _ in range(2)]
+    graph = parse(program)
+    state = {v.name: torch.randn(v.type.shape, generator=g) for v in graph.inputs
+             if v.name != "x"}
+    inputs = [{"x": torch.randn(graph.input("x").type.shape, generator=g), **state}
+              for _ in range(2)]
     # on two ranks each element is one addition of two values, whichever way it is reduced
-    plain = run_spmd_multiprocess(STEP, inputs, timeout=60, deterministic=False)
-    bucketed = run_spmd_multiprocess(STEP, inputs, timeout=60, deterministic=deterministic,
+    plain = run_spmd_multiprocess(program, inputs, timeout=60, deterministic=False)
+    bucketed = run_spmd_multiprocess(program, inputs, timeout=60, deterministic=deterministic,
                                      bucket_bytes=bucket_bytes)
     for rank in range(2):
         for got, want in zip(bucketed[rank], plain[rank], strict=True):
             assert torch.equal(got, want)
-        # the same record per node (the plan's bytes), whenever the bucket launched it
-        by_node = sorted(bucketed.records[rank], key=lambda r: r.node)
-        assert by_node == plain.records[rank]
+        # a record per node (the plan's bytes), whenever its bucket launched it; with the
+        # updates deferred, nodes are numbered as they run
+        def key(r):
+            return (r.op, r.nbytes, r.bytes_sent)
+        assert sorted(map(key, bucketed.records[rank])) == sorted(map(key, plain.records[rank]))
     assert bucketed.bytes_sent == plain.bytes_sent
-    # the sums are real: rank 0's %7 is the two ranks' gradients added
-    x0, x1 = inputs[0]["x"], inputs[1]["x"]
-    grad = sum(x.T @ (x @ state["a"]) for x in (x0, x1))
-    assert torch.allclose(state["a"] - bucketed[0][0], grad, rtol=1e-5, atol=1e-5)
+    # the sums are real: rank 0's update of %a takes the two ranks' gradients added
+    a, b = state["a"], state["b"]
+    if program is STEP:
+        want = a - sum(x.T @ (x @ a) for x in (i["x"] for i in inputs))
+    else:
+        loss = sum((i["x"] @ a).sum() for i in inputs) / 2
+        want = a - sum((i["x"] * loss) * (i["x"] @ a) for i in inputs)
+        assert torch.allclose(bucketed[0][1], b - sum(i["x"] * loss for i in inputs))
+    assert torch.allclose(bucketed[0][-1 if program is LAYERWISE else 0], want, rtol=1e-5,
+                          atol=1e-5)

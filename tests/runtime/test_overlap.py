@@ -9,6 +9,7 @@ import torch
 
 from graphpar.ir.parser import parse
 from graphpar.ir.printer import print_graph
+from graphpar.runtime.launch import SpmdJob
 from graphpar.runtime.overlap import Bucket, defer_reduced, plan_buckets
 from graphpar.runtime.spmd import run_spmd_multiprocess
 
@@ -111,9 +112,12 @@ def test_bucketed_ranks_give_the_plain_results_bit_for_bit(program, deterministi
               for _ in range(2)]
     # on two ranks each element is one addition of two values, whichever way it is reduced
     plain = run_spmd_multiprocess(program, inputs, timeout=60, deterministic=False)
-    bucketed = run_spmd_multiprocess(program, inputs, timeout=60, deterministic=deterministic,
-                                     bucket_bytes=bucket_bytes)
+    with SpmdJob(program, timeout=60, deterministic=deterministic,
+                 bucket_bytes=bucket_bytes) as job:
+        first, bucketed = job.run(inputs), job.run(inputs)  # the second as the next step
     for rank in range(2):
+        assert first.records[rank] == bucketed.records[rank]
+        assert all(torch.equal(a, b) for a, b in zip(first[rank], bucketed[rank]))
         for got, want in zip(bucketed[rank], plain[rank], strict=True):
             assert torch.equal(got, want)
         # a record per node (the plan's bytes), whenever its bucket launched it; with the

@@ -96,6 +96,30 @@ def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
     assert "%6 = sub(%b, %5)" in print_graph(graph)  # the same program, renumbered
 
 
+def test_the_interpreter_refuses_buckets_it_cannot_run():
+    from graphpar.backends.interpreter import Interpreter
+    from graphpar.errors import BackendError
+    from graphpar.runtime.comm import Communicator
+
+    graph = parse(STEP)
+    with pytest.raises(BackendError, match="need a communicator with launch_all_reduce"):
+        Interpreter(graph, Communicator(graph.mesh, 0), buckets=plan_buckets(graph))
+    with pytest.raises(BackendError, match="not a bucket of all-reduces"):
+        Interpreter(graph, _Launching(graph.mesh, 0), buckets=[Bucket((7, 8), 6, 9, 0)])
+    with pytest.raises(BackendError, match="not a bucket of all-reduces"):  # waits too soon
+        Interpreter(graph, _Launching(graph.mesh, 0), buckets=[Bucket((7,), 6, 7, 0)])
+
+
+class _Launching:
+    """A communicator that could launch buckets (the interpreter checks them first)."""
+
+    def __init__(self, mesh, rank):
+        self.mesh, self.rank = mesh, rank
+
+    def launch_all_reduce(self, requests):
+        raise AssertionError("not run")
+
+
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("program, deterministic, bucket_bytes", [
     # what training runs: gloo's all-reduce, the updates deferred, two gradients in a bucket

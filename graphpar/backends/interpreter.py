@@ -31,7 +31,7 @@ from graphpar.ir.ops import get_op
 from graphpar.ir.spmd_ops import COMM_OPS, LOCAL_OPS  # also registers the SPMD ops
 from graphpar.ir.verify import describe
 
-__all__ = ["Communicating", "Interpreter", "Request", "node_error"]
+__all__ = ["Bucketed", "Communicating", "Interpreter", "Request", "node_error"]
 
 Inputs = Mapping[str, torch.Tensor] | Sequence[torch.Tensor]
 # what `steps` yields at a communicating node: (node index, node, operands)
@@ -43,6 +43,16 @@ class Communicating(Protocol):
 
     def execute(self, node: Node, args: Sequence[Any], index: int | None = None
                 ) -> torch.Tensor: ...
+
+
+class Bucketed(Protocol):
+    """All-reduce nodes run as one collective out of program order
+    (``graphpar.runtime.overlap.Bucket``): launched after node `launch_after`, waited for
+    before node `wait_before`."""
+
+    members: tuple[int, ...]
+    launch_after: int
+    wait_before: int
 
 
 class Interpreter:
@@ -57,10 +67,17 @@ class Interpreter:
         inference: run under ``torch.inference_mode`` (no autograd bookkeeping at all, cheaper
             than ``no_grad`` per op; its outputs cannot enter autograd later) instead of
             ``torch.no_grad``.
+        buckets: all-reduces to run together and asynchronously (``plan_buckets`` of
+            ``graphpar.runtime.overlap``): at each bucket's launch the communicator's
+            ``launch_all_reduce(requests)`` gets every member's ``(index, node, operands)`` and
+            returns what, called at the bucket's wait, gives their results in order. Needs a
+            communicator; only :meth:`run` honours them (the lockstep driver's :meth:`steps`
+            runs every node in program order).
     """
 
     def __init__(self, graph: Graph, comm: Communicating | None = None, *,
-                 checked: Iterable[str] | None = None, inference: bool = False) -> None:
+                 checked: Iterable[str] | None = None, inference: bool = False,
+                 buckets: Sequence[Bucketed] = ()) -> None:
         self.graph = graph
         self.comm = comm
         self.checked = None if checked is None else frozenset(checked)
@@ -86,6 +103,30 @@ class Interpreter:
             self.plan.append((i, node, fn, operands, attrs, tuple(slot[o] for o in node.outputs),
                               frees))
         self._first = True
+        # bucketed all-reduces: bucket k's requests and result slots; when to launch and
+        # wait for which buckets (by node position; -1: before the first, len(plan): at the end)
+        self._buckets: list[tuple[list, list[int]]] = []
+        self._launches: dict[int, list[int]] = {}
+        self._waits: dict[int, list[int]] = {}
+        self._bucketed: frozenset[int] = frozenset()
+        if buckets:
+            self._plan_buckets(buckets)
+
+    def _plan_buckets(self, buckets: Sequence[Bucketed]) -> None:
+        if self.comm is None or not hasattr(self.comm, "launch_all_reduce"):
+            raise BackendError("bucketed all-reduces need a communicator with "
+                               "launch_all_reduce (a GlooCommunicator)")
+        for k, b in enumerate(buckets):
+            members = [self.plan[i] for i in b.members]
+            if any(m[1].op != "all_reduce" for m in members) or not (
+                    b.launch_after < min(b.members) < b.wait_before <= len(self.plan)):
+                raise BackendError(f"graph @{self.graph.name}: {b} is not a bucket of "
+                                   "all-reduces launched before them and waited for after")
+            self._buckets.append(([(m[0], m[1], m[3]) for m in members],
+                                  [m[5][0] for m in members]))
+            self._launches.setdefault(b.launch_after, []).append(k)
+            self._waits.setdefault(b.wait_before, []).append(k)
+        self._bucketed = frozenset(i for b in buckets for i in b.members)
 
     def _function(self, index: int, node: Node):
         """The callable that runs `node` with its operands (None: yield it to the caller)."""
@@ -104,6 +145,8 @@ class Interpreter:
     def run(self, inputs: Inputs) -> list[torch.Tensor]:
         """The graph's outputs in order; each communicating node goes to :meth:`communicate`."""
         with torch.inference_mode() if self.inference else torch.no_grad():
+            if self._buckets:
+                return self._run_bucketed(inputs)
             steps = self.steps(inputs)
             try:
                 request = next(steps)
@@ -116,6 +159,58 @@ class Interpreter:
                     request = steps.send(result)
             except StopIteration as done:
                 return done.value
+
+    def _run_bucketed(self, inputs: Inputs) -> list[torch.Tensor]:
+        """:meth:`steps` run to the end with the buckets launched and waited for where
+        planned, their all-reduce nodes skipped."""
+        env: list = [None] * self.size
+        self.bind(inputs, env)
+        pending: dict[int, Any] = {}
+        launches, waits, bucketed = self._launches, self._waits, self._bucketed
+
+        def launch(after: int) -> None:
+            for k in launches[after]:
+                requests = [(i, node, [env[x] if v else x for v, x in operands])
+                            for i, node, operands in self._buckets[k][0]]
+                try:
+                    pending[k] = self.comm.launch_all_reduce(requests)  # type: ignore
+                except Exception as exc:
+                    raise node_error(self.graph, requests[0][1], exc) from exc
+
+        def arrive(before: int) -> None:
+            for k in waits[before]:
+                requests, slots = self._buckets[k]
+                try:
+                    results = pending.pop(k)()
+                except Exception as exc:
+                    raise node_error(self.graph, requests[0][1], exc) from exc
+                for s, r in zip(slots, results):
+                    env[s] = r
+
+        if -1 in launches:
+            launch(-1)
+        for index, node, fn, operands, attrs, outs, frees in self.plan:
+            if index in waits:
+                arrive(index)
+            if index not in bucketed:
+                args = [env[x] if is_value else x for is_value, x in operands]
+                try:
+                    result = (self.communicate(index, node, args) if fn is None
+                              else fn(*args, **attrs))
+                except Exception as exc:
+                    raise node_error(self.graph, node, exc) from exc
+                if isinstance(result, (tuple, list)):
+                    for o, r in zip(outs, result):
+                        env[o] = r
+                elif outs:
+                    env[outs[0]] = result
+            for f in frees:
+                env[f] = None
+            if index in launches:
+                launch(index)
+        if len(self.plan) in waits:
+            arrive(len(self.plan))
+        return [env[i] for i in self.outputs]
 
     def communicate(self, index: int, node: Node, args: list) -> Any:
         """Run communicating node `node` (its graph position `index`) on operands `args`: the

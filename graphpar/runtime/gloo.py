@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from graphpar.errors import BackendError
+from graphpar.ir.graph import Node
 from graphpar.ir.mesh import Mesh
+from graphpar.ir.spmd_ops import node_axes
 from graphpar.runtime.comm import (
     Communicator,
     group_all_gather,
@@ -163,6 +165,8 @@ class GlooCommunicator(Communicator):
         self.deterministic = deterministic
         self._process_groups = new_process_groups(mesh, axes, global_ranks, self.global_rank)
         self._sends: list[tuple[object, torch.Tensor]] = []
+        # launched buckets by their nodes and shapes: mesh axes, reduce op and byte records
+        self._buckets: dict[tuple, tuple[tuple[int, ...], str, list]] = {}
 
     # ----------------------------------------------------------------- helpers
 
@@ -250,6 +254,64 @@ class GlooCommunicator(Communicator):
             with _communicating(f"recv from rank {src}"):
                 work.wait()
             return out
+        return wait
+
+    # ----------------------------------------------------------------- bucketed, asynchronous
+
+    def launch_all_reduce(self, requests: Sequence[tuple[int, Node, Sequence]]
+                          ) -> Callable[[], list[torch.Tensor]]:
+        """Start the all-reduce nodes `requests` ((index, node, operands), one mesh-axes group,
+        reduce op and dtype: a bucket of `graphpar.runtime.overlap`) as one collective on one
+        flat buffer, without waiting; the returned function waits and gives each node's result
+        (a view of the buffer), as `execute` would have. Each node gets its record now; the
+        payload is counted on the first one. A bucket launched again (the next step) is
+        checked and priced once: its records are the first launch's."""
+        key = tuple((index, *args[0].shape) for index, _, args in requests)
+        known = self._buckets.get(key)
+        if known is None:
+            nodes = [node for _, node, _ in requests]
+            for node in nodes:
+                self.check_group_size(node)
+            axes, op = node_axes(nodes[0]), nodes[0].attrs.get("op", "sum")
+            if any(node_axes(n) != axes or n.attrs.get("op", "sum") != op for n in nodes):
+                raise BackendError("a bucket's all-reduces must share their mesh axes and op")
+        else:
+            axes, op, records = known
+        xs = [args[0] for _, _, args in requests]
+        ranks, pg = self._pg(axes)
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        what = f"all_reduce of a {flat.numel() * flat.element_size()}-byte bucket over ranks " \
+               f"{list(ranks)}"
+        with _communicating(what):
+            if self.deterministic:
+                parts = [torch.empty_like(flat) for _ in ranks]
+                work = dist.all_gather(parts, flat, group=pg, async_op=True)
+            else:
+                work = dist.all_reduce(flat, op=_NATIVE_OPS[op], group=pg, async_op=True)
+        if known is None:
+            nbytes = flat.numel() * flat.element_size()
+            members = sorted(self.global_ranks[p] for p in ranks)
+            payload = ((len(ranks) - 1) * nbytes if self.deterministic else
+                       ring_all_reduce_bytes(nbytes, flat.element_size(), len(ranks),
+                                             members.index(self.global_rank)))
+            self._count(payload)
+            for k, ((index, _, _), x) in enumerate(zip(requests, xs)):
+                self.record("all_reduce", x, axes, len(ranks), node=index,
+                            counted=payload if k == 0 else 0)
+            self._buckets[key] = (axes, op, self.records[-len(requests):])
+        else:
+            self.records.extend(records)
+
+        def wait() -> list[torch.Tensor]:
+            with _communicating(what):
+                work.wait()
+            if self.deterministic:
+                by_rank = dict(zip(sorted(self.global_ranks[p] for p in ranks), parts))
+                reduced = reduce_tensors([by_rank[self.global_ranks[p]] for p in ranks], op)
+            else:
+                reduced = flat.div_(len(ranks)) if op == "avg" else flat
+            pieces = torch.split(reduced, [x.numel() for x in xs])
+            return [piece.view(x.shape) for piece, x in zip(pieces, xs)]
         return wait
 
     def barrier(self) -> None:

@@ -27,6 +27,7 @@ from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
 from graphpar.runtime.comm import CommRecord
 from graphpar.runtime.gloo import GlooCommunicator
 from graphpar.runtime.jobs import Job, JobWorker, mesh_entry, torchrun_main
+from graphpar.runtime.overlap import defer_reduced, plan_buckets
 from graphpar.runtime.program import (
     GraphArg,
     Inputs,
@@ -46,7 +47,7 @@ class SpmdJob:
     :meth:`close` (or use it as a context manager). Arguments as ``run_multiprocess``."""
 
     def __init__(self, graph: GraphArg, mesh: MeshArg = None, timeout: float = 120.0, *,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True, bucket_bytes: int | None = None) -> None:
         graphs, self.mesh = load_program(graph, mesh)
         self.job = Job(self.mesh.size, "graphpar.runtime.launch:SpmdWorker", prefix="spmd",
                        timeout=timeout, name="SPMD")
@@ -62,7 +63,7 @@ class SpmdJob:
             self.job.folder.describe({
                 **mesh_entry(self.mesh), "graphs": [entries[id(g)] for g in graphs],
                 "axes": [list(a) for a in axes], "timeout": timeout,
-                "deterministic": deterministic})
+                "deterministic": deterministic, "bucket_bytes": bucket_bytes})
         except BaseException:
             self.close()
             raise
@@ -119,9 +120,11 @@ def _plain(inputs: Inputs) -> Inputs:
 
 
 def run_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs], mesh: MeshArg = None,
-                     timeout: float = 120.0, *, deterministic: bool = True) -> SpmdResult:
+                     timeout: float = 120.0, *, deterministic: bool = True,
+                     bucket_bytes: int | None = None) -> SpmdResult:
     """See `graphpar.runtime.spmd.run_spmd_multiprocess`."""
-    with SpmdJob(graph, mesh, timeout, deterministic=deterministic) as job:
+    with SpmdJob(graph, mesh, timeout, deterministic=deterministic,
+                 bucket_bytes=bucket_bytes) as job:
         return job.run(per_rank_inputs)
 
 
@@ -137,7 +140,11 @@ class SpmdWorker(JobWorker):
         graph = self.folder.read_graph(self.job["graphs"][rank])
         self.comm = GlooCommunicator(mesh, rank, [tuple(a) for a in self.job["axes"]],
                                      deterministic=self.job["deterministic"])
-        self.interpreter = Interpreter(graph, self.comm)
+        bucket_bytes, buckets = self.job.get("bucket_bytes"), []
+        if bucket_bytes is not None:  # as a training rank runs a step (byte records then
+            defer_reduced(graph)      # name the nodes' positions in the reordered graph)
+            buckets = plan_buckets(graph, bucket_bytes)
+        self.interpreter = Interpreter(graph, self.comm, buckets=buckets)
 
     def run(self, number: int = 1) -> dict:
         """Run on ``inputs<rank>.<number>.pt``: the outputs and the byte records."""

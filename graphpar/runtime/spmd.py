@@ -236,7 +236,8 @@ class _Lockstep:
 
 def run_spmd_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs],
                           mesh: MeshArg = None, timeout: float = 120.0, *,
-                          deterministic: bool = True) -> SpmdResult:
+                          deterministic: bool = True,
+                          bucket_bytes: int | None = None) -> SpmdResult:
     """Run a device program with one process per rank, torch.distributed over gloo on
     127.0.0.1, launched as torchrun would (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
     LOCAL_RANK). Returns what `run_spmd_in_process` returns.
@@ -244,9 +245,11 @@ def run_spmd_multiprocess(graph: GraphArg, per_rank_inputs: Sequence[Inputs],
     A failing rank, or a run longer than `timeout` seconds, kills every rank and raises
     BackendError with the failing rank's message. `deterministic=False` uses gloo's own
     all-reduce (faster; sums in gloo's order, so results may differ in the last bits).
-    See `graphpar.runtime.launch`."""
+    `bucket_bytes`: run the program as a training rank does, the gradients' all-reduces and
+    the updates after the backward and the all-reduces in buckets of about that many bytes
+    (`graphpar.runtime.overlap`). See `graphpar.runtime.launch`."""
     return run_multiprocess(graph, per_rank_inputs, mesh, timeout=timeout,
-                            deterministic=deterministic)
+                            deterministic=deterministic, bucket_bytes=bucket_bytes)
 
 
 # ------------------------------------------------------------------------- layouts

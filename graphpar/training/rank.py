@@ -24,6 +24,7 @@ from graphpar.errors import CheckpointError
 from graphpar.ir.parser import parse
 from graphpar.runtime.gloo import GlooCommunicator
 from graphpar.runtime.jobs import JobWorker
+from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES, defer_reduced, plan_buckets
 from graphpar.runtime.spmd import shard_tensor, unshard
 from graphpar.training import checkpoint
 from graphpar.training.data import ModelFileBatches, TokenWindows
@@ -133,14 +134,23 @@ class TrainRank(RankSteps):
     per device of the mesh."""
 
     def __init__(self, plan: TrainPlan, rank: int, data: dict,
-                 state: dict[str, torch.Tensor]) -> None:
+                 state: dict[str, torch.Tensor],
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
+        """`bucket_bytes`: the gradient all-reduces go in buckets of about this many bytes,
+        each launched as soon as its gradients are computed and waited for where the update
+        first reads one, the updates deferred until after the backward
+        (`graphpar.runtime.overlap`); None runs the program as it is."""
         self.plan, self.rank, self.data = plan, rank, data
         graph = parse(plan.program, f"{plan.name}.gpir")
         for out, target in zip(graph.outputs, plan.targets):
             out.target = target
         self.mesh = graph.mesh
         self.comm = GlooCommunicator(self.mesh, rank, plan.axes, deterministic=False)
-        self.interpreter = Interpreter(graph, self.comm)
+        buckets = []
+        if bucket_bytes is not None:
+            defer_reduced(graph)
+            buckets = plan_buckets(graph, bucket_bytes)
+        self.interpreter = Interpreter(graph, self.comm, buckets=buckets)
         self.outputs = graph.outputs
         self.state = dict(state)
         self.batches = batch_source(data, plan)
@@ -158,6 +168,7 @@ class TrainRank(RankSteps):
     def step(self, index: int) -> float:
         """Step `index` (0-based): its batch, the program, the updates kept; the loss."""
         inputs, targets = self.batches(index, self.rows)
+        self.comm.records.clear()  # a step's byte records only, not a whole run's
         local = dict(self.state)
         for (name, layout), tensor in zip(self.layouts.items(), (*inputs, *targets)):
             local[name] = shard_tensor(tensor, layout, self.mesh, self.rank)

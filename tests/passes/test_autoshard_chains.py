@@ -1,5 +1,5 @@
-"""Chain elimination before the sharding ILP: exact on small problems checked by brute force,
-and the same objective as the whole ILP on the bundled models' training steps."""
+"""Elimination before (or instead of) the sharding ILP: exact on small problems checked by
+brute force, and the same objective as the whole ILP on the bundled models' training steps."""
 
 import itertools
 
@@ -10,7 +10,8 @@ from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
 from graphpar.cost.compute import Roofline
 from graphpar.models import example_batch, get_model
-from graphpar.passes.autoshard.chains import eliminate
+from graphpar.passes.autoshard import ilp as ilp_module
+from graphpar.passes.autoshard.chains import eliminate, solve_exactly
 from graphpar.passes.autoshard.ilp import Problem, Reduced, _solve_instance
 
 CLUSTER = get_cluster("dgx-a100")
@@ -72,6 +73,27 @@ def test_variables_with_three_edges_stay_and_the_rest_extends_their_choices():
         _least(unary, edges, list(range(6))), rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_eliminating_every_variable_finds_the_optimum_of_a_dense_problem(seed):
+    # 7 variables, every pair joined with probability 0.6: tables over up to 6 neighbours
+    rng = np.random.default_rng(seed)
+    variables = list(range(7))
+    unary = {c: rng.integers(0, 9, size=int(rng.integers(2, 4))).astype(float)
+             for c in variables}
+    edges = {(a, b): rng.integers(0, 9, size=(len(unary[a]), len(unary[b]))).astype(float)
+             for a, b in itertools.combinations(variables, 2) if rng.random() < 0.6}
+    picks = solve_exactly(variables, unary, edges, 7)
+    assert _cost(unary, edges, dict(enumerate(picks))) == _least(unary, edges, variables)
+
+
+def test_elimination_declines_before_making_a_table_too_large():
+    # K5 with 4 choices each: the first variable removed touches 4 others, 4^5 entries
+    unary = {c: np.arange(4.0) for c in range(5)}
+    edges = {(a, b): np.ones((4, 4)) for a, b in itertools.combinations(range(5), 2)}
+    assert solve_exactly(list(range(5)), unary, edges, 5, most_entries=4**5 - 1) is None
+    assert solve_exactly(list(range(5)), unary, edges, 5, most_entries=4**5) == [0] * 5
+
+
 def _training_step(name: str):
     ex = get_model(name, "tiny", device="meta", train=True)
     inputs, targets = example_batch(name, ex.config, 2)
@@ -92,6 +114,12 @@ def test_the_objective_is_the_whole_ilps_on_the_bundled_models(name, mesh):
     assert none_removed == 0 and removed > 0
     assert chained.variables < whole.variables
     assert inst.cost(chained.picks) == pytest.approx(inst.cost(whole.picks), rel=1e-12)
+    # and with elimination alone stopped at two edges, before the MIP
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ilp_module, "solve_exactly", lambda *args: None)
+        before_mip, removed_before = _solve_instance(inst, None, 30.0, "highs")
+    assert 0 < removed_before <= removed and before_mip.variables > 0
+    assert inst.cost(before_mip.picks) == pytest.approx(inst.cost(whole.picks), rel=1e-12)
     # and through `solve`: the plan, costed on the full graph, is what the ILP minimised
     plan = reduced.solve()
     assert plan.stats["eliminated_classes"] == removed

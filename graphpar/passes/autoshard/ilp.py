@@ -18,8 +18,9 @@ graphs we measured (docs/autoshard.md):
 3. Choices no better than another choice of the same variable in every cost and in memory are
    dropped, variables left with one choice become constants, and edge pair variables are kept
    per block of equal rows and columns.
-4. Without a memory limit, classes with at most two edges are minimised out exactly (`chains`):
-   a chain of layers' activations collapses into edges between the classes that branch.
+4. Without a memory limit the problem is a sum of per-class and per-edge costs, and classes are
+   minimised out exactly (`chains`): all of them, when no table over a class's neighbours gets
+   large (no MIP at all), else those with at most two edges, before the MIP.
 
 What remains is Alpa's linearization (one-hot choices, pair variables per edge), solved by a
 MIP solver through pywraplp (HiGHS by default; CBC, SCIP) or by CP-SAT. The plan is then costed
@@ -44,7 +45,7 @@ from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.ir.structure import node_signature
-from graphpar.passes.autoshard.chains import eliminate
+from graphpar.passes.autoshard.chains import eliminate, solve_exactly
 from graphpar.passes.autoshard.identical_layers import input_key, layer_key
 from graphpar.passes.autoshard.strategies import (
     Strategy,
@@ -659,12 +660,17 @@ def _solve_instance(inst: _Instance, memory_limit: float | None, time_limit: flo
                     solver: str, simplify: bool = True) -> tuple[_Result, int]:
     """The solver's result on `inst` (picks per class, indices into its kept choices) and how
     many free classes were minimised out before it (`chains`: exact, only without a memory
-    row, when simplifying; the memory tie-break then joins each choice's cost)."""
+    row, when simplifying; the memory tie-break then joins each choice's cost). Where every
+    class can be eliminated with small tables no MIP is built (0 variables, 0 constraints)."""
     free = [c for c in range(len(inst.keep)) if inst.free(c)]
     if simplify and memory_limit is None and free:
         tiebreak = OBJECTIVE_UNIT * MEMORY_TIEBREAK  # seconds per byte, as in the objective
-        chains = eliminate(free, {c: inst.unary[c] + inst.memory[c] * tiebreak for c in free},
-                           inst.edges)
+        costs = {c: inst.unary[c] + inst.memory[c] * tiebreak for c in free}
+        started = time.perf_counter()
+        picks = solve_exactly(free, costs, inst.edges, len(inst.keep))
+        if picks is not None:
+            return _Result("OPTIMAL", picks, time.perf_counter() - started, 0.0, 0, 0), len(free)
+        chains = eliminate(free, costs, inst.edges)
         rest = _Instance(keep=[np.arange(len(u)) for u in chains.unary], unary=chains.unary,
                          memory=[np.zeros(len(u)) for u in chains.unary], edges=chains.edges)
         result = (SOLVERS[solver](rest, None, time_limit) if rest.keep

@@ -35,6 +35,7 @@ def ilp_limits(monkeypatch):
     every stage's re-solve on its sub-mesh go through; `["layers"]` (memory bytes, seconds)
     of each other `Reduced.solve`, the stage search's per-layer solves."""
     from graphpar.passes.autoshard import ilp
+    from graphpar.passes.pipeline import slice_stages
 
     seen = {"plans": [], "layers": []}
     inside = []
@@ -55,4 +56,7 @@ def ilp_limits(monkeypatch):
 
     monkeypatch.setattr(ilp, "solve", solve)
     monkeypatch.setattr(ilp.Reduced, "solve", reduced_solve)
+    # the stage search's layer solves run in this process, where `seen` is recorded (in
+    # forked workers they would record into their copies)
+    monkeypatch.setattr(slice_stages, "available_workers", lambda: 1)
     return seen

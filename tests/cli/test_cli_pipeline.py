@@ -105,6 +105,7 @@ def test_layer_solves_that_hit_the_time_limit_are_reported_with_one_warning_line
         tmp_path, capsys, monkeypatch):
     from graphpar.errors import TimeLimitError
     from graphpar.passes.autoshard.ilp import Reduced
+    from graphpar.passes.pipeline import slice_stages
 
     # On mesh 2 the layers are solved on logical meshes 1x1, 2x1 and 1x2: on 2x1 every solve
     # stops at the time limit with a plan not proven optimal, on 1x2 before any plan.
@@ -122,6 +123,8 @@ def test_layer_solves_that_hit_the_time_limit_are_reported_with_one_warning_line
         return plan
 
     monkeypatch.setattr(Reduced, "solve", solve)
+    # the layer solves run in this process, where `seen` is recorded
+    monkeypatch.setattr(slice_stages, "available_workers", lambda: 1)
     code, out, err = run_cli(capsys, "compile", "--example", "mlp", "--mode", "train",
                              "--mesh", "2", "--cluster", "cpu", "--pipeline", "2",
                              "--microbatches", "2", "--time-limit", "0.5",

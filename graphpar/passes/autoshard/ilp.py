@@ -18,6 +18,9 @@ graphs we measured (docs/autoshard.md):
 3. Choices no better than another choice of the same variable in every cost and in memory are
    dropped, variables left with one choice become constants, and edge pair variables are kept
    per block of equal rows and columns.
+4. Without a memory limit the problem is a sum of per-class and per-edge costs, and classes are
+   minimised out exactly (`chains`): all of them, when no table over a class's neighbours gets
+   large (no MIP at all), else those with at most two edges, before the MIP.
 
 What remains is Alpa's linearization (one-hot choices, pair variables per edge), solved by a
 MIP solver through pywraplp (HiGHS by default; CBC, SCIP) or by CP-SAT. The plan is then costed
@@ -42,6 +45,7 @@ from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.ir.structure import node_signature
+from graphpar.passes.autoshard.chains import eliminate, solve_exactly
 from graphpar.passes.autoshard.identical_layers import input_key, layer_key
 from graphpar.passes.autoshard.strategies import (
     Strategy,
@@ -335,8 +339,10 @@ class Reduced:
     layers: one variable (class) per group of equal groups, with per-choice costs and edges."""
 
     def __init__(self, problem: Problem, simplify: bool = True, tie_layers: bool = True):
+        """`simplify`: merge followers (1.) and eliminate chains (4.); False keeps Alpa's
+        problem as it is, to check the reductions against."""
         start = time.perf_counter()
-        self.problem = problem
+        self.problem, self.simplify = problem, simplify
         n = len(problem.items)
         self.root = list(range(n))
         self.gmap = [np.arange(len(c)) for c in problem.choices]  # root choice -> own choice
@@ -536,11 +542,8 @@ class Reduced:
         reduce_seconds = time.perf_counter() - start
         if memory_limit is not None and inst.least_memory() > memory_limit:
             raise _memory_error(self, inst, memory_limit)
-        if any(inst.free(c) for c in range(len(inst.keep))):
-            result = SOLVERS[solver](inst, memory_limit, time_limit)
-        else:  # one choice each (and within memory, checked above): nothing to solve, and a
-            # MIP solver given no variables but a memory row answers neither optimal nor not
-            result = _Result("OPTIMAL", [0] * len(inst.keep), 0.0, 0.0, 0, 0)
+        result, eliminated = _solve_instance(inst, memory_limit, time_limit, solver,
+                                             self.simplify)
         if result.status not in ("OPTIMAL", "FEASIBLE"):
             if memory_limit is not None and result.status == "INFEASIBLE":
                 raise _memory_error(self, inst, memory_limit)
@@ -567,6 +570,7 @@ class Reduced:
             "choices": sum(len(c) for c in self.problem.choices),
             "free_choices": sum(len(k) for k in inst.keep if len(k) > 1),
             "free_classes": sum(1 for k in inst.keep if len(k) > 1),
+            "eliminated_classes": eliminated,
             "edges": len(inst.edges),
             "graph_edges": len(self.problem.edges),
             "build_seconds": round(self.build_seconds, 3),
@@ -650,6 +654,35 @@ class _Instance:
                 self.edges[(a, b)] = m[mask, :]
             elif b == c:
                 self.edges[(a, b)] = m[:, mask]
+
+
+def _solve_instance(inst: _Instance, memory_limit: float | None, time_limit: float,
+                    solver: str, simplify: bool = True) -> tuple[_Result, int]:
+    """The solver's result on `inst` (picks per class, indices into its kept choices) and how
+    many free classes were minimised out before it (`chains`: exact, only without a memory
+    row, when simplifying; the memory tie-break then joins each choice's cost). Where every
+    class can be eliminated with small tables no MIP is built (0 variables, 0 constraints)."""
+    free = [c for c in range(len(inst.keep)) if inst.free(c)]
+    if simplify and memory_limit is None and free:
+        tiebreak = OBJECTIVE_UNIT * MEMORY_TIEBREAK  # seconds per byte, as in the objective
+        costs = {c: inst.unary[c] + inst.memory[c] * tiebreak for c in free}
+        started = time.perf_counter()
+        picks = solve_exactly(free, costs, inst.edges, len(inst.keep))
+        if picks is not None:
+            return _Result("OPTIMAL", picks, time.perf_counter() - started, 0.0, 0, 0), len(free)
+        chains = eliminate(free, costs, inst.edges)
+        rest = _Instance(keep=[np.arange(len(u)) for u in chains.unary], unary=chains.unary,
+                         memory=[np.zeros(len(u)) for u in chains.unary], edges=chains.edges)
+        result = (SOLVERS[solver](rest, None, time_limit) if rest.keep
+                  else _Result("OPTIMAL", [], 0.0, 0.0, 0, 0))
+        if result.status in ("OPTIMAL", "FEASIBLE"):
+            result.picks = chains.picks(result.picks, len(inst.keep))
+        return result, len(free) - len(chains.kept)
+    if free:
+        return SOLVERS[solver](inst, memory_limit, time_limit), 0
+    # one choice each (and within memory, checked before): nothing to solve, and a MIP
+    # solver given no variables but a memory row answers neither optimal nor not
+    return _Result("OPTIMAL", [0] * len(inst.keep), 0.0, 0.0, 0, 0), 0
 
 
 @dataclass

@@ -43,10 +43,11 @@ from graphpar.cost.limits import DEFAULT_MEMORY, DEFAULT_TIME_SECONDS, PlanLimit
 from graphpar.errors import MemoryLimitError, PassError, ShardingError, TimeLimitError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import PERSISTENT_ROLES, Graph, Node, OutputRole, Role, Value
+from graphpar.ir.layout import Layout
 from graphpar.ir.mesh import Mesh, parse_mesh_shape
 from graphpar.ir.structure import canonical_order, layer_signature
 from graphpar.passes.autoshard.hand_plans import NotApplicable, hand_plan
-from graphpar.passes.autoshard.ilp import Plan, Problem, Reduced
+from graphpar.passes.autoshard.ilp import Problem, Reduced
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.passes.pipeline.clustering import (
     DEFAULT_DELTA,
@@ -68,6 +69,7 @@ from graphpar.passes.pipeline.plan import (
     PipelineStage,
     StagePlan,
 )
+from graphpar.passes.pipeline.solve_pool import available_workers, map_in_order
 from graphpar.passes.pipeline.stage_dp import (
     StageCosts,
     StageSolution,
@@ -92,13 +94,17 @@ def logical_meshes(shape: tuple[int, int]) -> list[tuple[int, int]]:
 
 @dataclass
 class LayerCost:
-    """One layer's ILP plan on one logical mesh, and what it costs per microbatch."""
+    """One layer's ILP plan on one logical mesh, and what it costs per microbatch. The plan is
+    kept as the layouts the resharding between layers reads, plain data that a worker process
+    sends back whole."""
 
     seconds: float
     persistent_bytes: int  # weights (and their gradients), buffers, optimizer state
     stashed_bytes: int  # forward results the backward reads: kept per microbatch in flight
-    plan: Plan
-    subgraph: Graph  # the representative layer's stage subgraph the plan is for
+    # per node of the layer's stage subgraph (in order), the layouts of its results
+    result_layouts: tuple[tuple[Layout, ...], ...]
+    # per input of the subgraph, its layout if it is an activation (Role.INPUT), else None
+    input_layouts: tuple[Layout | None, ...]
 
 
 @dataclass
@@ -208,7 +214,7 @@ def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
                  families: Sequence[str | None] = (None,),
                  logical: LogicalMeshes = logical_meshes,
                  fixed: Sequence[tuple[int, int, int]] | None = None, cache: dict | None = None,
-                 power_of_two_hosts: bool = False) -> StageSearch:
+                 power_of_two_hosts: bool = False, workers: int = 1) -> StageSearch:
     """Slice a training step into pipeline stages on sub-meshes of a (hosts x devices per host)
     `mesh` (a `Mesh` or its shape; a `Mesh` on a cluster brings its own). `stages` 0 lets the
     DP choose; `layers` 0 clusters into the model's blocks plus one. `limits`: each stage's
@@ -226,7 +232,9 @@ def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
     `logical` chooses the logical meshes of a sub-mesh shape; `fixed` stages (first layer,
     last layer, index into `submesh_shapes`) replace the DP. `power_of_two_hosts` allows
     multi-host sub-meshes of 2, 4, 8, ... hosts only (fewer ILP solves). `cache` shares layer costs
-    between calls on the same graph, cluster, dtype and microbatch count."""
+    between calls on the same graph, cluster, dtype and microbatch count. `workers`: processes
+    the layer ILPs of each candidate clustering are solved on (`solve_pool`; the plan is the
+    same for any number)."""
     started = time.perf_counter()
     if isinstance(mesh, Mesh):
         mesh, cluster = mesh.shape, mesh.cluster or cluster
@@ -259,7 +267,7 @@ def slice_stages(graph: Graph, mesh: Mesh | str | Sequence[int],
                         f"{hosts}x{per_host} has {hosts * per_host}")
     shapes = submesh_shapes(hosts, per_host, power_of_two_hosts)
     solver = _LayerCosts(graph, cluster, dtype, limits.time_seconds, microbatches, forward_set,
-                         optimizer, cache)
+                         optimizer, cache, workers)
     clusterings = _affordable([_Clustered.of(graph, name, bounds, forward, forward_set)
                                for name, bounds in candidates])
     clustered = time.perf_counter()
@@ -413,6 +421,9 @@ class _StageOptions:
         persistent = np.zeros(seconds.shape)
         stashed = np.zeros(seconds.shape)
         crossings = _crossings(units)
+        solver.prefetch([(u, mesh_for(lshape, cluster), family, shape)
+                         for m, shape in enumerate(shapes)
+                         for lshape, family in choices[m] for u in units])
         for m, shape in enumerate(shapes):
             send = np.array([_send_seconds(boundary[j], shape, hosts, per_host, cluster)
                              if j < count - 1 else 0.0 for j in range(count)])
@@ -443,14 +454,15 @@ class _LayerCosts:
     """The ILP cost of each layer on each logical mesh, one solve per (layer structure, mesh);
     `outcomes` counts the solves by outcome (optimal, time limit, no plan), so a layer whose
     solve gave no plan, and so ruled its logical mesh out of the DP, is reported, not
-    silently dropped."""
+    silently dropped. `prefetch` solves many at once on `workers` processes."""
 
     def __init__(self, graph: Graph, cluster: Cluster, dtype: str, time_limit: float,
                  microbatches: int, forward: set[Node], optimizer: set[Node],
-                 cache: dict | None = None):
+                 cache: dict | None = None, workers: int = 1):
         self.graph, self.cluster, self.time_limit = graph, cluster, time_limit
         self.roofline = Roofline.of(cluster, dtype)
         self.microbatches, self.forward, self.optimizer = microbatches, forward, optimizer
+        self.workers = workers
         # a training step keeps each weight's gradient beside it; an inference graph does not
         self.gradients = any(o.role is OutputRole.LOSS for o in graph.outputs)
         self.solves = 0
@@ -458,29 +470,51 @@ class _LayerCosts:
         self._found: dict[tuple, LayerCost | None] = {} if cache is None else cache
         self._tables: dict = {}  # resharding cost tables, shared by the solves on one mesh
 
+    @staticmethod
+    def _key(layer: _Layer, mesh: Mesh, family: str | None) -> tuple:
+        return (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, family)
+
     def cost(self, layer: _Layer, mesh: Mesh, family: str | None,
              submesh: tuple[int, int] | None = None) -> LayerCost | None:
         """The layer's cost on `mesh` (a logical mesh of `submesh`, which only names it in
         reports), or None when its solve gave no plan."""
-        key = (layer.signature, mesh.shape, mesh.bandwidth, mesh.latency, family)
+        key = self._key(layer, mesh, family)
         if key not in self._found:
-            self._found[key] = self._solve(layer, mesh, family, submesh)
+            self._keep(key, self._solve(layer, mesh, family, submesh))
         return self._found[key]
 
-    def _count(self, outcome: str, layer: _Layer, mesh: Mesh, family: str | None,
-               submesh: tuple[int, int] | None, message: str = "") -> None:
-        example = None
-        if outcome != "optimal":
-            modules = tuple(dict.fromkeys(n.module for n in layer.forward if n.module))
-            example = LayerSolve(outcome, layer.index, layer.layering, modules, submesh,
-                                 tuple(mesh.shape), family, message)
+    def prefetch(self, wanted: Sequence[tuple[_Layer, Mesh, str | None, tuple[int, int]]]
+                 ) -> None:
+        """Solve every (layer, logical mesh, family, sub-mesh) of `wanted` not solved yet, on
+        up to `workers` processes; counted in the order given, as `cost` would one by one."""
+        todo: dict[tuple, tuple] = {}
+        for layer, mesh, family, submesh in wanted:
+            key = self._key(layer, mesh, family)
+            if key not in self._found and key not in todo:
+                todo[key] = (layer, mesh, family, submesh)
+        asked = list(todo.values())
+        results = map_in_order(lambda i: self._solve(*asked[i]), len(asked), self.workers)
+        for key, result in zip(todo, results):
+            self._keep(key, result)
+
+    def _keep(self, key: tuple, result: tuple) -> None:
+        cost, outcome, example = result
+        self.solves += 1
         self.outcomes = self.outcomes.add(outcome, example)
+        self._found[key] = cost
 
     def _solve(self, layer: _Layer, mesh: Mesh, family: str | None,
-               submesh: tuple[int, int] | None = None) -> LayerCost | None:
+               submesh: tuple[int, int] | None = None
+               ) -> tuple[LayerCost | None, str, LayerSolve | None]:
+        """(the layer's cost or None, the solve's outcome, and for an outcome but optimal
+        where and why)."""
+        def example(outcome: str, message: str) -> LayerSolve:
+            modules = tuple(dict.fromkeys(n.module for n in layer.forward if n.module))
+            return LayerSolve(outcome, layer.index, layer.layering, modules, submesh,
+                              tuple(mesh.shape), family, message)
+
         sub = stage_subgraph(self.graph, layer.nodes, f"layer{layer.index}", keep_order=True)
         costed = _without_boundary_outputs(sub)
-        self.solves += 1
         reduced = Reduced(Problem(costed, mesh, self.roofline, tables=self._tables))
         try:
             plan = None
@@ -493,17 +527,15 @@ class _LayerCosts:
         except ShardingError as error:
             outcome = ("time_limit_no_plan" if isinstance(error, TimeLimitError) else
                        "infeasible" if isinstance(error, MemoryLimitError) else "failed")
-            self._count(outcome, layer, mesh, family, submesh, str(error))
-            return None
+            return None, outcome, example(outcome, str(error))
         status = plan.stats.get("status")
-        if status == "OPTIMAL":
-            self._count("optimal", layer, mesh, family, submesh)
-        else:  # FEASIBLE: the solver stopped at its time limit before proving the plan
+        outcome, found = "optimal", None
+        if status != "OPTIMAL":  # FEASIBLE: the solver stopped at its time limit
             gap = plan.stats.get("optimality_gap", float("nan"))
             gap = f"{gap:.1%}" if gap == gap else "unknown"
-            self._count("time_limit_not_proven_optimal", layer, mesh, family, submesh,
-                        f"solver status {status}, optimality gap {gap} when the "
-                        f"{self.time_limit:g} s time limit ran out")
+            outcome = "time_limit_not_proven_optimal"
+            found = example(outcome, f"solver status {status}, optimality gap {gap} when the "
+                                     f"{self.time_limit:g} s time limit ran out")
         nodes = list(costed.nodes)
         update = sum(plan.node_strategy[n].compute_seconds
                      for n, orig in zip(nodes, layer.nodes) if orig in self.optimizer)
@@ -521,7 +553,10 @@ class _LayerCosts:
                 if any(u not in self.forward for u in orig_out.users):  # the backward reads it
                     layout = plan.node_strategy[n].outputs[out.index]
                     stashed += layout.local_bytes(out.type.shape, out.type.itemsize, mesh)
-        return LayerCost(seconds, persistent, stashed, plan, costed)
+        results = tuple(tuple(plan.node_strategy[n].outputs) for n in nodes)
+        inputs = tuple(plan.input_layout[v] if v.role is Role.INPUT else None
+                       for v in costed.inputs)
+        return LayerCost(seconds, persistent, stashed, results, inputs), outcome, found
 
 
 def _without_boundary_outputs(sub: Graph) -> Graph:
@@ -608,18 +643,12 @@ def _reshard_between(units: list[_Layer], per: list[LayerCost], mesh: Mesh,
     the same (shape, layouts) resharding, which is priced once."""
     count = len(units)
     pair = np.zeros((count, count))
-    listed: dict[int, tuple[list[Node], list[Value]]] = {}  # per distinct LayerCost
-    for cost in per:
-        if id(cost) not in listed:
-            listed[id(cost)] = (list(cost.subgraph.nodes), list(cost.subgraph.inputs))
     priced: dict[tuple, float] = {}
     for x in crossings if crossings is not None else _crossings(units):
-        made, read = per[x.p], per[x.c]
-        sub_input = listed[id(read)][1][x.read]
-        if sub_input.role is not Role.INPUT:
+        dst = per[x.c].input_layouts[x.read]
+        if dst is None:  # not an activation of the reading layer's subgraph
             continue
-        src = made.plan.node_strategy[listed[id(made)][0][x.node]].outputs[x.output]
-        dst = read.plan.input_layout[sub_input]
+        src = per[x.p].result_layouts[x.node][x.output]
         if src != dst:
             shape, itemsize = x.value.type.shape, x.value.type.itemsize
             key = (shape, itemsize, src, dst)
@@ -724,6 +753,7 @@ class SliceStages(GraphPass):
     dtype: str = "fp32"
     time_limit: float = DEFAULT_TIME_SECONDS  # per ILP solve
     power_of_two_hosts: bool = False  # multi-host sub-meshes of 2, 4, 8 ... hosts only
+    workers: int = 0  # processes for the layer ILPs (0: as many as this process' CPUs)
 
     def __post_init__(self) -> None:
         _physical(self.mesh.shape if isinstance(self.mesh, Mesh) else self.mesh)
@@ -737,6 +767,9 @@ class SliceStages(GraphPass):
             raise PassError(f"microbatches={self.microbatches}: give at least 1")
         if self.layers < 0:
             raise PassError(f"layers={self.layers}: give a positive number, or 0 for auto")
+        if self.workers < 0:
+            raise PassError(f"workers={self.workers}: give a positive number, or 0 for as many "
+                            "as this process may use CPUs")
 
     @classmethod
     def of(cls, mesh: Mesh, limits: PlanLimits, **options) -> SliceStages:
@@ -764,7 +797,8 @@ class SliceStages(GraphPass):
         search = slice_stages(
             graph, self.mesh, self.cluster, self.microbatches, self._stages(), self.layers,
             self.delta, self.epsilon, self.limits, self.dtype,
-            power_of_two_hosts=self.power_of_two_hosts)
+            power_of_two_hosts=self.power_of_two_hosts,
+            workers=self.workers or available_workers())
         ctx.set_result(search.plan)
         return False
 

@@ -1,6 +1,7 @@
 """The slice-stages pass on captured training steps: its plan, its costs, its errors."""
 
 import math
+import os
 import re
 
 import numpy as np
@@ -32,9 +33,11 @@ from graphpar.passes.pipeline.slice_stages import (
     FINER,
     LOCAL,
     UNBOUNDED,
+    SliceStages,
     max_after,
     slice_stages,
 )
+from graphpar.passes.pipeline.solve_pool import map_in_order
 from graphpar.passes.pipeline.stage_dp import pipeline_seconds, submesh_shapes
 
 
@@ -310,3 +313,28 @@ def test_the_two_level_plan_is_never_worse_than_equal_operator_or_equal_layer_sl
     assert len(equal_layer) == 2 and two.plan.est_step_seconds <= min(equal_layer)
     eq6_only = slice_stages(graph, mesh, forward_layers=eq6, **common)
     assert two.plan.est_step_seconds < eq6_only.plan.est_step_seconds  # the search did gain
+
+
+def test_the_plan_is_the_same_on_one_worker_and_on_two(gpt_step):
+    # The layer ILPs of a candidate clustering are solved side by side in forked workers;
+    # each solve depends only on its own problem and results are taken in the order asked,
+    # so the search finds the same plan, table and solve counts on any number of workers.
+    graph = gpt_step(6)
+    one, two = (slice_stages(graph, "1x2", microbatches=4, cache={}, workers=w)
+                for w in (1, 2))
+    assert two.plan.stages == one.plan.stages
+    assert two.plan.est_step_seconds == one.plan.est_step_seconds
+    assert two.plan.ilp_solves == one.plan.ilp_solves > 0
+    assert two.plan.layer_solves == one.plan.layer_solves
+    assert np.array_equal(two.costs.seconds, one.costs.seconds)
+    assert (two.clustering, two.forward_layers) == (one.clustering, one.forward_layers)
+
+
+def test_solves_run_in_forked_workers_and_come_back_in_order():
+    parent = os.getpid()
+    pids = map_in_order(lambda i: (i, os.getpid()), 6, 2)
+    assert [i for i, _ in pids] == list(range(6))
+    assert parent not in {pid for _, pid in pids}
+    assert map_in_order(lambda i: os.getpid(), 3, 1) == [parent] * 3
+    with pytest.raises(PassError, match="workers=-1"):
+        SliceStages(workers=-1)

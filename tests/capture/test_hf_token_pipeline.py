@@ -36,9 +36,7 @@ from graphpar.passes.pipeline.token_slicing import TokenSlicing
 DEFAULT = {"mistral", "bloom"}
 WINDOWED = {"mistral": dict(sliding_window=6)}
 # Families that do not token-pipeline yet, and why (each refused with a clear message).
-NOT_SLICED: dict[str, str] = {
-    "deepseek_v3": "its training step captures aten.new_empty_strided, which has no IR op",
-}
+NOT_SLICED: dict[str, str] = {}
 BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 

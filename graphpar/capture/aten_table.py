@@ -656,6 +656,9 @@ TABLE[aten.new_zeros.default] = lambda e, a: full(e, a[1], 0, a[2] or a[0].type.
 TABLE[aten.new_ones.default] = lambda e, a: full(e, a[1], 1, a[2] or a[0].type.dtype)
 TABLE[aten.new_full.default] = lambda e, a: full(e, a[1], a[2], a[3] or a[0].type.dtype)
 TABLE[aten.new_empty.default] = lambda e, a: full(e, a[1], 0, a[2] or a[0].type.dtype)
+# Values in the IR have no strides, and an empty tensor's contents are whatever the op that
+# fills it writes (autograd makes one for a strided gradient, then copies into it).
+TABLE[aten.new_empty_strided.default] = lambda e, a: full(e, a[1], 0, a[3] or a[0].type.dtype)
 
 
 def arange(e, start, end, step, dtype):

@@ -200,9 +200,12 @@ def _drop_tied_aliases(ep):
 
 
 def _params_not_reaching_loss(ep) -> set[str]:
-    """Parameters (by target name) that the loss does not depend on."""
+    """Parameters (by target name) that the loss does not depend on. An op that writes into a
+    tensor in place (`key[..., :n] = x`, a `copy_` into a view, as DeepSeek-V3 assembles its
+    keys) feeds what reads that tensor later, which the graph's edges do not show: its operands
+    count as needed."""
     output = next(n for n in ep.graph.nodes if n.op == "output")
-    needed, stack = set(), [output]
+    needed, stack = set(), [output, *(n for n in ep.graph.nodes if _writes_in_place(n))]
     while stack:
         node = stack.pop()
         for dep in node.all_input_nodes:
@@ -215,6 +218,12 @@ def _params_not_reaching_loss(ep) -> set[str]:
     # A tied weight is exported once per name; the unused name is an alias, not a frozen param.
     return {s.target for s in params if placeholders[s.arg.name] not in needed
             and not any(ep.state_dict[s.target] is t for t in used)}
+
+
+def _writes_in_place(node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments)
 
 
 def infer_modules(graph: Graph) -> None:

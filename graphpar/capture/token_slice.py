@@ -24,18 +24,32 @@ the surrogate's forward is dead (the caller removes it with `dce`) and only its 
 reads `grad_key.i`, stays.
 
 Shapes are static, so each distinct (length, offset) pair is captured once.
+
+A Hugging Face model whose attention the adapter cannot take over (BLOOM, MPT, GPT-Neo and
+Falcon compute theirs in their own modules; Gemma-2's soft-capping and GPT-OSS's sinks are
+arguments the adapter's attention does not compute) is driven with its own cache instead: the
+earlier slices' keys and values go in as a `DynamicCache`, the model masks and biases (ALiBi,
+soft-capping, sinks, windows) as it does when it generates, and the cache it returns is the
+slice's `key.i` / `value.i`. The keys are what the model caches (before any head repetition).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from graphpar.capture.capture import Captured, capture_training
-from graphpar.capture.decoder import KVState, decoder_adapter, kv_cache_attention
-from graphpar.errors import CaptureError
+from graphpar.capture.decoder import (
+    DecoderAdapter,
+    HFAdapter,
+    KVState,
+    decoder_adapter,
+    kv_cache_attention,
+)
+from graphpar.errors import CaptureError, GenerationError
 from graphpar.ir.graph import OutputRole, Role
 
 __all__ = ["capture_slice_step", "slice_input_names"]
@@ -64,6 +78,77 @@ class _SliceForward(nn.Module):
         return (logits, *[t for kv in state.present for t in kv])
 
 
+class _OwnCacheSliceForward(nn.Module):
+    """forward(input_ids, *past) -> (logits, *caches): a Hugging Face model driven with its own
+    `DynamicCache` holding the earlier slices' keys and values."""
+
+    def __init__(self, adapter: HFAdapter, offset: int, length: int) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.offset, self.length = offset, length
+
+    def forward(self, input_ids, *past):
+        return own_cache_forward(self.adapter.hf, input_ids, past, self.offset)
+
+
+def own_cache_forward(hf: nn.Module, input_ids: torch.Tensor, past, offset: int):
+    """`hf`'s logits for `input_ids` at positions [offset, ...) after the keys and values
+    `past` (key, value per layer, flat), and its cache after them, flat."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()  # full layers: a sliding window is the model's mask, not a crop
+    for i in range(0, len(past), 2):
+        cache.update(past[i], past[i + 1], i // 2)
+    takes = inspect.signature(hf.forward).parameters
+    # transformers 5.x names the argument `cache` (`past_key_values` before, now deprecated)
+    kwargs = {"cache" if "cache" in takes else "past_key_values": cache}
+    if "position_ids" in takes:  # ALiBi models (BLOOM, MPT) take positions from the cache
+        n = input_ids.shape[1]
+        kwargs["position_ids"] = torch.arange(offset, offset + n, device=input_ids.device
+                                              ).expand(input_ids.shape[0], n)
+    logits = hf(input_ids=input_ids, use_cache=True, **kwargs).logits
+    return (logits, *[t for layer in cache.layers for t in (layer.keys, layer.values)])
+
+
+def _own_cache_sizes(adapter: HFAdapter) -> tuple[int, int, int, torch.dtype]:
+    """(layers, key-value heads, head size, dtype) of the cache the model fills itself."""
+    hf = adapter.hf
+    device = next((p.device for p in hf.parameters()), torch.device("cpu"))
+    with torch.no_grad():
+        _, *caches = own_cache_forward(hf, torch.zeros(1, 2, dtype=torch.long, device=device),
+                                       (), 0)
+    if not caches:
+        raise CaptureError(f"{type(hf).__name__} filled no cache: token slicing needs a causal "
+                           "LM that caches keys and values")
+    key = caches[0]
+    return len(caches) // 2, key.shape[1], key.shape[3], key.dtype
+
+
+def _slice_driver(model: nn.Module) -> tuple[DecoderAdapter, tuple, type]:
+    """The adapter, cache sizes (layers, key-value heads, head size, dtype) and forward module
+    that drive `model` slice by slice: the adapter's attention, or for a Hugging Face model
+    whose attention it cannot take over, the model's own cache."""
+    was_training = model.training
+    model.eval()  # the adapter refuses a model in training mode (dropout); a step has none
+    try:
+        adapter = decoder_adapter(model, unwrap=True)  # checked against the model
+    finally:
+        model.train(was_training)
+    own = (_OwnCacheSliceForward if isinstance(adapter, HFAdapter) else None)
+    if own and not getattr(adapter.hf, "_supports_attention_backend", False):
+        # attention in the model's own modules: an attention function registered with
+        # transformers is never called (and MPT builds no mask for one)
+        return adapter, _own_cache_sizes(adapter), own
+    try:
+        info = adapter.info()
+    except GenerationError:  # arguments the adapter's attention does not compute (softcap)
+        if own is None:
+            raise
+        return adapter, _own_cache_sizes(adapter), own
+    return adapter, (info.num_layers, info.num_kv_heads, info.head_size, info.dtype), \
+        _SliceForward
+
+
 def slice_input_names(layers: int, prefix: str) -> list[str]:
     """`prefix` key.i / value.i for every attention layer, layer by layer."""
     return [f"{prefix}{kind}.{i}" for i in range(layers) for kind in ("key", "value")]
@@ -78,20 +163,13 @@ def capture_slice_step(model: nn.Module, loss_fn: Callable, input_ids: torch.Ten
     `loss_fn(logits, target)` must be a mean over the tokens, so that the sequence's loss is
     the sum of the slices' losses weighted by length / seq_len (the bundled LMs' `lm_loss`, a
     cross entropy over every position, is)."""
-    was_training = model.training
-    model.eval()  # the adapter refuses a model in training mode (dropout); a step has none
-    try:
-        adapter = decoder_adapter(model, unwrap=True)  # checked against the model
-    finally:
-        model.train(was_training)
-    info = adapter.info()
-    layers = info.num_layers
+    adapter, (layers, kv_heads, head_size, dtype), forward = _slice_driver(model)
     batch = input_ids.shape[0]
-    past_shape = (batch, info.num_kv_heads, offset, info.head_size)
-    grad_shape = (batch, info.num_kv_heads, offset + length, info.head_size)
-    past = [torch.zeros(past_shape, dtype=info.dtype, requires_grad=True)
+    past_shape = (batch, kv_heads, offset, head_size)
+    grad_shape = (batch, kv_heads, offset + length, head_size)
+    past = [torch.zeros(past_shape, dtype=dtype, requires_grad=True)
             for _ in range(2 * layers)] if offset else []
-    grads = [] if last else [torch.zeros(grad_shape, dtype=info.dtype) for _ in range(2 * layers)]
+    grads = [] if last else [torch.zeros(grad_shape, dtype=dtype) for _ in range(2 * layers)]
     weight = length / seq_len
 
     def slice_loss(out, labels, *grad_caches):
@@ -103,7 +181,7 @@ def capture_slice_step(model: nn.Module, loss_fn: Callable, input_ids: torch.Ten
         return (surrogate, loss.detach(), *([] if last else [c.detach() for c in caches]))
 
     span = slice(offset, offset + length)
-    captured = capture_training(_SliceForward(adapter, offset, length),
+    captured = capture_training(forward(adapter, offset, length),
                                 (input_ids[:, span], *past), slice_loss,
                                 (target[:, span], *grads), name=f"{name}")
     _name_slice_graph(captured, layers, bool(offset), last)

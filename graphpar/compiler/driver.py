@@ -151,7 +151,9 @@ def compile_model(spec: ModelSpec, mode: str = "infer",
     captured = capture(spec, mode, optimizer, keep_grads)
     capture_seconds = time.perf_counter() - start
     manager = PassManager(passes, **manager_options)
-    context = PassContext()
+    # the model's constants (a causal mask kept as a buffer) let passes read masks off them;
+    # a capture without weights keeps none (reading its state would make the weights)
+    context = PassContext({"constants": {} if captured.abstract else captured.state})
     program = manager.run(captured.graph, context)
     return CompileResult(spec, mode, captured, program, capture_seconds, manager, context,
                          optimizer)

@@ -24,6 +24,7 @@ from graphpar.compiler.pipelined import split_step
 from graphpar.cost.cluster import mesh_for
 from graphpar.cost.limits import PlanLimits
 from graphpar.errors import GenerationError, UsageError
+from graphpar.ir.graph import Role
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.schedule import Schedule
 from graphpar.passes.manager import run_pipeline
@@ -50,6 +51,13 @@ class TokenPipeline:
     last_run: PipelineRun | None = field(default=None, repr=False)
     # stage -> {"slices": per slice phase -> ShardedPhase, "U": ShardedPhase}: on a sub-mesh
     sharded: dict = field(default_factory=dict, repr=False)
+    # tensor constants the slices' steps lifted (GPT-Neo's mask value), by their input names
+    constants: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the slices' steps read besides their inputs: the step's state and constants."""
+        return {**self.pipe.captured.state, **self.constants}
 
     @property
     def token_slices(self) -> list[int]:
@@ -75,11 +83,11 @@ class TokenPipeline:
         inputs = split_step(args, self.pipe.microbatches, names)
         if processes:
             self.last_run = run_tokens_multiprocess(self.programs, self.schedule,
-                                                    self.pipe.captured.state, inputs,
+                                                    self.state, inputs,
                                                     sharded=self.sharded)
         else:
             self.last_run = run_tokens_in_process(self.programs, self.schedule,
-                                                  self.pipe.captured.state, inputs, self.sharded)
+                                                  self.state, inputs, self.sharded)
         return self.last_run.outputs
 
     def run_steps(self, args: Sequence[torch.Tensor], steps: int, processes: bool = False
@@ -194,7 +202,7 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
                          f"{list(ids.shape)}")
     seq_len = ids.shape[1]
     lengths = parse_token_slices(token_slices, seq_len)
-    graphs, offset = [], 0
+    graphs, offset, constants = [], 0, {}
     for j, length in enumerate(lengths):
         try:
             captured = capture_slice_step(copy.deepcopy(spec.module), spec.loss_fn, ids, target,
@@ -204,11 +212,14 @@ def token_pipeline(pipe: PipelineCompiled, token_slices: str | int | Sequence[in
             raise UsageError(f"token slicing drives the model with explicit keys and values: "
                              f"{exc}") from None
         run_pipeline(captured.graph, "dce")  # the surrogate loss's forward (see token_slice)
+        for v in captured.graph.inputs_with_role(Role.CONST):  # named apart from other slices'
+            constants[f"slice{j}.{v.name}"] = captured.state[v.name]
+            v.name = f"slice{j}.{v.name}"
         graphs.append(captured.graph)
         offset += length
     programs = split_token_slices(pipe.programs, graphs, lengths)
     plan = token_schedule(schedule, programs.stages, pipe.microbatches, len(lengths))
-    return TokenPipeline(pipe, programs, plan, schedule)
+    return TokenPipeline(pipe, programs, plan, schedule, constants=constants)
 
 
 def run_token_pipeline_on_cpu(pipe: PipelineCompiled, token_slices: str | int | Sequence[int],

@@ -22,15 +22,16 @@ in a decoder reading a cache; for a training step Sq = Sk.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from graphpar.ir.graph import Graph, Node, Value
+from graphpar.ir.graph import Graph, Node, OutputRole, Role, Value
 from graphpar.ir.registry import OpKind, get_op
 from graphpar.ir.verify import describe
 
-__all__ = ["MaskReach", "mask_reach", "mask_reaches"]
+__all__ = ["MaskReach", "mask_reach", "mask_reaches", "scores_reach", "scores_reaches"]
 
 # Bounding a mask builds tensors of its sub-graph's sizes; above this many elements per value
 # the mask is not read (it is then not known to be causal).
@@ -57,9 +58,12 @@ class MaskReach:
     plain: bool = False
 
 
-def mask_reaches(graph: Graph, nodes: list[Node]) -> dict[Node, MaskReach]:
-    """The reach of each attention in `nodes`, the masks' shared sub-graphs folded once."""
-    bounds = _Bounds(graph)
+def mask_reaches(graph: Graph, nodes: list[Node],
+                 constants: Mapping[str, torch.Tensor] | None = None) -> dict[Node, MaskReach]:
+    """The reach of each attention in `nodes`, the masks' shared sub-graphs folded once.
+    `constants`: values of graph inputs that hold constants (lifted tensors, mask buffers),
+    by name; see `_Bounds`."""
+    bounds = _Bounds(graph, constants)
     return {node: mask_reach(graph, node, bounds) for node in nodes}
 
 
@@ -69,8 +73,6 @@ def mask_reach(graph: Graph, node: Node, bounds: _Bounds | None = None) -> MaskR
     q, k = node.inputs[0], node.inputs[1]
     mask = node.inputs[3] if len(node.inputs) > 3 else None
     sq, sk = q.type.shape[-2], k.type.shape[-2]
-    query_at = torch.arange(sk - sq, sk)[:, None]  # key position of each query
-    later = torch.arange(sk)[None, :] > query_at  # [sq, sk]
     may = torch.ones(sq, sk, dtype=torch.bool)
     if node.attrs.get("causal"):
         may &= ~torch.ones(sq, sk, dtype=torch.bool).triu(1)  # SDPA's is_causal: top-left
@@ -78,6 +80,56 @@ def mask_reach(graph: Graph, node: Node, bounds: _Bounds | None = None) -> MaskR
     if isinstance(mask, Value):
         try:
             lower, upper = (bounds or _Bounds(graph)).of(mask)
+        except _Unreadable as exc:
+            return MaskReach(False, why=f"its mask cannot be read: {exc}")
+        return _reach(may, must, lower, upper)
+    if not node.attrs.get("causal"):
+        return MaskReach(False, why="it has neither is_causal=True nor a mask")
+    return _reach(may, must)
+
+
+def scores_reaches(graph: Graph, sites: list[tuple[Value, Value]],
+                   constants: Mapping[str, torch.Tensor] | None = None) -> list[MaskReach]:
+    """`scores_reach` of each (logits, scores) pair, the masks' shared sub-graphs folded once."""
+    bounds = _Bounds(graph, constants)
+    return [scores_reach(graph, logits, scores, bounds) for logits, scores in sites]
+
+
+def scores_reach(graph: Graph, logits: Value, scores: Value, bounds: _Bounds | None = None
+                 ) -> MaskReach:
+    """The reach of attention written out as ops (`eager_attention`): `logits` [..., Sq, Sk]
+    go into the softmax, computed from the product `scores` = q @ k^T by scaling, soft-capping
+    and adding masks and biases. The product can hold any finite value (it is bounded by
+    +-SCORE_BOUND), so a key is out of reach where what the mask adds hides it whatever the
+    product is."""
+    bounds = bounds or _Bounds(graph)
+    dtype = scores.type.dtype
+    bound = torch.finfo(dtype).max * SCORE_BOUND
+    bounds.seed(scores, torch.full(scores.type.shape, -bound, dtype=dtype),
+                torch.full(scores.type.shape, bound, dtype=dtype))
+    sq, sk = logits.type.shape[-2:]
+    try:
+        lower, upper = bounds.of(logits)
+    except _Unreadable as exc:
+        return MaskReach(False, why=f"its mask cannot be read: {exc}")
+    finally:
+        bounds.unseed(scores)
+    everything = torch.ones(sq, sk, dtype=torch.bool)
+    return _reach(everything, everything.clone(), lower, upper)
+
+
+# The q @ k^T product is taken to lie within this fraction of its dtype's largest value: a
+# mask adding the dtype's lowest still hides a key whatever the product.
+SCORE_BOUND = 2.0 ** -10
+
+
+def _reach(may: torch.Tensor, must: torch.Tensor, lower: torch.Tensor | None = None,
+           upper: torch.Tensor | None = None) -> MaskReach:
+    """The reach of queries allowed `may` (and surely reading `must`) [Sq, Sk] before a mask,
+    narrowed by a mask between `lower` and `upper`."""
+    sq, sk = may.shape
+    if upper is not None:
+        try:
             allowed, sure = _may_attend(upper), _may_attend(lower)
         except _Unreadable as exc:
             return MaskReach(False, why=f"its mask cannot be read: {exc}")
@@ -86,8 +138,8 @@ def mask_reach(graph: Graph, node: Node, bounds: _Bounds | None = None) -> MaskR
             sure = sure.reshape(-1, *sure.shape[-2:]).all(0)
         may &= allowed.expand(sq, sk)
         must &= sure.expand(sq, sk)
-    elif not node.attrs.get("causal"):
-        return MaskReach(False, why="it has neither is_causal=True nor a mask")
+    query_at = torch.arange(sk - sq, sk)[:, None]  # key position of each query
+    later = torch.arange(sk)[None, :] > query_at  # [sq, sk]
     seen = may & later
     if seen.any():
         i, j = (int(x) for x in seen.nonzero()[0])
@@ -113,16 +165,40 @@ class _Unreadable(Exception):
 
 
 class _Bounds:
-    """Per-element (lower, upper) bounds of values, computed on demand; exact when lo is hi."""
+    """Per-element (lower, upper) bounds of values, computed on demand; exact when lo is hi.
 
-    def __init__(self, graph: Graph) -> None:
+    A graph input is exact when `constants` holds its value and it cannot change between steps
+    (a lifted constant, or a buffer the step does not update, such as GPT-Neo's causal `bias`);
+    any other input can hold anything of its type."""
+
+    def __init__(self, graph: Graph, constants: Mapping[str, torch.Tensor] | None = None
+                 ) -> None:
         self.graph = graph
         self.known: dict[Value, tuple[torch.Tensor, torch.Tensor]] = {}
+        updated = {o.target for o in graph.outputs if o.role is OutputRole.UPDATE}
+        self.constants = {
+            v: t for v in graph.inputs
+            if v.role in (Role.CONST, Role.BUFFER) and v.name not in updated
+            and isinstance(t := (constants or {}).get(v.name), torch.Tensor)
+            and type(t) is torch.Tensor and t.device.type == "cpu"  # not fake, not meta
+            and tuple(t.shape) == tuple(v.type.shape) and t.dtype == v.type.dtype}
+        self.seeds: dict[Value, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def seed(self, value: Value, lower: torch.Tensor, upper: torch.Tensor) -> None:
+        """Take `value` to lie between `lower` and `upper` (what depends on it is re-read)."""
+        self.seeds[value] = (lower, upper)
+        self.known = {v: b for v, b in self.known.items() if v in self.constants}
+
+    def unseed(self, value: Value) -> None:
+        del self.seeds[value]
+        self.known = {v: b for v, b in self.known.items() if v in self.constants}
 
     def of(self, value: Value) -> tuple[torch.Tensor, torch.Tensor]:
         stack = [value]
         while stack:  # post-order without recursion: mask cones can be deep
             v = stack[-1]
+            if v in self.seeds:
+                self.known[v] = self.seeds[v]
             if v in self.known:
                 stack.pop()
                 continue
@@ -135,7 +211,8 @@ class _Bounds:
             stack.pop()
             self._size_check(v)
             if node is None:
-                self.known[v] = _anything(v)
+                t = self.constants.get(v)
+                self.known[v] = (t, t) if t is not None else _anything(v)
             else:
                 for out, bounds in zip(node.outputs, self._node(node)):
                     self.known[out] = bounds
@@ -191,6 +268,19 @@ class _Bounds:
             if out_dtype == torch.bool and source != torch.bool:
                 return None  # x != 0 does not keep order
             return apply(0), apply(1)
+        if name in ("mul", "div") and out_dtype.is_floating_point and len(inputs) == 2:
+            # scaling by an exact factor: each element's bounds scale (and swap if negative)
+            a, b = (self._operand_bounds(x, bd) for x, bd in zip(inputs, bounds))
+            if name == "mul" and a[0] is a[1]:
+                a, b = b, a
+            if b[0] is not b[1]:
+                return None
+            ends = (a[0] * b[0], a[1] * b[1]) if name == "mul" else (a[0] / b[0], a[1] / b[1])
+            ends = [_nan_to(e, 0.0) for e in ends]  # 0 * inf: the factor is 0
+            return torch.minimum(*ends), torch.maximum(*ends)
+        if name in ("neg", "tanh") and out_dtype.is_floating_point:
+            lo, hi = values[0]
+            return (-hi, -lo) if name == "neg" else (torch.tanh(lo), torch.tanh(hi))
         if name in ("add", "sub") and out_dtype.is_floating_point:
             a, b = (self._operand_bounds(x, bd) for x, bd in zip(inputs, bounds))
             if name == "sub":

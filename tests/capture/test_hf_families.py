@@ -241,8 +241,7 @@ def test_family_tensor_parallel_on_two_ranks_matches_eager(name):
 
 
 # Families whose training step does not capture yet, and why.
-NOT_TRAINED = {"deepseek_v3": "its training step captures aten.new_empty_strided, which has "
-                              "no IR op"}
+NOT_TRAINED: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", rows(FAMILIES, DEFAULT, skip=NOT_TRAINED))

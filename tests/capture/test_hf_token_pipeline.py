@@ -1,10 +1,12 @@
 """Hugging Face causal LMs trained token-pipelined (TeraPipe) on 2 gloo ranks, family by
 family, equal to eager PyTorch + torch.optim. Nothing in these models says is_causal=True:
 Hugging Face builds each causal mask as a tensor, and `slice-tokens` reads causality (and a
-sliding window) off it (`graphpar.passes.attention_mask`). Each slice's step drives the model
-through the decoder adapter with explicit keys and values (`graphpar.capture.token_slice`).
+sliding window) off it (`graphpar.passes.attention_mask`), for `attention` ops and for attention
+written out as ops (`graphpar.passes.eager_attention`: BLOOM, MPT, GPT-Neo, Falcon, Gemma-2,
+GPT-OSS). Each slice's step drives the model through the decoder adapter, or the model's own
+cache, with explicit keys and values (`graphpar.capture.token_slice`).
 
-One family runs in the default suite (DEFAULT), the rest are slow-marked; NOT_SLICED says
+Two families run in the default suite (DEFAULT), the rest are slow-marked; NOT_SLICED says
 which do not token-pipeline yet and why."""
 
 from __future__ import annotations
@@ -26,22 +28,15 @@ from graphpar.passes.manager import PassManager, parse_pipeline
 from graphpar.passes.pipeline.token_slicing import TokenSlicing
 
 # Mistral: a sliding window of 6 tokens over the 16 (set below), so the later slices read past
-# it. Qwen2 (grouped-query attention, biases on q, k, v) is slow-marked with the rest to keep
-# the default suite's time; tests/passes/test_attention_mask.py reads its kind of mask.
-DEFAULT = {"mistral"}
+# it. BLOOM: attention written out as ops (ALiBi, an additive mask), found by
+# `passes.eager_attention`, each slice driven with the model's own cache. Qwen2 (grouped-query
+# attention, biases on q, k, v) is slow-marked with the rest to keep the default suite's time;
+# tests/passes/test_attention_mask.py reads its kind of mask, test_eager_attention.py the
+# written-out kinds (soft-capping, sinks, a mask in a buffer).
+DEFAULT = {"mistral", "bloom"}
 WINDOWED = {"mistral": dict(sliding_window=6)}
 # Families that do not token-pipeline yet, and why (each refused with a clear message).
-_NO_ATTENTION_OP = ("its training step is captured without an attention op (attention as "
-                    "matmuls and a softmax); slice-tokens reads attention ops")
-NOT_SLICED: dict[str, str] = {
-    "bloom": _NO_ATTENTION_OP + " (eager attention, ALiBi)",
-    "mpt": _NO_ATTENTION_OP + " (ALiBi)",
-    "gemma2": _NO_ATTENTION_OP + " (eager attention for its soft-capping)",
-    "gpt_neo": _NO_ATTENTION_OP,
-    "falcon": _NO_ATTENTION_OP,
-    "gpt_oss": _NO_ATTENTION_OP + " (eager attention for its sinks)",
-    "deepseek_v3": "its training step captures aten.new_empty_strided, which has no IR op",
-}
+NOT_SLICED: dict[str, str] = {}
 BLOCK = re.compile(r"\.(?:layers|h|blocks)\.(\d+)\.")
 
 
@@ -49,9 +44,10 @@ def loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def slice_tokens(graph) -> TokenSlicing:
-    """3 equal slices by the slice-tokens pass, which first checks that attention is causal."""
-    ctx = PassContext()
+def slice_tokens(graph, constants=None) -> TokenSlicing:
+    """3 equal slices by the slice-tokens pass, which first checks that attention is causal
+    (`constants`: the model's buffers, as the compiler hands them to passes)."""
+    ctx = PassContext({"constants": constants or {}})
     PassManager(parse_pipeline("slice-tokens{stages=1,slices=3,cluster=cpu}")).run(graph, ctx)
     return ctx.result(TokenSlicing)
 
@@ -92,7 +88,7 @@ def test_family_token_pipeline_on_two_ranks_equals_eager(name):
                             forward_stage=layers_to_stages, keep_grads=True)
     # slice-tokens on the step as captured: causal from the masks alone
     assert all(not n.attrs["causal"] for n in pipe.captured.graph.find("attention_with_lse"))
-    slices = slice_tokens(pipe.captured.graph.copy()).slices
+    slices = slice_tokens(pipe.captured.graph.copy(), pipe.captured.state).slices
     assert slices == (6, 5, 5)
     tokens = token_pipeline(pipe, list(slices), "1f1b")
     check = tokens.check(processes=True)

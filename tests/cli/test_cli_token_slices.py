@@ -60,12 +60,13 @@ def test_api_token_slices_need_a_pipeline():
 
 
 @pytest.mark.slow  # about a minute of CPU each: the ILP's stage search, 3 slice captures, gloo
-@pytest.mark.parametrize("example", ["hf_qwen2", "hf_mistral"])
+@pytest.mark.parametrize("example", ["hf_qwen2", "hf_mistral", "hf_bloom"])
 def test_hf_causal_lm_model_files_train_token_pipelined_equal_to_eager(tmp_path, capsys,
                                                                      example):
     """Hugging Face builds its causal masks as tensors (Mistral's with a sliding window of 6
-    of its 16 tokens): slice-tokens reads causality off them, and the step run slice by slice
-    on 2 ranks equals eager."""
+    of its 16 tokens; BLOOM's added to scores its attention writes out as ops, with ALiBi):
+    slice-tokens reads causality off them, and the step run slice by slice on 2 ranks equals
+    eager."""
     from pathlib import Path
 
     model_file = Path(__file__).resolve().parents[2] / "examples" / f"{example}.py"

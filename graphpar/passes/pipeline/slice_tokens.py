@@ -24,7 +24,8 @@ from graphpar.errors import PassError, UsageError
 from graphpar.ir.cluster import Cluster
 from graphpar.ir.graph import Graph, Node
 from graphpar.ir.verify import describe
-from graphpar.passes.attention_mask import mask_reaches
+from graphpar.passes.attention_mask import mask_reaches, scores_reaches
+from graphpar.passes.eager_attention import eager_attention
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
 from graphpar.passes.pipeline.plan import StagePlan
 from graphpar.passes.pipeline.token_slicing import (
@@ -70,7 +71,7 @@ class SliceTokens(GraphPass):
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         plan = ctx.result(StagePlan)
-        attention = causal_attention(graph)
+        attention = causal_attention(graph, ctx.options.get("constants"))
         stages = len(plan.stages) or self.stages
         microbatches = plan.microbatches if plan.stages else self.microbatches
         latency = self.latency_of(graph, attention, plan)
@@ -89,7 +90,7 @@ class SliceTokens(GraphPass):
         else:
             result = solve_token_slices(latency, stages, self.granularity, self.epsilon,
                                         repeats=microbatches)
-        batch = attention[0].input_values[0].type.shape[0]
+        batch = attention[0].shape[0]
         contexts = np.cumsum((0,) + result.slices[:-1])
         shares = tuple(latency(length, int(context)) / latency(seq_len, 0)
                        for length, context in zip(result.slices, contexts))
@@ -101,11 +102,11 @@ class SliceTokens(GraphPass):
         ctx.set_result(result)
         return True
 
-    def latency_of(self, graph: Graph, attention: list[Node], plan: StagePlan) -> TokenLatency:
+    def latency_of(self, graph: Graph, attention: list[Attention], plan: StagePlan
+                   ) -> TokenLatency:
         """The slowest stage's latency model: per stage its causal layers, split over its
         logical mesh; without a plan `stages` stages of equal layers."""
-        q = attention[0].input_values[0].type.shape  # [batch, heads, seq, head_dim]
-        batch, heads, seq, head_dim = q
+        batch, heads, seq, head_dim = attention[0].shape
         seq_len = self.seq_len or seq
         if seq_len != seq:
             raise PassError(f"seq_len={self.seq_len} but the causal attention of graph "
@@ -115,7 +116,7 @@ class SliceTokens(GraphPass):
             raise PassError(f"granularity={self.granularity} does not divide the sequence "
                             f"length {seq_len}; choose a divisor of it (e.g. 1 or 8)")
         if plan.stages:
-            per_stage = [(sum(1 for n in attention if plan.stage_of.get(n) == k),
+            per_stage = [(sum(1 for a in attention if plan.stage_of.get(a.node) == k),
                           math.prod(stage.logical_mesh), stage.est_seconds)
                          for k, stage in enumerate(plan.stages)]
         else:
@@ -159,14 +160,32 @@ def slice_count(value: str | int | None, option: str = "token_slices=") -> int |
     return int(value)
 
 
-def causal_attention(graph: Graph) -> list[Node]:
-    """The graph's forward attention ops, all causal (`attention_mask.mask_reach`: the
-    is_causal flag, or a mask whose position-only part hides every later key, whatever any
-    padding from an input adds; sliding windows too): else a clear error naming the one that
-    is not (a token there reads later tokens, so slicing the sequence would change the
-    result)."""
-    attention = [n for n in graph.nodes if n.op in ATTENTION]
-    for node, reach in mask_reaches(graph, attention).items():
+@dataclass(frozen=True)
+class Attention:
+    """One causal attention of the graph: an `attention` op, or the `softmax` of attention
+    written out as ops (`eager_attention`); `shape` is (batch, heads, queries, head size)."""
+
+    node: Node
+    shape: tuple[int, int, int, int]
+
+
+def causal_attention(graph: Graph, constants=None) -> list[Attention]:
+    """The graph's forward attention, all causal: `attention` ops (`attention_mask.mask_reach`:
+    the is_causal flag, or a mask whose position-only part hides every later key, whatever any
+    padding from an input adds; sliding windows too) and attention written out as ops
+    (`eager_attention`: what is added to q @ k^T hides every later key, whatever the product).
+    `constants`: values of the graph's constant inputs by name (a mask buffer). Else a clear
+    error naming the one that is not (a token there reads later tokens, so slicing the
+    sequence would change the result)."""
+    ops = [n for n in graph.nodes if n.op in ATTENTION]
+    reaches = mask_reaches(graph, ops, constants)
+    attention = [Attention(n, tuple(n.input_values[0].type.shape)) for n in ops]
+    sites = eager_attention(graph)
+    for site, reach in zip(sites, scores_reaches(graph, [(s.logits, s.scores) for s in sites],
+                                                 constants)):
+        reaches[site.softmax] = reach
+        attention.append(Attention(site.softmax, site.shape))
+    for node, reach in reaches.items():
         if not reach.causal:
             raise PassError(
                 f"graph @{graph.name}: {describe(node, graph)} is not causal ({reach.why}): "

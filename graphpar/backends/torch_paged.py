@@ -19,6 +19,8 @@ Results are computed in fp32 and cast back to the query's dtype, like the refere
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -38,26 +40,36 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 class _Memo:
     """The last step's block-table metadata: every layer of a step passes the same block tables
     and lengths, so the index and mask tensors built from them are built once per step (what
-    vLLM's attention metadata does). Keyed by tensor identity and version."""
+    vLLM's attention metadata does). Keyed by tensor identity and version; the key holds the
+    tensors, so an id is never reused while it is cached."""
 
     def __init__(self) -> None:
-        self.key: tuple = ()
-        self.value: tuple = ()
+        self.entry: tuple[tuple, object] = ((), None)  # (key, value), replaced as one
 
     def get(self, build, *tensors: torch.Tensor, extra: tuple = ()):
         key = tuple((t, t._version) for t in tensors) + extra
-        if len(key) == len(self.key) and all(
+        cached, value = self.entry
+        if len(key) == len(cached) and all(
                 (a[0] is b[0] and a[1] == b[1]) if isinstance(a, tuple) else a == b
-                for a, b in zip(key, self.key)):
-            return self.value
-        self.value = build()
-        self.key = key
-        return self.value
+                for a, b in zip(key, cached)):
+            return value
+        value = build()
+        self.entry = (key, value)
+        return value
 
 
-_decode_memo = _Memo()
-_prefill_memo = _Memo()
-_slots_memo = _Memo()
+class _StepMemos(threading.local):
+    """Each thread's memos. Engines of several models step at once on their own threads in
+    one process (`graphpar serve --model a=... --model b=...`); memos shared between them
+    would hand one engine's layers the other's block tables."""
+
+    def __init__(self) -> None:
+        self.decode = _Memo()
+        self.prefill = _Memo()
+        self.slots = _Memo()
+
+
+_memos = _StepMemos()
 
 
 def _slots(slot_mapping: torch.Tensor, device: torch.device):
@@ -74,7 +86,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     """Write token i's K/V ``[tokens, kv_heads, D]`` at flat slot ``slot_mapping[i]`` (-1
     skips), in place."""
     _, _, kv_heads, head_size = key_cache.shape
-    slots, keep = _slots_memo.get(lambda: _slots(slot_mapping, key_cache.device), slot_mapping,
+    slots, keep = _memos.slots.get(lambda: _slots(slot_mapping, key_cache.device), slot_mapping,
                                   extra=(key_cache.device,))
     if keep is not None:
         key, value = key[keep], value[keep]
@@ -101,7 +113,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     (``max_context_len``, a bound the kernels use to size their launch, is not needed here)."""
     seqs, heads, head_size = query.shape
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    longest, blocks, mask, empty = _decode_memo.get(
+    longest, blocks, mask, empty = _memos.decode.get(
         lambda: _decode_metadata(block_tables, context_lens, block_size, query.device),
         block_tables, context_lens, extra=(block_size, query.device))
     if seqs == 0 or longest == 0:
@@ -172,7 +184,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     block_size = key_cache.shape[1]
     if tokens == 0:
         return torch.zeros_like(query)
-    groups = _prefill_memo.get(
+    groups = _memos.prefill.get(
         lambda: _prefill_groups(block_tables, context_lens, query_start_loc, tokens,
                                 block_size, query.device),
         block_tables, context_lens, query_start_loc, extra=(tokens, block_size, query.device))

@@ -26,13 +26,6 @@ from graphpar.serving.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestRejected"]
 
-# Engines of several models in one process (`graphpar serve --model a=... --model b=...`) step
-# one at a time: two engine threads stepping at once gave wrong greedy tokens now and then
-# (tests/serving/test_api_server.py::test_several_models_routed_by_name; the shared state is
-# not found yet), and on a CPU the steps compete for the same cores anyway.
-_STEP_LOCK = threading.Lock()
-
-
 class RequestRejected(GenerationError):
     """The engine refused a request when it was added (bad tokens, too long, never fits)."""
 
@@ -150,8 +143,7 @@ class AsyncEngine:
                     self._handle(command)
                 outputs = []
                 if engine.has_unfinished_requests():
-                    with _STEP_LOCK:
-                        outputs = engine.step(stream=True)
+                    outputs = engine.step(stream=True)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
@@ -196,7 +188,6 @@ class AsyncEngine:
             self._handle(("abort", request_id))
         outputs = []
         if self.engine.has_unfinished_requests():
-            with _STEP_LOCK:
-                outputs = self.engine.step()
+            outputs = self.engine.step()
         if self.on_iteration is not None:
             self.on_iteration(self.engine, outputs)

@@ -95,14 +95,23 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def _decode_metadata(block_tables, context_lens, block_size, device):
-    lens = context_lens.to(device=device, dtype=torch.long)
-    longest = int(lens.max()) if lens.numel() else 0
+    """The step's flat block ids (each sequence's first blocks, up to the longest context) and
+    one additive mask, -inf past each sequence's length. A sequence with no context (padding)
+    attends to its padded blocks and is zeroed after (``empty``), so no row is all -inf.
+    The lengths are read once into Python: a handful of small tensor ops per step."""
+    lens_list = context_lens.tolist()
+    longest = max(lens_list, default=0)
     num_blocks = -(-longest // block_size)
-    blocks = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
-    positions = torch.arange(num_blocks * block_size, device=device)
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    empty = (lens == 0)[:, None, None, None] if longest and int(lens.min()) == 0 else None
-    return longest, blocks, mask, empty
+    blocks = block_tables[:, :num_blocks].reshape(-1).to(device=device, dtype=torch.long)
+    lens = context_lens.to(device=device, dtype=torch.long)
+    past_end = torch.arange(num_blocks * block_size, device=device) >= lens[:, None]
+    empty = None
+    if longest and min(lens_list) == 0:
+        no_context = lens == 0
+        past_end &= ~no_context[:, None]
+        empty = no_context[:, None, None, None]
+    bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))
+    return longest, blocks, bias[:, None, None, :], empty
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -112,21 +121,23 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Decode attention (one query per sequence) over a paged cache: ``[seqs, heads, D]``
     (``max_context_len``, a bound the kernels use to size their launch, is not needed here)."""
     seqs, heads, head_size = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    longest, blocks, mask, empty = _memos.decode.get(
+    _, block_size, kv_heads, _ = key_cache.shape
+    longest, blocks, bias, empty = _memos.decode.get(
         lambda: _decode_metadata(block_tables, context_lens, block_size, query.device),
         block_tables, context_lens, extra=(block_size, query.device))
     if seqs == 0 or longest == 0:
         return torch.zeros_like(query)
-    k = _gather(key_cache, blocks).transpose(1, 2)  # [S, Hkv, T, D]
-    v = _gather(value_cache, blocks).transpose(1, 2)
+    width = blocks.shape[0] // seqs * block_size
+    k = key_cache.index_select(0, blocks).view(seqs, width, kv_heads, head_size).transpose(1, 2)
+    v = value_cache.index_select(0, blocks).view(seqs, width, kv_heads, head_size).transpose(1, 2)
     q = query.view(seqs, kv_heads, heads // kv_heads, head_size)  # a kv head's queries as rows
     if query.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
-    return out.reshape(seqs, heads, head_size).to(query.dtype)
+    out = out.view(seqs, heads, head_size)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _prefill_metadata(block_tables, context_lens, query_start_loc, tokens, block_size, device):

@@ -43,10 +43,19 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException | object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody listens any more
-            pass
+        _deliver(self.loop, [(self.queue, item)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """Hand items to their queues on ``loop``: one wake-up of the loop for all of them. The
+    engine's thread never waits for the loop; a closed loop (nobody listens) drops them."""
+    def put_all() -> None:
+        for q, item in items:
+            q.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 class AsyncEngine:
@@ -107,6 +116,12 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                # Outputs hold every token so far: when several steps' outputs wait (the
+                # event loop fell behind the engine), the latest stands for them all, and the
+                # caller sends one chunk with their tokens instead of one per token.
+                while isinstance(item, RequestOutput) and not item.finished and \
+                        not stream.queue.empty():
+                    item = stream.queue.get_nowait()
                 if item is _ABORTED:
                     finished = True  # nothing left to abort
                     return
@@ -144,13 +159,16 @@ class AsyncEngine:
                 outputs = []
                 if engine.has_unfinished_requests():
                     outputs = engine.step(stream=True)
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.put(out)
+                        by_loop.setdefault(stream.loop, []).append((stream.queue, out))
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         engine.discard_request(out.request_id)  # the server keeps nothing
+                for loop, items in by_loop.items():  # one wake-up per step and event loop
+                    _deliver(loop, items)
                 if self.on_iteration is not None:
                     self.on_iteration(engine, outputs)
         except BaseException as exc:  # a bug or a dead rank: fail every caller, say why

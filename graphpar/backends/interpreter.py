@@ -19,6 +19,7 @@ one and raises ``BackendError`` otherwise.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -92,17 +93,27 @@ class Interpreter:
                 last_use[v] = i
         keep = {o.value for o in graph.outputs}
         # one tuple per node: (index, node, function or None to yield, operands, attributes,
-        # result slots, slots freed after it)
+        # result slots, slots freed after it). Operands are an itemgetter over the value
+        # slots when every operand is a value (the usual case: one C call fetches them all),
+        # else (is value, slot or constant) pairs.
         self.plan = []
         for i, node in enumerate(graph.nodes):
-            operands = tuple((True, slot[v]) if isinstance(v, Value) else (False, v)
-                             for v in node.inputs)
+            if node.inputs and all(isinstance(v, Value) for v in node.inputs):
+                getter = operator.itemgetter(*(slot[v] for v in node.inputs))
+                operands = (lambda env, g=getter: (g(env),)) if len(node.inputs) == 1 \
+                    else getter
+            else:
+                operands = tuple((True, slot[v]) if isinstance(v, Value) else (False, v)
+                                 for v in node.inputs)
             frees = tuple(slot[v] for v in set(node.input_values)
                           if last_use[v] == i and v not in keep and not v.is_input)
             fn, attrs = self._function(i, node)
             self.plan.append((i, node, fn, operands, attrs, tuple(slot[o] for o in node.outputs),
                               frees))
         self._first = True
+        if self.checked is not None:  # bind's split: checked every run, trusted after the first
+            self._checked_inputs = [i for i in self.inputs if i[0] in self.checked]
+            self._trusted = [(n, index) for n, index, _ in self.inputs if n not in self.checked]
         # bucketed all-reduces: bucket k's requests and result slots; when to launch and
         # wait for which buckets (by node position; -1: before the first, len(plan): at the end)
         self._buckets: list[tuple[list, list[int]]] = []
@@ -170,7 +181,7 @@ class Interpreter:
 
         def launch(after: int) -> None:
             for k in launches[after]:
-                requests = [(i, node, [env[x] if v else x for v, x in operands])
+                requests = [(i, node, list(_fetch(operands, env)))
                             for i, node, operands in self._buckets[k][0]]
                 try:
                     pending[k] = self.comm.launch_all_reduce(requests)  # type: ignore
@@ -193,7 +204,7 @@ class Interpreter:
             if index in waits:
                 arrive(index)
             if index not in bucketed:
-                args = [env[x] if is_value else x for is_value, x in operands]
+                args = _fetch(operands, env)
                 try:
                     result = (self.communicate(index, node, args) if fn is None
                               else fn(*args, **attrs))
@@ -227,12 +238,12 @@ class Interpreter:
         env: list = [None] * self.size
         self.bind(inputs, env)
         for index, node, fn, operands, attrs, outs, frees in self.plan:
-            args = [env[x] if is_value else x for is_value, x in operands]
+            args = _fetch(operands, env)
             if fn is None:
-                result = yield index, node, args
+                result = yield index, node, list(args)
             else:
                 try:
-                    result = fn(*args, **attrs)
+                    result = fn(*args, **attrs) if attrs else fn(*args)
                 except Exception as exc:
                     raise node_error(self.graph, node, exc) from exc
             if isinstance(result, (tuple, list)):  # an op may return a 1-tuple for one output
@@ -253,19 +264,38 @@ class Interpreter:
                 raise GraphparError(f"graph @{name} takes {len(self.inputs)} inputs, got "
                                     f"{len(inputs)}")
             inputs = {input_name: t for (input_name, _, _), t in zip(self.inputs, inputs)}
-        check_all = self._first or self.checked is None
-        for input_name, index, ty in self.inputs:
+        if not (self._first or self.checked is None):  # trusted inputs: only fetched
+            try:
+                for input_name, index in self._trusted:
+                    env[index] = inputs[input_name]
+            except KeyError:
+                pass  # named below
+            else:
+                self._bind(inputs, env, self._checked_inputs)
+                return
+        self._bind(inputs, env, self.inputs)
+        self._first = False
+
+    def _bind(self, inputs: Mapping[str, torch.Tensor], env: list, which) -> None:
+        name = self.graph.name
+        for input_name, index, ty in which:
             try:
                 tensor = inputs[input_name]
             except KeyError:
                 raise GraphparError(f"graph @{name}: no tensor given for input "
                                     f"%{input_name}") from None
-            if (check_all or input_name in self.checked) and (  # type: ignore[operator]
-                    tuple(tensor.shape) != ty.shape or tensor.dtype != ty.dtype):
+            if tuple(tensor.shape) != ty.shape or tensor.dtype != ty.dtype:
                 raise GraphparError(f"graph @{name}: input %{input_name} expects {ty}, got "
                                     f"{tuple(tensor.shape)} {tensor.dtype}")
             env[index] = tensor
-        self._first = False
+
+
+def _fetch(operands, env: list):
+    """A node's operands from the value slots: `operands` is the plan's itemgetter (every
+    operand a value) or its (is value, slot or constant) pairs."""
+    if type(operands) is tuple:
+        return [env[x] if is_value else x for is_value, x in operands]
+    return operands(env)
 
 
 def node_error(graph: Graph, node: Node, exc: Exception) -> GraphparError:

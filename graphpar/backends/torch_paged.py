@@ -19,6 +19,8 @@ Results are computed in fp32 and cast back to the query's dtype, like the refere
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -38,26 +40,36 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 class _Memo:
     """The last step's block-table metadata: every layer of a step passes the same block tables
     and lengths, so the index and mask tensors built from them are built once per step (what
-    vLLM's attention metadata does). Keyed by tensor identity and version."""
+    vLLM's attention metadata does). Keyed by tensor identity and version; the key holds the
+    tensors, so an id is never reused while it is cached."""
 
     def __init__(self) -> None:
-        self.key: tuple = ()
-        self.value: tuple = ()
+        self.entry: tuple[tuple, object] = ((), None)  # (key, value), replaced as one
 
     def get(self, build, *tensors: torch.Tensor, extra: tuple = ()):
         key = tuple((t, t._version) for t in tensors) + extra
-        if len(key) == len(self.key) and all(
+        cached, value = self.entry
+        if len(key) == len(cached) and all(
                 (a[0] is b[0] and a[1] == b[1]) if isinstance(a, tuple) else a == b
-                for a, b in zip(key, self.key)):
-            return self.value
-        self.value = build()
-        self.key = key
-        return self.value
+                for a, b in zip(key, cached)):
+            return value
+        value = build()
+        self.entry = (key, value)
+        return value
 
 
-_decode_memo = _Memo()
-_prefill_memo = _Memo()
-_slots_memo = _Memo()
+class _StepMemos(threading.local):
+    """Each thread's memos. Engines of several models step at once on their own threads in
+    one process (`graphpar serve --model a=... --model b=...`); memos shared between them
+    would hand one engine's layers the other's block tables."""
+
+    def __init__(self) -> None:
+        self.decode = _Memo()
+        self.prefill = _Memo()
+        self.slots = _Memo()
+
+
+_memos = _StepMemos()
 
 
 def _slots(slot_mapping: torch.Tensor, device: torch.device):
@@ -74,7 +86,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     """Write token i's K/V ``[tokens, kv_heads, D]`` at flat slot ``slot_mapping[i]`` (-1
     skips), in place."""
     _, _, kv_heads, head_size = key_cache.shape
-    slots, keep = _slots_memo.get(lambda: _slots(slot_mapping, key_cache.device), slot_mapping,
+    slots, keep = _memos.slots.get(lambda: _slots(slot_mapping, key_cache.device), slot_mapping,
                                   extra=(key_cache.device,))
     if keep is not None:
         key, value = key[keep], value[keep]
@@ -83,14 +95,23 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 
 def _decode_metadata(block_tables, context_lens, block_size, device):
-    lens = context_lens.to(device=device, dtype=torch.long)
-    longest = int(lens.max()) if lens.numel() else 0
+    """The step's flat block ids (each sequence's first blocks, up to the longest context) and
+    one additive mask, -inf past each sequence's length. A sequence with no context (padding)
+    attends to its padded blocks and is zeroed after (``empty``), so no row is all -inf.
+    The lengths are read once into Python: a handful of small tensor ops per step."""
+    lens_list = context_lens.tolist()
+    longest = max(lens_list, default=0)
     num_blocks = -(-longest // block_size)
-    blocks = block_tables[:, :num_blocks].to(device=device, dtype=torch.long)
-    positions = torch.arange(num_blocks * block_size, device=device)
-    mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-    empty = (lens == 0)[:, None, None, None] if longest and int(lens.min()) == 0 else None
-    return longest, blocks, mask, empty
+    blocks = block_tables[:, :num_blocks].reshape(-1).to(device=device, dtype=torch.long)
+    lens = context_lens.to(device=device, dtype=torch.long)
+    past_end = torch.arange(num_blocks * block_size, device=device) >= lens[:, None]
+    empty = None
+    if longest and min(lens_list) == 0:
+        no_context = lens == 0
+        past_end &= ~no_context[:, None]
+        empty = no_context[:, None, None, None]
+    bias = torch.zeros(past_end.shape, device=device).masked_fill_(past_end, float("-inf"))
+    return longest, blocks, bias[:, None, None, :], empty
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -100,21 +121,23 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Decode attention (one query per sequence) over a paged cache: ``[seqs, heads, D]``
     (``max_context_len``, a bound the kernels use to size their launch, is not needed here)."""
     seqs, heads, head_size = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    longest, blocks, mask, empty = _decode_memo.get(
+    _, block_size, kv_heads, _ = key_cache.shape
+    longest, blocks, bias, empty = _memos.decode.get(
         lambda: _decode_metadata(block_tables, context_lens, block_size, query.device),
         block_tables, context_lens, extra=(block_size, query.device))
     if seqs == 0 or longest == 0:
         return torch.zeros_like(query)
-    k = _gather(key_cache, blocks).transpose(1, 2)  # [S, Hkv, T, D]
-    v = _gather(value_cache, blocks).transpose(1, 2)
+    width = blocks.shape[0] // seqs * block_size
+    k = key_cache.index_select(0, blocks).view(seqs, width, kv_heads, head_size).transpose(1, 2)
+    v = value_cache.index_select(0, blocks).view(seqs, width, kv_heads, head_size).transpose(1, 2)
     q = query.view(seqs, kv_heads, heads // kv_heads, head_size)  # a kv head's queries as rows
     if query.dtype != torch.float32:
         q, k, v = q.float(), k.float(), v.float()
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
-    return out.reshape(seqs, heads, head_size).to(query.dtype)
+    out = out.view(seqs, heads, head_size)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _prefill_metadata(block_tables, context_lens, query_start_loc, tokens, block_size, device):
@@ -172,7 +195,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     block_size = key_cache.shape[1]
     if tokens == 0:
         return torch.zeros_like(query)
-    groups = _prefill_memo.get(
+    groups = _memos.prefill.get(
         lambda: _prefill_groups(block_tables, context_lens, query_start_loc, tokens,
                                 block_size, query.device),
         block_tables, context_lens, query_start_loc, extra=(tokens, block_size, query.device))

@@ -26,13 +26,6 @@ from graphpar.serving.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestRejected"]
 
-# Engines of several models in one process (`graphpar serve --model a=... --model b=...`) step
-# one at a time: two engine threads stepping at once gave wrong greedy tokens now and then
-# (tests/serving/test_api_server.py::test_several_models_routed_by_name; the shared state is
-# not found yet), and on a CPU the steps compete for the same cores anyway.
-_STEP_LOCK = threading.Lock()
-
-
 class RequestRejected(GenerationError):
     """The engine refused a request when it was added (bad tokens, too long, never fits)."""
 
@@ -50,10 +43,19 @@ class _Stream:
     queue: asyncio.Queue
 
     def put(self, item: RequestOutput | BaseException | object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody listens any more
-            pass
+        _deliver(self.loop, [(self.queue, item)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """Hand items to their queues on ``loop``: one wake-up of the loop for all of them. The
+    engine's thread never waits for the loop; a closed loop (nobody listens) drops them."""
+    def put_all() -> None:
+        for q, item in items:
+            q.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the caller's loop is closed
+        pass
 
 
 class AsyncEngine:
@@ -114,6 +116,12 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await stream.queue.get()
+                # Outputs hold every token so far: when several steps' outputs wait (the
+                # event loop fell behind the engine), the latest stands for them all, and the
+                # caller sends one chunk with their tokens instead of one per token.
+                while isinstance(item, RequestOutput) and not item.finished and \
+                        not stream.queue.empty():
+                    item = stream.queue.get_nowait()
                 if item is _ABORTED:
                     finished = True  # nothing left to abort
                     return
@@ -150,15 +158,17 @@ class AsyncEngine:
                     self._handle(command)
                 outputs = []
                 if engine.has_unfinished_requests():
-                    with _STEP_LOCK:
-                        outputs = engine.step(stream=True)
+                    outputs = engine.step(stream=True)
+                by_loop: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.put(out)
+                        by_loop.setdefault(stream.loop, []).append((stream.queue, out))
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         engine.discard_request(out.request_id)  # the server keeps nothing
+                for loop, items in by_loop.items():  # one wake-up per step and event loop
+                    _deliver(loop, items)
                 if self.on_iteration is not None:
                     self.on_iteration(engine, outputs)
         except BaseException as exc:  # a bug or a dead rank: fail every caller, say why
@@ -196,7 +206,6 @@ class AsyncEngine:
             self._handle(("abort", request_id))
         outputs = []
         if self.engine.has_unfinished_requests():
-            with _STEP_LOCK:
-                outputs = self.engine.step()
+            outputs = self.engine.step()
         if self.on_iteration is not None:
             self.on_iteration(self.engine, outputs)

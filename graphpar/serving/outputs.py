@@ -311,6 +311,8 @@ class OutputProcessor:
         """The request's state as the engine reports it."""
         if request.params.use_beam_search:  # best first once finished; the live beams before
             seqs = request.finished_seqs if request.finished else list(request.seqs)
+        elif len(request.seqs) + len(request.finished_seqs) == 1:  # one sample: most requests
+            seqs = request.seqs or request.finished_seqs
         else:  # samples in the order they were created
             seqs = sorted(request.finished_seqs + request.seqs,
                           key=lambda s: int(s.seq_id.rsplit(".", 1)[1]))

@@ -3,6 +3,7 @@ top-p (nucleus), parallel samples and beam search."""
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,12 +50,14 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(_stop_entry(s) for s in stop))
 
-    @property
+    # cached (the engine asks for every generated token); a frozen dataclass's fields never
+    # change, so neither do these
+    @functools.cached_property
     def stop_strings(self) -> tuple[str, ...]:
         """The text entries of ``stop``."""
         return tuple(s for s in self.stop if isinstance(s, str))
 
-    @property
+    @functools.cached_property
     def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
         """The token-id entries of ``stop``."""
         return tuple(s for s in self.stop if isinstance(s, tuple))

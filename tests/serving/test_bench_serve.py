@@ -43,5 +43,8 @@ def test_serve_http_bench_writes_its_figures(load_bench, tmp_path, capsys):
     assert [r["rate_req_per_s"] for r in result["server"]] == [4.0, "inf"]
     assert all(r["requests"] == 4 and r["tokens_per_s"] > 0 for r in result["server"])
     assert result["hf_generate"]["generated_tokens"] == result["server"][0]["generated_tokens"]
+    assert result["engine_in_process"]["generated_tokens"] == result["server"][0][
+        "generated_tokens"]
+    assert len(result["all_at_once_runs"]) == 1 and result["speedup_over_hf"]["in_process"] > 0
     assert result["prefix_cache"]["prompt_tokens"] == 128
     assert "HF generate" in capsys.readouterr().out

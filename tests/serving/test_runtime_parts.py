@@ -93,3 +93,52 @@ def test_torch_cache_write_skips_padding():
     torch_paged.reshape_and_cache(key, value, k, v, slots)
     reference_paged.reshape_and_cache(key, value, k2, v2, slots)
     assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_torch_paged_attention_from_two_threads_at_once():
+    """Two threads (two engines' loops) call the decode and prefill kernels at once, each with
+    its own block tables, new tensors every step and two layers per step, as an engine does;
+    every result equals the reference. The kernels build a step's metadata once and reuse it
+    for the step's other layers: metadata shared between threads handed one thread's layers
+    the other's tables now and then."""
+    import sys
+    import threading
+
+    k, v, tables, heads = _batch(2, torch.float32)
+    cases = []
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        order = torch.randperm(32, generator=generator)[:24].view(4, 6).int()
+        lens = torch.randint(1, 48, (4,), generator=generator, dtype=torch.int32)
+        query = torch.randn(4, heads, 16, generator=generator)
+        starts = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32)
+        cases.append((order, lens, query, starts,
+                      reference_paged.paged_attention(query, k, v, order, lens, 0.3),
+                      reference_paged.paged_prefill_attention(query, k, v, order, lens,
+                                                              starts, 0.3)))
+    wrong = [0, 0]
+    barrier = threading.Barrier(2)
+
+    def steps(i):
+        order, lens, query, starts, decode, prefill = cases[i]
+        barrier.wait(timeout=30)
+        for _ in range(400):
+            step_tables, step_lens, step_starts = order.clone(), lens.clone(), starts.clone()
+            for _layer in range(2):
+                out = torch_paged.paged_attention(query, k, v, step_tables, step_lens, 0.3)
+                wrong[i] += not torch.allclose(out, decode, atol=1e-5, rtol=1e-5)
+                out = torch_paged.paged_prefill_attention(query, k, v, step_tables, step_lens,
+                                                          step_starts, 0.3)
+                wrong[i] += not torch.allclose(out, prefill, atol=1e-5, rtol=1e-5)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as Python allows
+    try:
+        threads = [threading.Thread(target=steps, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == [0, 0]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).with_name("serve.json")))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     batches = [int(b) for b in args.batch.split(",")]
     rows = []
     header = (f"{'model':<11} {'batch':>5} {'system':<7} {'tok/s':>9} {'seconds':>8} "
@@ -177,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                     "torch": torch.__version__, "threads": args.threads,
                     "tensor_parallel": args.tensor_parallel, "tp_cluster": args.tp_cluster},
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "rows": rows,
     }
+    print(f"load average (1 min): {load_before:.1f} before, "
+          f"{result['load_average_1m']['after']:.1f} after")
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

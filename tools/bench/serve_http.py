@@ -178,14 +178,19 @@ async def _long_prompts_arrive(url: str, seed: int) -> dict:
                                                         for r in results[4:])}
 
 
-def _hf_generate(model_file: Path, prompts, lengths, batch: int) -> dict:
+def _load_model(model_file: Path):
     import torch
 
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("bench_model", model_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model = module.build()[0]
+    return module.build()[0]
+
+
+def _hf_generate(model, prompts, lengths, batch: int) -> dict:
+    import torch
+
     start = time.perf_counter()
     tokens = 0
     with torch.no_grad():
@@ -203,12 +208,30 @@ def _hf_generate(model_file: Path, prompts, lengths, batch: int) -> dict:
             "tokens_per_s": tokens / seconds}
 
 
+def _engine_in_process(llm, prompts, lengths) -> dict:
+    """The engine without the HTTP hop: ``LLM.generate`` on every request at time 0."""
+    from graphpar.serving.sampling import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    return sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="2,8,inf", help="request rates, requests/s")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=3, help="prefix-cache pairs")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="prefix-cache pairs, and runs of each side of the all-at-once "
+                             "throughput comparison (interleaved; the median is reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=64, metavar="N",
                         help="chunked prefill's budget (--max-num-batched-tokens) for the "
@@ -218,14 +241,31 @@ def main(argv: list[str] | None = None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     context = 256
     prompts, lengths = _workload(args.requests, context, args.seed)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         model_file = Path(tmp) / "gpt2_bench.py"
         model_file.write_text(MODEL_FILE)
+        from graphpar.serving.llm import LLM
+
+        model = _load_model(model_file)
+        llm = LLM(model, max_num_seqs=args.batch)
         server = Server(model_file, args.batch)
         try:
             asyncio.run(_load(server.url, prompts[:4], [2] * 4, float("inf"), 0))  # warm up
+            _engine_in_process(llm, prompts, lengths)
+            _hf_generate(model, prompts[:args.batch], lengths[:args.batch], args.batch)
+            # Every request at once, the three sides interleaved so that other load hits
+            # them alike; each side's median run is reported.
+            runs = []
+            for _ in range(args.repeat):
+                runs.append({
+                    "http": asyncio.run(_load(server.url, prompts, lengths, float("inf"),
+                                              args.seed)),
+                    "hf_generate": _hf_generate(model, prompts, lengths, args.batch),
+                    "engine": _engine_in_process(llm, prompts, lengths)})
             loads = [asyncio.run(_load(server.url, prompts, lengths, r, args.seed))
-                     for r in rates]
+                     for r in rates if r != float("inf")]
+            loads.append(_median_run([r["http"] for r in runs]))
             prefix = asyncio.run(_prefix_ttft(server.url, context, args.repeat, args.seed))
         finally:
             server.stop()
@@ -239,21 +279,35 @@ def main(argv: list[str] | None = None) -> int:
                     _long_prompts_arrive(server.url, args.seed))
             finally:
                 server.stop()
-        hf = _hf_generate(model_file, prompts, lengths, args.batch)
+    hf = _median_run([r["hf_generate"] for r in runs])
+    engine = _median_run([r["engine"] for r in runs])
     result = {"cpu": cpu_model(), "cores": os.cpu_count(), "model": "HF GPT-2, 4 layers, 256 wide",
               "batch": args.batch, "requests": args.requests, "server": loads,
-              "hf_generate": hf, "prefix_cache": prefix, "long_prompts_arrive": chunked,
-              "note": "measured (clock); server figures at the client over 127.0.0.1"}
+              "hf_generate": hf, "engine_in_process": engine,
+              "all_at_once_runs": [{side: round(r[side]["tokens_per_s"], 1) for side in r}
+                                   for r in runs],
+              "speedup_over_hf": {"http": loads[-1]["tokens_per_s"] / hf["tokens_per_s"],
+                                  "in_process": engine["tokens_per_s"] / hf["tokens_per_s"]},
+              "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]},
+              "prefix_cache": prefix, "long_prompts_arrive": chunked,
+              "note": "measured (clock); server figures at the client over 127.0.0.1; the "
+                      "all-at-once rows (rate inf, HF generate, engine in process) are "
+                      f"medians of {args.repeat} interleaved runs"}
     print(f"CPU: {result['cpu']} ({result['cores']} cores); batch {args.batch}, "
-          f"{args.requests} requests")
+          f"{args.requests} requests; load average {load_before[0]:.1f} before, "
+          f"{result['load_average_1m']['after']:.1f} after")
     print("| system | rate (req/s) | tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) |")
     print("|---|---|---|---|---|")
     for row in loads:
         print(f"| graphpar serve | {row['rate_req_per_s']} | {row['tokens_per_s']:.0f} | "
               f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | "
               f"{row['tpot_p50_s']:.4f} / {row['tpot_p99_s']:.4f} |")
+    print(f"| engine in process (LLM.generate) | inf | {engine['tokens_per_s']:.0f} | - | - |")
     print(f"| HF generate, static batches of {args.batch} | inf | {hf['tokens_per_s']:.0f} "
           f"| - | - |")
+    print(f"all at once, over HF generate: {result['speedup_over_hf']['http']:.2f}x through "
+          f"HTTP, {result['speedup_over_hf']['in_process']:.2f}x in process; runs (tok/s): "
+          f"{result['all_at_once_runs']}")
     print(f"prefix of {prefix['prompt_tokens']} tokens: TTFT cold {prefix['cold_ttft_p50_s']:.3f}"
           f" s, warm {prefix['warm_ttft_p50_s']:.3f} s (median of {args.repeat})")
     for name, row in chunked.items():

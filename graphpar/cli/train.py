@@ -43,6 +43,9 @@ def add_train_parser(sub) -> None:
                         "Under torchrun write --log-file: torchrun reads --log as its --log-dir")
     t.add_argument("--seed", type=int, default=0, help="seeds the weights (torch.manual_seed "
                                                        "before build()) and the data sampler")
+    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the ranks run: cpu (gloo), cuda (one GPU per rank, NCCL), or "
+                        "auto: cuda when every rank on this machine gets a GPU, else cpu")
     t.add_argument("--no-progress", action="store_true", help="no progress line")
     t.set_defaults(fn=cmd_train)
 
@@ -79,7 +82,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     import torch
 
     from graphpar.cli.common import load_target
-    from graphpar.training.loop import TrainOptions, train, under_torchrun
+    from graphpar.training.loop import (
+        TrainOptions,
+        choose_device,
+        local_ranks,
+        train,
+        under_torchrun,
+    )
 
     check_train_options(args)
     mesh = plan_mesh(args)
@@ -89,6 +98,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) "
                          f"but --mesh {args.mesh} has {mesh.size} devices: start one process "
                          "per device (--nnodes x --nproc-per-node)")
+    device = choose_device(args.device, cuda=torch.cuda.is_available(),
+                           gpus=torch.cuda.device_count(), ranks=local_ranks(mesh),
+                           pipelined=bool(args.pipeline))
     torch.manual_seed(args.seed)
     spec = load_target(args.model, args.example, "train")
     if args.pipeline:
@@ -103,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress,
         pipeline=args.pipeline or None, microbatches=args.microbatches or 4,
-        schedule=args.schedule or "1f1b", token_slices=args.token_slices)
+        schedule=args.schedule or "1f1b", token_slices=args.token_slices, device=device)
     summary = train(options)
     if summary:
         losses = summary["losses"]
@@ -111,8 +123,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"trained {summary['model']} on mesh {summary['mesh']}: steps "
                   f"{summary['first_step'] + 1}..{summary['steps']}, loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f}")
+            on = "cuda, NCCL" if summary["device"] == "cuda" else "cpu, gloo"
             print(f"step time  {summary['step_seconds_measured'] * 1e3:.2f} ms measured "
-                  f"(median, rank 0), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
+                  f"(median, rank 0, {on}), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
                   f"estimated (cost model, cluster {summary['estimated_on']})")
         if summary.get("pipeline"):
             p = summary["pipeline"]

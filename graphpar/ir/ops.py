@@ -312,14 +312,51 @@ def _attention(q, k, v, mask=None, causal=False, scale=None, gqa=False):
 
 
 def _attention_with_lse(q, k, v, mask=None, causal=False, scale=None):
+    if q.device.type != "cpu":
+        return _math_attention_with_lse(q, k, v, mask, causal, scale)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse
 
 
 def _attention_backward(grad, q, k, v, out, lse, mask=None, causal=False, scale=None):
+    if q.device.type != "cpu":
+        return _math_attention_backward(grad, q, k, v, out, lse, mask, causal, scale)
     return tuple(aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale))
+
+
+# The CPU flash-attention kernel has no CUDA form (a training rank on a GPU runs the same IR):
+# elsewhere the same results, written out in float32: out, and the log-sum-exp [batch, heads,
+# seq_q] of the scaled, masked scores that the backward recomputes the probabilities from.
+
+def _scores(q, k, mask, causal, scale):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if causal:  # top-left aligned, as scaled_dot_product_attention's is_causal
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s, scale
+
+
+def _math_attention_with_lse(q, k, v, mask, causal, scale):
+    s, _ = _scores(q, k, mask, causal, scale)
+    lse = torch.logsumexp(s, -1)
+    out = torch.exp(s - lse.unsqueeze(-1)) @ v.float()
+    return out.to(q.dtype), lse
+
+
+def _math_attention_backward(grad, q, k, v, out, lse, mask, causal, scale):
+    s, scale = _scores(q, k, mask, causal, scale)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    g = grad.float()
+    dv = p.transpose(-2, -1) @ g
+    ds = p * (g @ v.float().transpose(-2, -1) - (g * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ k.float()) * scale
+    dk = (ds.transpose(-2, -1) @ q.float()) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 _op("attention", C, _attention,

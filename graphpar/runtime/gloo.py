@@ -105,13 +105,14 @@ def all_axes(ndim: int) -> list[tuple[int, ...]]:
 
 
 def new_process_groups(mesh: Mesh, axes: Iterable[Sequence[int]] | None,
-                       global_ranks: Sequence[int], me: int
+                       global_ranks: Sequence[int], me: int, backend: str = "gloo"
                        ) -> dict[tuple[int, ...], tuple[tuple[int, ...], object]]:
-    """One gloo process group per mesh-axis group of `mesh` for each axes tuple in `axes`
-    (every combination if None), in sorted order, the mesh's positions played by
-    `global_ranks`. `new_group` is collective over the whole world: every rank calls this for
-    every mesh with the same arguments in the same order, members or not. Returns the groups
-    global rank `me` is in: axes -> (mesh positions in group order, process group)."""
+    """One process group (`backend`: gloo, or nccl for CUDA tensors) per mesh-axis group of
+    `mesh` for each axes tuple in `axes` (every combination if None), in sorted order, the
+    mesh's positions played by `global_ranks`. `new_group` is collective over the whole world:
+    every rank calls this for every mesh with the same arguments in the same order, members or
+    not. Returns the groups global rank `me` is in: axes -> (mesh positions in group order,
+    process group)."""
     wanted = all_axes(mesh.ndim) if axes is None else sorted(
         {tuple(sorted(mesh.axes(tuple(a)))) for a in axes})
     mine: dict[tuple[int, ...], tuple[tuple[int, ...], object]] = {}
@@ -121,7 +122,7 @@ def new_process_groups(mesh: Mesh, axes: Iterable[Sequence[int]] | None,
             if len(positions) == 1:
                 continue
             members = [global_ranks[p] for p in positions]
-            pg = dist.new_group(members, backend="gloo")
+            pg = dist.new_group(members, backend=backend)
             if me in members:
                 mine[ax] = (positions, pg)
     return mine
@@ -136,13 +137,18 @@ class GlooCommunicator(Communicator):
     groups are made for exactly these, in sorted order, so every rank must pass the same.
     Ranks outside a sub-mesh must make the same groups too (`new_process_groups`).
     Its records count the payloads it hands to torch.distributed (`bytes_counted`).
+
+    `backend="nccl"` makes those groups NCCL's, for a rank whose tensors are on its GPU
+    (`tensor_device`, where the receives' buffers are made); the world group stays as it was
+    initialized. The byte counts are gloo's algorithms' payloads either way.
     """
 
     counts_payloads = True
 
     def __init__(self, mesh: Mesh, rank: int | None = None,
                  axes: Iterable[Sequence[int]] | None = None, *, deterministic: bool = True,
-                 global_ranks: Sequence[int] | None = None):
+                 global_ranks: Sequence[int] | None = None, backend: str = "gloo",
+                 tensor_device: torch.device | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise BackendError("GlooCommunicator needs torch.distributed initialized "
                                "(init_process_group('gloo', ...)) first")
@@ -163,7 +169,9 @@ class GlooCommunicator(Communicator):
             rank = global_ranks.index(me)
         super().__init__(mesh, rank, global_ranks, world)
         self.deterministic = deterministic
-        self._process_groups = new_process_groups(mesh, axes, global_ranks, self.global_rank)
+        self.tensor_device = tensor_device
+        self._process_groups = new_process_groups(mesh, axes, global_ranks, self.global_rank,
+                                                  backend)
         self._sends: list[tuple[object, torch.Tensor]] = []
         # launched buckets by their nodes and shapes: mesh axes, reduce op and byte records
         self._buckets: dict[tuple, tuple[tuple[int, ...], str, list]] = {}
@@ -237,7 +245,7 @@ class GlooCommunicator(Communicator):
         self._count(buf.numel() * buf.element_size())
 
     def _recv(self, shape, dtype, src, tag):
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.tensor_device)
         with _communicating(f"recv from rank {src}"):
             dist.recv(out, src=src, tag=tag)
         return out
@@ -246,7 +254,7 @@ class GlooCommunicator(Communicator):
         # posted before the sender's isend, gloo writes the data from that isend at once and
         # this process's I/O thread reads it in the background; posted after, the data waits
         # for the sending process's I/O thread to see the receive's notice (docs/pipeline.md)
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.tensor_device)
         with _communicating(f"recv from rank {src}"):
             work = dist.irecv(out, src=src, tag=tag)
 

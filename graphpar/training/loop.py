@@ -58,11 +58,41 @@ class TrainOptions:
     microbatches: int = 4
     schedule: str = "1f1b"
     token_slices: str | None = None  # "auto" or a number: the stages run token slices
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL), as `choose_device` resolved it
 
 
 def under_torchrun() -> bool:
     """Whether torchrun (or another launcher setting its environment) started this process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def local_ranks(mesh: Mesh) -> int:
+    """How many ranks run on this machine: torchrun's LOCAL_WORLD_SIZE, else the mesh's
+    devices (alone, every rank is a process here)."""
+    if under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    return mesh.size
+
+
+def choose_device(requested: str, *, cuda: bool, gpus: int, ranks: int,
+                  pipelined: bool) -> str:
+    """`--device auto|cpu|cuda` given what this machine has (`cuda`: torch.cuda.is_available(),
+    `gpus` visible, `ranks` on this machine): "cpu" or "cuda". auto takes CUDA only when every
+    local rank gets a GPU of its own; an explicit cuda that cannot be met is a usage error."""
+    if requested == "cpu" or (requested == "auto" and (pipelined or not cuda or gpus < ranks)):
+        return "cpu"
+    if requested != "auto" and requested != "cuda":
+        raise UsageError(f"--device {requested}: give auto, cpu or cuda")
+    if not cuda:
+        raise UsageError("--device cuda: this torch sees no CUDA GPU (torch.cuda.is_available() "
+                         "is False); use --device cpu or auto")
+    if gpus < ranks:
+        raise UsageError(f"--device cuda: {ranks} ranks on this machine but {gpus} GPUs visible; "
+                         "one GPU per rank (a smaller --mesh, or more CUDA_VISIBLE_DEVICES)")
+    if pipelined:
+        raise UsageError("--device cuda: pipelined plans train on CPU only for now; drop "
+                         "--pipeline or use --device cpu")
+    return "cuda"
 
 
 def data_entry(options: TrainOptions) -> dict:
@@ -171,7 +201,7 @@ def run_alone(start: Start, options: TrainOptions, reporter: Reporter) -> None:
             write_pipeline_job(job.folder, start)
         else:
             job.folder.describe({"plan": plan_description(plan), "data": start.data,
-                                 "timeout": TIMEOUT_S})
+                                 "timeout": TIMEOUT_S, "device": options.device})
             job.folder.write_text("step.gpir", plan.program)
             job.folder.save("constants.pt", plan.constants)
             job.save_each("state", start.states)
@@ -225,8 +255,15 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
         raise UsageError(f"torchrun started {world} processes (WORLD_SIZE) but --mesh "
                          f"{'x'.join(map(str, options.mesh.shape))} has {options.mesh.size} "
                          "devices: start one process per device (--nnodes x --nproc-per-node)")
-    # gloo: the ranks run the step with the CPU interpreter (NCCL waits for a CUDA runtime)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
+    device = "cpu"
+    if options.device == "cuda":
+        # this rank's GPU before the group, so that NCCL and the object collectives use it;
+        # gloo keeps the CPU side (the plan's broadcast, DCP's planning, the barriers)
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dist.init_process_group("cpu:gloo,cuda:nccl" if options.device == "cuda" else "gloo",
+                            timeout=timedelta(seconds=TIMEOUT_S))
     cleanup: list[Path] = []
     try:
         outcome: list = [None]
@@ -267,7 +304,7 @@ def train_as_torchrun_rank(options: TrainOptions) -> dict:
             dist.scatter_object_list(mine, states if rank == 0 else None, src=0)
             from graphpar.training.rank import TrainRank
 
-            trainer = TrainRank(plan, rank, data, mine[0])
+            trainer = TrainRank(plan, rank, data, mine[0], device=device)
         if resume:
             trainer.load(Path(resume))
         reporter = Reporter(plan, options, first_step=step) if rank == 0 else None

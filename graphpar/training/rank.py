@@ -10,6 +10,7 @@ a process torchrun started (`graphpar.training.loop`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -63,6 +64,10 @@ class RankSteps:
     def state_dict(self, step: int) -> dict:
         raise NotImplementedError
 
+    def synchronize(self) -> None:
+        """Wait for this rank's device to finish what was queued (a GPU's kernels run behind
+        the Python that launched them), so that the clock measures the step."""
+
     def run_steps(self, start: int, stop: int, checkpoint_dir: str | None = None,
                   every: int | None = None,
                   on_step: Callable[[dict], None] | None = None) -> list[float]:
@@ -70,8 +75,10 @@ class RankSteps:
         save a checkpoint every `every` updates and after the last."""
         losses = []
         for index in range(start, stop):
+            self.synchronize()
             began = time.perf_counter()
             loss = self.step(index)
+            self.synchronize()
             seconds = time.perf_counter() - began
             losses.append(loss)
             done = index + 1
@@ -135,24 +142,36 @@ class TrainRank(RankSteps):
 
     def __init__(self, plan: TrainPlan, rank: int, data: dict,
                  state: dict[str, torch.Tensor],
-                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+                 device: str = "cpu") -> None:
         """`bucket_bytes`: the gradient all-reduces go in buckets of about this many bytes,
         each launched as soon as its gradients are computed and waited for where the update
         first reads one, the updates deferred until after the backward
-        (`graphpar.runtime.overlap`); None runs the program as it is."""
+        (`graphpar.runtime.overlap`); None runs the program as it is.
+
+        `device`: "cpu", or a GPU ("cuda:N"): the state and batches live there, the step's
+        collectives go over NCCL, and the program runs under that device as torch's default
+        (its `full`/`arange` nodes and the communicator's buffers are made there)."""
         self.plan, self.rank, self.data = plan, rank, data
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)
         graph = parse(plan.program, f"{plan.name}.gpir")
         for out, target in zip(graph.outputs, plan.targets):
             out.target = target
         self.mesh = graph.mesh
-        self.comm = GlooCommunicator(self.mesh, rank, plan.axes, deterministic=False)
+        self.comm = GlooCommunicator(self.mesh, rank, plan.axes, deterministic=False,
+                                     backend="nccl" if self.on_gpu else "gloo",
+                                     tensor_device=self.device if self.on_gpu else None)
         buckets = []
         if bucket_bytes is not None:
             defer_reduced(graph)
             buckets = plan_buckets(graph, bucket_bytes)
         self.interpreter = Interpreter(graph, self.comm, buckets=buckets)
         self.outputs = graph.outputs
-        self.state = dict(state)
+        self.state = ({k: v.to(self.device) for k, v in state.items()} if self.on_gpu
+                      else dict(state))
         self.batches = batch_source(data, plan)
         self.layouts = {name: t.placements() for name, t in plan.inputs.items()}
         # the batch rows this rank holds of any input (a data-parallel plan: its share)
@@ -161,7 +180,11 @@ class TrainRank(RankSteps):
         self.rows = slice(min(s.start for s in held), max(s.stop for s in held))
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device_mesh = init_device_mesh("cpu", tuple(self.mesh.shape))
+        self.device_mesh = init_device_mesh(self.device.type, tuple(self.mesh.shape))
+
+    def synchronize(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
 
     # --- steps ------------------------------------------------------------------------------
 
@@ -172,7 +195,10 @@ class TrainRank(RankSteps):
         local = dict(self.state)
         for (name, layout), tensor in zip(self.layouts.items(), (*inputs, *targets)):
             local[name] = shard_tensor(tensor, layout, self.mesh, self.rank)
-        outputs = self.interpreter.run(local)
+            if self.on_gpu:
+                local[name] = local[name].to(self.device)
+        with torch.device(self.device) if self.on_gpu else contextlib.nullcontext():
+            outputs = self.interpreter.run(local)
         self.comm.finish()
         for out, value in zip(self.outputs, outputs):
             if out.target is not None and out.role.value == "update":
@@ -183,6 +209,7 @@ class TrainRank(RankSteps):
         layout = self.outputs[self.plan.loss_index].value.layout
         if layout.is_replicated:
             return float(local)
+        local = local.cpu()  # over the world's gloo group, whatever the step's device
         gathered = [torch.empty_like(local) for _ in range(self.mesh.size)]
         dist.all_gather(gathered, local.contiguous())
         return float(unshard(gathered, layout, self.mesh))
@@ -224,7 +251,9 @@ class TrainWorker(JobWorker):
         super().__init__(jobdir, rank, world)
         plan = plan_from_description(self.job["plan"], self.folder.read_text("step.gpir"),
                                      self.folder.load("constants.pt"))
-        self.trainer = TrainRank(plan, rank, self.job["data"], self.load_own("state"))
+        device = self.job.get("device", "cpu")  # alone, every rank is on this machine
+        self.trainer = TrainRank(plan, rank, self.job["data"], self.load_own("state"),
+                                 device=f"cuda:{rank}" if device == "cuda" else "cpu")
 
     def train(self, start: int, stop: int, resume: str | None, checkpoint_dir: str | None,
               every: int | None) -> None:

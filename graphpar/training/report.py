@@ -75,6 +75,7 @@ class Reporter:
             "step_seconds_estimated": self.plan.estimated_seconds,
             "estimated_on": self.plan.cluster,
             "pipeline": self.plan.pipeline,
+            "device": self.options.device,
         }
         if self.options.log is not None:
             curve = self.options.log.with_suffix(".html")

@@ -36,3 +36,15 @@ def test_train_checkpoint_resume_and_load_equal_eager(tmp_path, capsys):
                                    msg=name)
     out = capsys.readouterr().out
     assert "ms measured" in out and "ms estimated" in out
+    if not torch.cuda.is_available():  # --device auto without a GPU: gloo on CPU, as before
+        assert "(median, rank 0, cpu, gloo)" in out
+
+
+def test_device_cpu_trains_as_auto_does_without_a_gpu(tmp_path, capsys):
+    """--device cpu: the same losses as eager (and so as the default, auto, on a machine
+    without a GPU: the test above)."""
+    log = tmp_path / "run.jsonl"
+    assert train("--mesh", 2, "--steps", 2, "--optimizer", "sgd", "--lr", "0.5", "--device",
+                 "cpu", "--log", log) == 0
+    assert logged_losses(log) == pytest.approx(eager_run(2, "sgd", 0.5)[1], rel=1e-4)
+    assert "(median, rank 0, cpu, gloo)" in capsys.readouterr().out

@@ -76,3 +76,38 @@ def test_under_torchrun_the_world_must_be_the_mesh(monkeypatch, capsys):
     assert main(["train", str(MODEL), "--mesh", "2x2", "--steps", "2"]) == 2
     err = capsys.readouterr().err
     assert "torchrun started 2 processes (WORLD_SIZE) but --mesh 2x2 has 4 devices" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_device_cuda_without_a_gpu(capsys):
+    assert train("--steps", 2, "--device", "cuda") == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: this torch sees no CUDA GPU" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("requested, facts, chosen", [
+    ("auto", dict(cuda=False, gpus=0, ranks=2, pipelined=False), "cpu"),
+    ("auto", dict(cuda=True, gpus=1, ranks=2, pipelined=False), "cpu"),  # a GPU per rank
+    ("auto", dict(cuda=True, gpus=2, ranks=2, pipelined=True), "cpu"),  # pipelines: CPU
+    ("auto", dict(cuda=True, gpus=8, ranks=2, pipelined=False), "cuda"),
+    ("cpu", dict(cuda=True, gpus=8, ranks=2, pipelined=False), "cpu"),
+    ("cuda", dict(cuda=True, gpus=2, ranks=2, pipelined=False), "cuda"),
+])
+def test_choose_device(requested, facts, chosen):
+    from graphpar.training.loop import choose_device
+
+    assert choose_device(requested, **facts) == chosen
+
+
+@pytest.mark.parametrize("facts, message", [
+    (dict(cuda=False, gpus=0, ranks=2, pipelined=False), "sees no CUDA GPU"),
+    (dict(cuda=True, gpus=1, ranks=2, pipelined=False), "2 ranks on this machine but 1 GPUs"),
+    (dict(cuda=True, gpus=2, ranks=2, pipelined=True), "pipelined plans train on CPU only"),
+])
+def test_device_cuda_that_cannot_be_met(facts, message):
+    from graphpar.errors import UsageError
+    from graphpar.training.loop import choose_device
+
+    with pytest.raises(UsageError, match=message):
+        choose_device("cuda", **facts)

@@ -226,6 +226,10 @@ class LLMEngine:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary "
                                   f"(0..{info.vocab_size - 1})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < info.vocab_size]
+        if bad:
+            raise GenerationError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                  f"(0..{info.vocab_size - 1})")
         if params.num_seqs > self.config.max_num_seqs:
             what = "beams" if params.use_beam_search else "parallel samples"
             raise GenerationError(

@@ -11,7 +11,10 @@ import torch
 
 from graphpar.errors import GenerationError
 
-__all__ = ["BeamCandidate", "SamplingParams", "beam_candidates", "beam_score", "sample_tokens"]
+__all__ = ["BeamCandidate", "SamplingParams", "adjust_logits", "beam_candidates", "beam_score",
+           "sample_tokens", "top_logprobs"]
+
+MAX_TOP_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,15 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(_stop_entry(s) for s in stop))
@@ -58,6 +68,12 @@ class SamplingParams:
     def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
         """The token-id entries of ``stop``."""
         return tuple(s for s in self.stop if isinstance(s, tuple))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     @property
     def use_beam_search(self) -> bool:
@@ -96,6 +112,19 @@ class SamplingParams:
              "stop sequences must not be empty"),
             (not self.stop_strings or not self.use_beam_search,
              "stop strings are not supported with beam search: give stop token ids"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0 < self.repetition_penalty <= 2,
+             f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100], got "
+             f"{[b for _, b in self.logit_bias if not -100 <= b <= 100][:1]}"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"),
+            (not self.use_beam_search or not (self.adjusts_logits or self.top_logprobs),
+             "penalties, logit_bias and top_logprobs are not supported with beam search"),
         ]
         for ok, message in checks:
             if not ok:
@@ -130,7 +159,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None],
-                  banned: Sequence[Sequence[int]] | None = None
+                  banned: Sequence[Sequence[int]] | None = None,
+                  histories: Sequence[tuple[Sequence[int], int]] | None = None
                   ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` ``[rows, vocab]`` under that row's params.
 
@@ -138,7 +168,9 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits, before temperature and filtering). Greedy rows take the argmax (first on ties, as
     torch and Hugging Face do); sampled rows draw from ``softmax(logits / T)`` restricted to
     top-k and top-p, with the row's generator. ``banned[i]``: token ids row ``i`` may not take
-    (a sequence short of its ``min_tokens``: EOS and stop tokens).
+    (a sequence short of its ``min_tokens``: EOS and stop tokens). ``histories[i]``: row
+    ``i``'s tokens so far and how many of them are the prompt, for its penalties
+    (:func:`adjust_logits`; rows whose params adjust nothing may give anything).
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -147,6 +179,8 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
         for row, tokens in enumerate(banned):
             if tokens:
                 logits[row, list(tokens)] = float("-inf")
+    if histories is not None:
+        logits = adjust_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
@@ -160,6 +194,59 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with each row's logit bias and penalties applied (see
+    :class:`SamplingParams`), batched over the rows that have any; ``histories[i]`` is row
+    ``i``'s (tokens so far, prompt length). Returns ``logits`` itself when no row has any."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device, vocab = logits.device, logits.shape[-1]
+    bias = [(i, t, b) for i in rows for t, b in params[i].logit_bias]
+    if bias:
+        at, token, value = zip(*bias)
+        logits.index_put_((torch.tensor(at, device=device), torch.tensor(token, device=device)),
+                          torch.tensor(value, device=device), accumulate=True)
+    repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if repeat:  # every token of the prompt and the output
+        seen = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=device)
+        for j, i in enumerate(repeat):
+            seen[j, torch.tensor(histories[i][0], dtype=torch.long, device=device)] = True
+        penalty = torch.tensor([params[i].repetition_penalty for i in repeat],
+                               device=device)[:, None]
+        sub = logits[repeat]
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+        logits[repeat] = sub
+    counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+    if counted:  # the generated tokens only
+        counts = torch.zeros(len(counted), vocab, device=device)
+        for j, i in enumerate(counted):
+            tokens, prompt_len = histories[i]
+            generated = torch.tensor(tokens[prompt_len:], dtype=torch.long, device=device)
+            counts[j].index_add_(0, generated, torch.ones(len(generated), device=device))
+        frequency = torch.tensor([params[i].frequency_penalty for i in counted], device=device)
+        presence = torch.tensor([params[i].presence_penalty for i in counted], device=device)
+        logits[counted] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+    return logits
+
+
+def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]] | None]:
+    """Row ``i``'s ``ks[i]`` most likely tokens as (token id, log-probability), most likely
+    first, under the model (log-softmax of the raw logits); None for rows with ``ks[i] == 0``."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    result: list[list[tuple[int, float]] | None] = [None] * len(ks)
+    if not rows:
+        return result
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    values, ids = logprobs.topk(min(max(ks[i] for i in rows), logprobs.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        result[i] = list(zip(ids[j][:ks[i]], values[j][:ks[i]]))
+    return result
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class SequenceState:
     """
 
     __slots__ = ("seq_id", "tokens", "prompt_len", "cumulative_logprob", "logprobs",
-                 "finish_reason", "generator", "text")
+                 "finish_reason", "generator", "text", "top_logprobs")
 
     def __init__(self, seq_id: str, tokens: list[int], prompt_len: int,
                  generator: torch.Generator | None = None) -> None:
@@ -71,6 +71,8 @@ class SequenceState:
         self.finish_reason: str | None = None
         self.generator = generator
         self.text: str | None = None  # the output text, once a text stop string ended it
+        # per generated token, the most likely (token, logprob) pairs, when the request asks
+        self.top_logprobs: list[list[tuple[int, float]]] = []
 
     @property
     def output_tokens(self) -> list[int]:
@@ -90,6 +92,7 @@ class SequenceState:
         child = SequenceState(seq_id, list(self.tokens), self.prompt_len, self.generator)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
+        child.top_logprobs = list(self.top_logprobs)
         return child
 
 

@@ -98,3 +98,14 @@ def test_engine_top_logprobs_equal_eager_log_softmax(models, engines):
             ids.append(token)
     (plain,) = llm.generate([prompt], SamplingParams(max_tokens=2))
     assert plain.outputs[0].top_logprobs is None
+
+
+def test_naive_baseline_applies_the_same_penalties(models):
+    from graphpar.serving.naive import naive_generate
+
+    module = models("gpt").eval()
+    (prompt,) = prompts([5], seed=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, frequency_penalty=2.0,
+                            logit_bias={"5": 3.0})
+    result = naive_generate(module, [prompt], params)
+    assert result.tokens[0] == eager_penalized_greedy(module, prompt, 8, params)

@@ -31,6 +31,14 @@ class SamplingParams:
     ``min_tokens`` new tokens only ``max_tokens`` and the context stop a sequence: EOS and
     ``stop_token_ids`` cannot be sampled (their logits are masked, as in vLLM) and stop
     sequences and strings are not looked for.
+
+    Before sampling (and before temperature), the logits are adjusted as OpenAI and vLLM do:
+    ``logit_bias`` ((token id, bias) pairs, or a dict) is added; ``repetition_penalty`` (vLLM's,
+    as in CTRL) divides the positive and multiplies the negative logits of every token seen in
+    the prompt or the output; ``frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``
+    is subtracted, ``count`` over the sequence's generated tokens. The reported log-probabilities
+    stay the model's (log-softmax of the raw logits). ``top_logprobs``: also return this many
+    most likely tokens (by the model's log-probabilities) at each generated position.
     """
 
     max_tokens: int = 16

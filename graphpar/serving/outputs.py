@@ -48,6 +48,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache, not a prefill
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else (its
+    # logprob given those before it, the most likely (token id, logprob) pairs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def latency(self) -> float | None:
@@ -182,6 +185,24 @@ class OutputProcessor:
         for request, a, b in rows:
             if request.params.use_beam_search:
                 self._beam_step(request, logits[a:b], finished)
+
+    def prompt_logprobs(self, item: PrefillItem, logits: torch.Tensor) -> None:
+        """Record the prompt tokens' log-probabilities from ``logits``, one row per position
+        ``item.start .. item.end - 1`` (row ``p`` predicts the token at ``p + 1``)."""
+        request = item.request
+        prompt = request.prompt
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(prompt)
+        end = min(item.end, len(prompt) - 1)  # the last rows predict generated tokens
+        if end <= item.start:
+            return
+        rows = logits[:end - item.start]
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        targets = torch.tensor(prompt[item.start + 1:end + 1])
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        tops = top_logprobs(rows, [request.params.prompt_logprobs] * len(chosen))
+        for j, position in enumerate(range(item.start + 1, end + 1)):
+            request.prompt_logprobs[position] = (chosen[j], tops[j] or [])
 
     # --- tokens and stop conditions -----------------------------------------------------------
 
@@ -331,7 +352,9 @@ class OutputProcessor:
         return RequestOutput(request.request_id, list(request.prompt), outputs,
                              request.finished, request.error, request.arrival_time,
                              request.first_token_time, request.finish_time,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens,
+                             None if request.prompt_logprobs is None
+                             else list(request.prompt_logprobs))
 
     def _text(self, seq: SequenceState) -> str | None:
         if seq.text is not None or self.detokenize is None:

@@ -39,6 +39,9 @@ class SamplingParams:
     is subtracted, ``count`` over the sequence's generated tokens. The reported log-probabilities
     stay the model's (log-softmax of the raw logits). ``top_logprobs``: also return this many
     most likely tokens (by the model's log-probabilities) at each generated position.
+    ``prompt_logprobs`` (None: off): each prompt token's log-probability given the tokens before
+    it, with this many most likely tokens at each position; such a prompt is computed whole
+    (the prefix cache is not looked up for it).
     """
 
     max_tokens: int = 16
@@ -59,6 +62,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -131,8 +135,13 @@ class SamplingParams:
              f"{[b for _, b in self.logit_bias if not -100 <= b <= 100][:1]}"),
             (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
              f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"),
-            (not self.use_beam_search or not (self.adjusts_logits or self.top_logprobs),
-             "penalties, logit_bias and top_logprobs are not supported with beam search"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+             f"{self.prompt_logprobs}"),
+            (not self.use_beam_search or not (self.adjusts_logits or self.top_logprobs
+                                              or self.prompt_logprobs is not None),
+             "penalties, logit_bias, top_logprobs and prompt_logprobs are not supported with "
+             "beam search"),
         ]
         for ok, message in checks:
             if not ok:

@@ -109,3 +109,43 @@ def test_naive_baseline_applies_the_same_penalties(models):
                             logit_bias={"5": 3.0})
     result = naive_generate(module, [prompt], params)
     assert result.tokens[0] == eager_penalized_greedy(module, prompt, 8, params)
+
+
+def eager_prompt_logprobs(module, prompt, k):
+    """Each prompt token's logprob given those before it, and the k most likely, from one
+    eager forward over the whole prompt."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(module(torch.tensor([prompt]))[0].float(), -1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return [None] + [(float(logprobs[p - 1, prompt[p]]),
+                      list(zip(ids[p - 1].tolist(), values[p - 1].tolist())))
+                     for p in range(1, len(prompt))]
+
+
+def assert_prompt_logprobs(got, expected):
+    assert got[0] is None and len(got) == len(expected)
+    for (lp, top), (want_lp, want_top) in zip(got[1:], expected[1:]):
+        assert lp == pytest.approx(want_lp, abs=1e-4)
+        assert [t for t, _ in top] == [t for t, _ in want_top]
+        assert [v for _, v in top] == pytest.approx([v for _, v in want_top], abs=1e-4)
+
+
+def test_prompt_logprobs_equal_eager_with_the_cache_and_chunks(models, engines):
+    from graphpar.serving.llm import LLM
+
+    module = models("gpt").eval()
+    (prompt, other) = prompts([21, 9], seed=5)
+    expected = eager_prompt_logprobs(module, prompt, 2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    llm = engines("gpt")
+    llm.generate([prompt], SamplingParams(max_tokens=1))  # its full blocks are now cached
+    first, plain = llm.generate([prompt, other], [params, SamplingParams(max_tokens=3)])
+    assert first.num_cached_tokens == 0  # computed whole, though cached: every row is needed
+    assert_prompt_logprobs(first.prompt_logprobs, expected)
+    assert plain.prompt_logprobs is None
+    assert first.outputs[0].token_ids == llm.generate([prompt], SamplingParams(
+        max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+    chunked = LLM(module, max_num_seqs=4, block_size=8, num_blocks=64,
+                  max_num_batched_tokens=8)  # the prompt comes in 3 chunks
+    (out,) = chunked.generate([prompt], params)
+    assert_prompt_logprobs(out.prompt_logprobs, expected)

@@ -258,7 +258,7 @@ def test_48_concurrent_requests_all_complete(server):
     ({"prompt": "x" * 90, "max_tokens": 10}, "max_tokens", "maximum context length is 96"),
     ({"prompt": "x" * 100}, "prompt", "has 100 tokens"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "echo with logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "between 0 and 20"),
     ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "must be in [-2, 2]"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be in (0, 2]"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys are token ids"),
@@ -437,6 +437,46 @@ def test_echo_puts_the_prompt_before_the_completion(server, tokenizer_dir):
     again = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert streamed == "Hi" + again.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_eager(server, tokenizer_dir):
+    import torch
+    from serve_testutil import eager_greedy
+
+    from graphpar.models import get_model
+    from graphpar.serving.tokenizer import Tokenizer
+
+    module = get_model("gpt", "tiny", seq_len=96).module.eval()
+    decode = Tokenizer(str(tokenizer_dir)).decode
+    prompt = list(range(50, 70))  # 20 tokens: over one step's budget of 16, so two chunks
+    generated = eager_greedy(module, prompt, 3)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(module(torch.tensor([prompt + generated]))[0].float(), -1)
+    ids = prompt + generated
+    client = server.client()
+    for stream in (False, True):
+        response = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+            stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            parts = [c.choices[0].logprobs for c in response if c.choices]
+            tokens = [t for p in parts for t in p.tokens]
+            token_logprobs = [v for p in parts for v in p.token_logprobs]
+            tops = [d for p in parts for d in p.top_logprobs]
+        else:
+            lp = response.choices[0].logprobs
+            tokens, token_logprobs, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+            assert response.choices[0].text == decode(prompt) + decode(generated)
+        assert tokens == [decode([t]) for t in ids]
+        assert token_logprobs[0] is None and tops[0] is None
+        assert token_logprobs[1:] == pytest.approx(
+            [float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4)
+        for p in range(1, len(ids)):
+            values, best = logprobs[p - 1].topk(2)
+            expected = {decode([t]): v for t, v in zip(best.tolist(), values.tolist())}
+            expected.setdefault(decode([ids[p]]), float(logprobs[p - 1, ids[p]]))
+            assert tops[p].keys() == expected.keys()
+            assert list(tops[p].values()) == pytest.approx(list(expected.values()), abs=1e-4)
 
 
 def test_zz_sigterm_drains_and_exits_143(server):

@@ -35,6 +35,7 @@ from graphpar.serving.http.protocol import (
     chat_logprobs,
     completion_body,
     completion_logprobs,
+    echo_logprobs,
     error_body,
     new_id,
     usage,
@@ -423,12 +424,16 @@ async def _completion_chunks(request_id: str, model: str,
             if new is None:
                 continue
             text, tokens, logprobs, tops = new
-            if echo and (i, c.index) not in echoed:
+            scores = None
+            if want_logprobs:
+                scores = completion_logprobs(tokens, logprobs, decode,
+                                             offset + len(echo[i]) if echo else offset, tops)
+            if echo and (i, c.index) not in echoed:  # the prompt, before the first tokens
                 echoed.add((i, c.index))
                 text = echo[i] + text
-            yield chunk([{"index": i * n + c.index, "text": text,
-                          "logprobs": completion_logprobs(tokens, logprobs, decode, offset, tops)
-                          if want_logprobs else None,
+                if want_logprobs:
+                    scores = echo_logprobs(out, c, decode, len(c.token_ids) - len(tokens))
+            yield chunk([{"index": i * n + c.index, "text": text, "logprobs": scores,
                           "finish_reason": c.finish_reason}])
     if include_usage:
         yield chunk([], usage=usage([last[i] for i in sorted(last)]))

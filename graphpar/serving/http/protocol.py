@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from graphpar.errors import GenerationError
-from graphpar.serving.outputs import RequestOutput
+from graphpar.serving.outputs import CompletionOutput, RequestOutput
 from graphpar.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "error_body"]
@@ -74,6 +74,10 @@ class _SamplingFields(BaseModel):
         """How many most likely tokens to return at each position (the endpoint's field)."""
         return 0
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """The prompt tokens' log-probabilities: None, or how many most likely at each."""
+        return None
+
     def logit_bias_ids(self) -> dict[int, float]:
         """``logit_bias`` with its keys (token ids written as strings) as ints."""
         bias = {}
@@ -100,7 +104,8 @@ class _SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None
             else self.repetition_penalty,
-            logit_bias=self.logit_bias_ids(), top_logprobs=self.top_logprobs_asked())
+            logit_bias=self.logit_bias_ids(), top_logprobs=self.top_logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked())
         try:
             params.validate()
         except GenerationError as exc:  # "top_p must be in (0, 1], got 2.0": name the field
@@ -126,10 +131,6 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported by this server (the "
-                                "prompt's log-probabilities are not computed): leave out one "
-                                "of them", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -141,6 +142,9 @@ class CompletionRequest(_SamplingFields):
 
     def top_logprobs_asked(self) -> int:
         return self.logprobs or 0
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo + logprobs: the prompt's too
 
     def prompt_texts(self, decode) -> list[str]:
         """Every prompt as text (what echo prepends): the text given, or its ids decoded."""
@@ -246,13 +250,29 @@ def completion_logprobs(token_ids: list[int], logprobs: list[float], decode,
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    top_dicts = []
+    top_dicts: list[dict[str, float] | None] = []
     for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+        if logprob is None:  # an echoed prompt's first token: nothing comes before it
+            top_dicts.append(None)
+            continue
         best = {decode([t]): lp for t, lp in tops[i]} if tops else {}
         best.setdefault(token, logprob)
         top_dicts.append(best)
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
             "text_offset": offsets}
+
+
+def echo_logprobs(out: RequestOutput, c: CompletionOutput, decode, new_from: int = 0
+                  ) -> dict[str, Any]:
+    """The completions logprobs object of an echoed choice: the prompt's tokens (the first
+    without a logprob, as OpenAI), then the generated ones from ``new_from`` on."""
+    prompt = out.prompt_token_ids
+    scored = out.prompt_logprobs or [None] * len(prompt)
+    tokens = c.token_ids[new_from:]
+    tops = [[] for _ in tokens] if c.top_logprobs is None else c.top_logprobs[new_from:]
+    return completion_logprobs(
+        prompt + tokens, [None if e is None else e[0] for e in scored] + c.logprobs[new_from:],
+        decode, 0, [[] if e is None else e[1] for e in scored] + tops)
 
 
 def _chat_token(token_id: int, logprob: float, decode) -> dict[str, Any]:
@@ -281,9 +301,9 @@ def completion_body(request_id: str, model: str, outputs: list[RequestOutput], n
         for c in out.outputs:
             choices.append({
                 "index": i * n + c.index, "text": (echo[i] if echo else "") + (c.text or ""),
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode,
-                                                tops=c.top_logprobs)
-                if want_logprobs else None,
+                "logprobs": None if not want_logprobs
+                else echo_logprobs(out, c, decode) if echo
+                else completion_logprobs(c.token_ids, c.logprobs, decode, tops=c.top_logprobs),
                 "finish_reason": c.finish_reason})
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(outputs)}

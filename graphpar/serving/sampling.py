@@ -230,25 +230,45 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                           torch.tensor(value, device=device), accumulate=True)
     repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
     if repeat:  # every token of the prompt and the output
-        seen = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=device)
-        for j, i in enumerate(repeat):
-            seen[j, torch.tensor(histories[i][0], dtype=torch.long, device=device)] = True
+        seen = _token_counts([histories[i][0] for i in repeat], vocab, device) > 0
         penalty = torch.tensor([params[i].repetition_penalty for i in repeat],
                                device=device)[:, None]
-        sub = logits[repeat]
-        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-        logits[repeat] = sub
+        sub = _rows(logits, repeat)
+        sub.copy_(torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub))
+        _put_rows(logits, repeat, sub)
     counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
     if counted:  # the generated tokens only
-        counts = torch.zeros(len(counted), vocab, device=device)
-        for j, i in enumerate(counted):
-            tokens, prompt_len = histories[i]
-            generated = torch.tensor(tokens[prompt_len:], dtype=torch.long, device=device)
-            counts[j].index_add_(0, generated, torch.ones(len(generated), device=device))
+        counts = _token_counts([histories[i][0][histories[i][1]:] for i in counted], vocab,
+                               device)
         frequency = torch.tensor([params[i].frequency_penalty for i in counted], device=device)
         presence = torch.tensor([params[i].presence_penalty for i in counted], device=device)
-        logits[counted] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        sub = _rows(logits, counted)
+        sub -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        _put_rows(logits, counted, sub)
     return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+                  ) -> torch.Tensor:
+    """``[len(token_lists), vocab]``: how often each token occurs in each list (one scatter)."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    flat = [t for tokens in token_lists for t in tokens]
+    if flat:
+        row = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
+                                      torch.tensor([len(t) for t in token_lists], device=device))
+        counts.index_put_((row, torch.tensor(flat, dtype=torch.long, device=device)),
+                          torch.ones(len(flat), device=device), accumulate=True)
+    return counts
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows of ``logits`` as a view when they are all of them, else a copy."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _put_rows(logits: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    if values is not logits:
+        logits[rows] = values
 
 
 def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]] | None]:

@@ -149,3 +149,17 @@ def test_prompt_logprobs_equal_eager_with_the_cache_and_chunks(models, engines):
                   max_num_batched_tokens=8)  # the prompt comes in 3 chunks
     (out,) = chunked.generate([prompt], params)
     assert_prompt_logprobs(out.prompt_logprobs, expected)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_and_penalties_on_two_tensor_parallel_ranks(models):
+    from graphpar.serving.llm import LLM
+
+    module = models("gpt").eval()
+    (prompt,) = prompts([21], seed=5)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=2,
+                            frequency_penalty=2.0)
+    with LLM(module, max_num_seqs=4, block_size=8, num_blocks=64, tensor_parallel=2) as llm:
+        (out,) = llm.generate([prompt], params)
+    assert_prompt_logprobs(out.prompt_logprobs, eager_prompt_logprobs(module, prompt, 2))
+    assert out.outputs[0].token_ids == eager_penalized_greedy(module, prompt, 6, params)

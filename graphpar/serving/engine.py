@@ -37,6 +37,7 @@ from graphpar.serving.paged_model import PagedDecoder, StepInputs
 from graphpar.serving.sampling import SamplingParams
 from graphpar.serving.scheduler import (
     CacheConfig,
+    PrefillItem,
     Request,
     Scheduler,
     SchedulerConfig,
@@ -226,6 +227,10 @@ class LLMEngine:
         if bad:
             raise GenerationError(f"token id {bad[0]} is outside the vocabulary "
                                   f"(0..{info.vocab_size - 1})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < info.vocab_size]
+        if bad:
+            raise GenerationError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                                  f"(0..{info.vocab_size - 1})")
         if params.num_seqs > self.config.max_num_seqs:
             what = "beams" if params.use_beam_search else "parallel samples"
             raise GenerationError(
@@ -240,6 +245,9 @@ class LLMEngine:
             shared = self._prefixes.get(request.prefix)
             if shared is None:
                 raise GenerationError(f"unknown prefix {request.prefix!r}: register it first")
+            if params.prompt_logprobs is not None:
+                raise GenerationError("prompt_logprobs cannot be used with a registered prefix "
+                                      "(its tokens are not computed again)")
             if len(prompt) <= len(shared) or prompt[:len(shared)] != shared:
                 raise GenerationError(f"the prompt does not start with prefix {request.prefix!r} "
                                       f"({len(shared)} tokens) followed by at least one token")
@@ -369,7 +377,10 @@ class LLMEngine:
                 step.query_start_loc.append(len(step.input_ids))
                 step.logits_indices.append(len(step.input_ids) - 1)
             decode_rows.append((request, first, len(step.context_lens)))
+        scored: list[tuple[PrefillItem, int]] = []  # items whose prompt logprobs are asked
         for item in plan.prefill:
+            if item.request.params.prompt_logprobs is not None:
+                scored.append((item, len(step.input_ids)))
             step.input_ids.extend(item.seq.tokens[item.start:item.end])
             step.positions.extend(range(item.start, item.end))
             step.slot_mapping.extend(item.slot_mapping)
@@ -378,14 +389,26 @@ class LLMEngine:
             step.query_start_loc.append(len(step.input_ids))
             step.logits_indices.append(len(step.input_ids) - 1)
             self.stats.prompt_tokens += item.end - item.start
+        first_prefill_row = len(step.context_lens) - len(plan.prefill)
+        # Logits at every position of a scored chunk come back as extra rows: each is an empty
+        # sequence (as the step's padding) whose logits index is that position.
+        scored_rows = []
+        for item, begin in scored:
+            scored_rows.append((item, len(step.context_lens)))
+            for index in range(begin, begin + item.end - item.start):
+                step.block_tables.append(self._padded([]))
+                step.context_lens.append(0)
+                step.query_start_loc.append(len(step.input_ids))
+                step.logits_indices.append(index)
         if plan.prefill:
             logits = self.model.prefill(step)
             self.stats.prefill_steps += 1
         else:
             logits = self.model.decode(step)
             self.stats.decode_steps += 1
-        self.outputs.step(decode_rows, plan.prefill, len(step.context_lens) - len(plan.prefill),
-                          logits, finished)
+        for item, row in scored_rows:
+            self.outputs.prompt_logprobs(item, logits[row:row + item.end - item.start])
+        self.outputs.step(decode_rows, plan.prefill, first_prefill_row, logits, finished)
 
     def _padded(self, table: list[int]) -> list[int]:
         """A block table padded to the model's width (the kernels never read the pad)."""

@@ -90,7 +90,9 @@ def _generate_batch(adapter, info, prompts, params, generators, device, result: 
     done = [False] * batch
     last = positions[:, -1]
     while True:
-        tokens, _ = sample_tokens(logits, params, generators)
+        histories = [(list(prompts[r]) + result.tokens[rows[r]], lengths[r])
+                     for r in range(batch)]  # for penalties
+        tokens, _ = sample_tokens(logits, params, generators, histories=histories)
         for r, token in enumerate(tokens):
             if done[r]:
                 continue

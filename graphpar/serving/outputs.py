@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from graphpar.serving.sampling import beam_candidates, beam_score, sample_tokens
+from graphpar.serving.sampling import beam_candidates, beam_score, sample_tokens, top_logprobs
 from graphpar.serving.scheduler import PrefillItem, Request, Scheduler, SequenceState
 
 __all__ = ["CompletionOutput", "EngineStats", "OutputProcessor", "RequestOutput"]
@@ -31,6 +31,8 @@ class CompletionOutput:
     logprobs: list[float]
     finish_reason: str | None  # "stop", "length", or None while running
     text: str | None = None  # the decoded tokens, when the engine has a tokenizer
+    # per token, the request's top_logprobs most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -46,6 +48,9 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache, not a prefill
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else (its
+    # logprob given those before it, the most likely (token id, logprob) pairs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @property
     def latency(self) -> float | None:
@@ -145,10 +150,14 @@ class OutputProcessor:
             self.scheduler.fork(parent, child)
             request.seqs.append(child)
         rows = logits.expand(len(request.seqs), -1)
-        tokens, logprobs = sample_tokens(rows, [params] * len(request.seqs),
-                                         [s.generator for s in request.seqs],
-                                         [self._banned(request, s) for s in request.seqs])
-        for seq, token, logprob in zip(list(request.seqs), tokens, logprobs):
+        seqs = list(request.seqs)
+        tokens, logprobs = sample_tokens(rows, [params] * len(seqs), [s.generator for s in seqs],
+                                         [self._banned(request, s) for s in seqs],
+                                         [(s.tokens, s.prompt_len) for s in seqs])
+        tops = top_logprobs(logits, [params.top_logprobs])[0]
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            if tops is not None:
+                seq.top_logprobs.append(tops)
             self._append(request, seq, token, logprob)
         self._maybe_finish(request, finished)
 
@@ -164,14 +173,36 @@ class OutputProcessor:
             params = [r.params for r, a, b in sampled for _ in range(a, b)]
             owners = [r for r, a, b in sampled for _ in range(a, b)]
             tokens, logprobs = sample_tokens(rows_logits, params, [s.generator for s in seqs],
-                                             [self._banned(r, s) for r, s in zip(owners, seqs)])
-            for request, seq, token, logprob in zip(owners, seqs, tokens, logprobs):
+                                             [self._banned(r, s) for r, s in zip(owners, seqs)],
+                                             [(s.tokens, s.prompt_len) for s in seqs])
+            tops = top_logprobs(rows_logits, [p.top_logprobs for p in params])
+            for request, seq, token, logprob, top in zip(owners, seqs, tokens, logprobs, tops):
+                if top is not None:
+                    seq.top_logprobs.append(top)
                 self._append(request, seq, token, logprob)
             for request, _, _ in sampled:
                 self._maybe_finish(request, finished)
         for request, a, b in rows:
             if request.params.use_beam_search:
                 self._beam_step(request, logits[a:b], finished)
+
+    def prompt_logprobs(self, item: PrefillItem, logits: torch.Tensor) -> None:
+        """Record the prompt tokens' log-probabilities from ``logits``, one row per position
+        ``item.start .. item.end - 1`` (row ``p`` predicts the token at ``p + 1``)."""
+        request = item.request
+        prompt = request.prompt
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(prompt)
+        end = min(item.end, len(prompt) - 1)  # the last rows predict generated tokens
+        if end <= item.start:
+            return
+        rows = logits[:end - item.start]
+        logprobs = torch.log_softmax(rows.float(), dim=-1)
+        targets = torch.tensor(prompt[item.start + 1:end + 1])
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        tops = top_logprobs(rows, [request.params.prompt_logprobs] * len(chosen))
+        for j, position in enumerate(range(item.start + 1, end + 1)):
+            request.prompt_logprobs[position] = (chosen[j], tops[j] or [])
 
     # --- tokens and stop conditions -----------------------------------------------------------
 
@@ -317,11 +348,15 @@ class OutputProcessor:
             seqs = sorted(request.finished_seqs + request.seqs,
                           key=lambda s: int(s.seq_id.rsplit(".", 1)[1]))
         outputs = [CompletionOutput(i, s.output_tokens, s.cumulative_logprob, list(s.logprobs),
-                                    s.finish_reason, self._text(s)) for i, s in enumerate(seqs)]
+                                    s.finish_reason, self._text(s),
+                                    list(s.top_logprobs) if request.params.top_logprobs else None)
+                   for i, s in enumerate(seqs)]
         return RequestOutput(request.request_id, list(request.prompt), outputs,
                              request.finished, request.error, request.arrival_time,
                              request.first_token_time, request.finish_time,
-                             request.num_cached_tokens)
+                             request.num_cached_tokens,
+                             None if request.prompt_logprobs is None
+                             else list(request.prompt_logprobs))
 
     def _text(self, seq: SequenceState) -> str | None:
         if seq.text is not None or self.detokenize is None:

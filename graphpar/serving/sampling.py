@@ -12,7 +12,10 @@ import torch
 
 from graphpar.errors import GenerationError
 
-__all__ = ["BeamCandidate", "SamplingParams", "beam_candidates", "beam_score", "sample_tokens"]
+__all__ = ["BeamCandidate", "SamplingParams", "adjust_logits", "beam_candidates", "beam_score",
+           "sample_tokens", "top_logprobs"]
+
+MAX_TOP_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,17 @@ class SamplingParams:
     ``min_tokens`` new tokens only ``max_tokens`` and the context stop a sequence: EOS and
     ``stop_token_ids`` cannot be sampled (their logits are masked, as in vLLM) and stop
     sequences and strings are not looked for.
+
+    Before sampling (and before temperature), the logits are adjusted as OpenAI and vLLM do:
+    ``logit_bias`` ((token id, bias) pairs, or a dict) is added; ``repetition_penalty`` (vLLM's,
+    as in CTRL) divides the positive and multiplies the negative logits of every token seen in
+    the prompt or the output; ``frequency_penalty * count[t] + presence_penalty * (count[t] > 0)``
+    is subtracted, ``count`` over the sequence's generated tokens. The reported log-probabilities
+    stay the model's (log-softmax of the raw logits). ``top_logprobs``: also return this many
+    most likely tokens (by the model's log-probabilities) at each generated position.
+    ``prompt_logprobs`` (None: off): each prompt token's log-probability given the tokens before
+    it, with this many most likely tokens at each position; such a prompt is computed whole
+    (the prefix cache is not looked up for it).
     """
 
     max_tokens: int = 16
@@ -44,8 +58,16 @@ class SamplingParams:
     seed: int | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(_stop_entry(s) for s in stop))
@@ -61,6 +83,12 @@ class SamplingParams:
     def stop_sequences(self) -> tuple[tuple[int, ...], ...]:
         """The token-id entries of ``stop``."""
         return tuple(s for s in self.stop if isinstance(s, tuple))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     @property
     def use_beam_search(self) -> bool:
@@ -99,6 +127,24 @@ class SamplingParams:
              "stop sequences must not be empty"),
             (not self.stop_strings or not self.use_beam_search,
              "stop strings are not supported with beam search: give stop token ids"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (0 < self.repetition_penalty <= 2,
+             f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}"),
+            (all(-100 <= b <= 100 for _, b in self.logit_bias),
+             "logit_bias values must be in [-100, 100], got "
+             f"{[b for _, b in self.logit_bias if not -100 <= b <= 100][:1]}"),
+            (0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+             f"{self.prompt_logprobs}"),
+            (not self.use_beam_search or not (self.adjusts_logits or self.top_logprobs
+                                              or self.prompt_logprobs is not None),
+             "penalties, logit_bias, top_logprobs and prompt_logprobs are not supported with "
+             "beam search"),
         ]
         for ok, message in checks:
             if not ok:
@@ -133,7 +179,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[torch.Generator | None],
-                  banned: Sequence[Sequence[int]] | None = None
+                  banned: Sequence[Sequence[int]] | None = None,
+                  histories: Sequence[tuple[Sequence[int], int]] | None = None
                   ) -> tuple[list[int], list[float]]:
     """One token per row of ``logits`` ``[rows, vocab]`` under that row's params.
 
@@ -141,7 +188,9 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits, before temperature and filtering). Greedy rows take the argmax (first on ties, as
     torch and Hugging Face do); sampled rows draw from ``softmax(logits / T)`` restricted to
     top-k and top-p, with the row's generator. ``banned[i]``: token ids row ``i`` may not take
-    (a sequence short of its ``min_tokens``: EOS and stop tokens).
+    (a sequence short of its ``min_tokens``: EOS and stop tokens). ``histories[i]``: row
+    ``i``'s tokens so far and how many of them are the prompt, for its penalties
+    (:func:`adjust_logits`; rows whose params adjust nothing may give anything).
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -150,6 +199,8 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
         for row, tokens in enumerate(banned):
             if tokens:
                 logits[row, list(tokens)] = float("-inf")
+    if histories is not None:
+        logits = adjust_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature > 0]
     if sampled:
@@ -163,6 +214,79 @@ def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  histories: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with each row's logit bias and penalties applied (see
+    :class:`SamplingParams`), batched over the rows that have any; ``histories[i]`` is row
+    ``i``'s (tokens so far, prompt length). Returns ``logits`` itself when no row has any."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device, vocab = logits.device, logits.shape[-1]
+    bias = [(i, t, b) for i in rows for t, b in params[i].logit_bias]
+    if bias:
+        at, token, value = zip(*bias)
+        logits.index_put_((torch.tensor(at, device=device), torch.tensor(token, device=device)),
+                          torch.tensor(value, device=device), accumulate=True)
+    repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if repeat:  # every token of the prompt and the output
+        seen = _token_counts([histories[i][0] for i in repeat], vocab, device) > 0
+        penalty = torch.tensor([params[i].repetition_penalty for i in repeat],
+                               device=device)[:, None]
+        sub = _rows(logits, repeat)
+        sub.copy_(torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub))
+        _put_rows(logits, repeat, sub)
+    counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+    if counted:  # the generated tokens only
+        counts = _token_counts([histories[i][0][histories[i][1]:] for i in counted], vocab,
+                               device)
+        frequency = torch.tensor([params[i].frequency_penalty for i in counted], device=device)
+        presence = torch.tensor([params[i].presence_penalty for i in counted], device=device)
+        sub = _rows(logits, counted)
+        sub -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        _put_rows(logits, counted, sub)
+    return logits
+
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+                  ) -> torch.Tensor:
+    """``[len(token_lists), vocab]``: how often each token occurs in each list (one scatter)."""
+    counts = torch.zeros(len(token_lists), vocab, device=device)
+    flat = [t for tokens in token_lists for t in tokens]
+    if flat:
+        row = torch.repeat_interleave(torch.arange(len(token_lists), device=device),
+                                      torch.tensor([len(t) for t in token_lists], device=device))
+        counts.index_put_((row, torch.tensor(flat, dtype=torch.long, device=device)),
+                          torch.ones(len(flat), device=device), accumulate=True)
+    return counts
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows of ``logits`` as a view when they are all of them, else a copy."""
+    return logits if len(rows) == logits.shape[0] else logits[rows]
+
+
+def _put_rows(logits: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    if values is not logits:
+        logits[rows] = values
+
+
+def top_logprobs(logits: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]] | None]:
+    """Row ``i``'s ``ks[i]`` most likely tokens as (token id, log-probability), most likely
+    first, under the model (log-softmax of the raw logits); None for rows with ``ks[i] == 0``."""
+    rows = [i for i, k in enumerate(ks) if k > 0]
+    result: list[list[tuple[int, float]] | None] = [None] * len(ks)
+    if not rows:
+        return result
+    logprobs = torch.log_softmax(logits[rows].float(), dim=-1)
+    values, ids = logprobs.topk(min(max(ks[i] for i in rows), logprobs.shape[-1]), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        result[i] = list(zip(ids[j][:ks[i]], values[j][:ks[i]]))
+    return result
 
 
 @dataclass(frozen=True)

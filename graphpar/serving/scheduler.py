@@ -59,7 +59,7 @@ class SequenceState:
     """
 
     __slots__ = ("seq_id", "tokens", "prompt_len", "cumulative_logprob", "logprobs",
-                 "finish_reason", "generator", "text")
+                 "finish_reason", "generator", "text", "top_logprobs")
 
     def __init__(self, seq_id: str, tokens: list[int], prompt_len: int,
                  generator: torch.Generator | None = None) -> None:
@@ -71,6 +71,8 @@ class SequenceState:
         self.finish_reason: str | None = None
         self.generator = generator
         self.text: str | None = None  # the output text, once a text stop string ended it
+        # per generated token, the most likely (token, logprob) pairs, when the request asks
+        self.top_logprobs: list[list[tuple[int, float]]] = []
 
     @property
     def output_tokens(self) -> list[int]:
@@ -90,6 +92,7 @@ class SequenceState:
         child = SequenceState(seq_id, list(self.tokens), self.prompt_len, self.generator)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
+        child.top_logprobs = list(self.top_logprobs)
         return child
 
 
@@ -114,6 +117,9 @@ class Request:
     # Chunked prefill: the rest of the first sequence's prefill, (next position, end, sample),
     # while the request is running but its prompt is not all computed; None otherwise.
     pending: tuple[int, int, bool] | None = None
+    # With params.prompt_logprobs: per prompt position, (logprob of that token given those
+    # before it, the most likely (token, logprob) pairs) once computed; position 0 stays None.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     def new_seq_id(self) -> str:
         seq_id = f"{self.request_id}.{self.next_seq}"
@@ -487,18 +493,20 @@ class Scheduler:
                                               else prompt > tokens_left)):
                 return
             prefix = request.prefix
+            # a prompt whose log-probabilities are asked for is computed whole: no cache hits
+            looked_up = None if request.params.prompt_logprobs is not None else request.prompt
             try:
-                fits_now = bm.can_allocate(prompt, prefix, request.prompt)
+                fits_now = bm.can_allocate(prompt, prefix, looked_up)
             except KVCacheError as exc:
                 self.waiting.popleft()
                 self._fail(request, plan, str(exc))
                 continue
-            if not self._room(bm.blocks_to_allocate(prompt, prefix, request.prompt), fits_now):
+            if not self._room(bm.blocks_to_allocate(prompt, prefix, looked_up), fits_now):
                 return
             self.waiting.popleft()
             seq = request.seqs[0]
             alloc = bm.allocate(seq.seq_id, prompt, group=request.request_id, prefix=prefix,
-                                tokens=request.prompt)
+                                tokens=looked_up)
             plan.copies.extend(alloc.copies)  # the prefix's partly filled last block
             request.num_cached_tokens = alloc.num_cached_tokens
             self.prefix_cache_queries += prompt

@@ -108,3 +108,29 @@ def eager_beam_search(module, prompt, width, max_tokens, length_penalty=1.0, eos
                 for tokens, total in beams:
                     add((score(total, n), tokens))
             return [h[1][start:] for h in hyps]
+
+
+def reference_adjust(row, params, tokens, prompt_len):
+    """One row, written out as OpenAI and vLLM define it: bias, repetition, frequency and
+    presence, each token by itself."""
+    row = row.clone()
+    for token, bias in params.logit_bias:
+        row[token] += bias
+    for token in set(tokens):
+        if params.repetition_penalty != 1.0:
+            p = params.repetition_penalty
+            row[token] = row[token] / p if row[token] > 0 else row[token] * p
+    for token in set(tokens[prompt_len:]):
+        count = tokens[prompt_len:].count(token)
+        row[token] -= params.frequency_penalty * count + params.presence_penalty
+    return row
+
+
+def eager_penalized_greedy(module, prompt, max_tokens, params):
+    """Greedy under penalties by re-running the whole model on the whole sequence."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            row = module(torch.tensor([ids]))[0, -1].float()
+            ids.append(int(reference_adjust(row, params, ids, len(prompt)).argmax()))
+    return ids[len(prompt):]

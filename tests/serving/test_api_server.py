@@ -257,7 +257,13 @@ def test_48_concurrent_requests_all_complete(server):
     ({"prompt": [1, 2, 999]}, "prompt", "token id 999 is outside the vocabulary"),
     ({"prompt": "x" * 90, "max_tokens": 10}, "max_tokens", "maximum context length is 96"),
     ({"prompt": "x" * 100}, "prompt", "has 100 tokens"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs", "own log-probability"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "between 0 and 20"),
+    ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "must be in [-2, 2]"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be in (0, 2]"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys are token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias", "token id 999, outside"),
     ({"prompt": "x", "n": 9}, "n", "max_num_seqs=8"),
 ])
 def test_bad_requests_answer_400_with_the_error_object(server, body, param, words):
@@ -328,6 +334,149 @@ def test_metrics_count_tokens_and_observe_latencies(server):
     for name in ("num_requests_waiting", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "e2e_request_latency_seconds_bucket"):
         assert f"graphpar:{name}" in text
+
+
+def _eager_tops(module, prompt, tokens, k):
+    """The k most likely (token id, logprob) at each generated position, by full recompute."""
+    import torch
+
+    ids, tops = list(prompt), []
+    with torch.no_grad():
+        for token in tokens:
+            logprobs = torch.log_softmax(module(torch.tensor([ids]))[0, -1].float(), -1)
+            values, best = logprobs.topk(k)
+            tops.append(list(zip(best.tolist(), values.tolist())))
+            ids.append(token)
+    return tops
+
+
+def test_logit_bias_and_penalties_steer_greedy_as_eager(server, tokenizer_dir):
+    from serve_testutil import eager_penalized_greedy
+
+    from graphpar.models import get_model
+    from graphpar.serving.sampling import SamplingParams
+    from graphpar.serving.tokenizer import Tokenizer
+
+    module = get_model("gpt", "tiny", seq_len=96).module.eval()
+    decode = Tokenizer(str(tokenizer_dir)).decode
+    client = server.client()
+    prompt = [30] * 6
+    biased = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0,
+                                       logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert biased.choices[0].text == decode([77] * 5)
+    free = eager_penalized_greedy(module, prompt, 12, SamplingParams())
+    assert len(set(free)) < len(free)  # it repeats itself: the penalty has work to do
+    for fields in ({"frequency_penalty": 2.0, "presence_penalty": 0.5},
+                   {"extra_body": {"repetition_penalty": 1.8}}):
+        extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                        temperature=0, extra_body=extra, **fields)
+        expected = eager_penalized_greedy(module, prompt, 12, SamplingParams(**fields, **{
+            k: v for k, v in extra.items() if k != "ignore_eos"}))
+        assert expected != free
+        assert out.choices[0].text == decode(expected)
+
+
+def test_top_logprobs_equal_eager_log_softmax(server, tokenizer_dir):
+    from serve_testutil import eager_greedy
+
+    from graphpar.models import get_model
+    from graphpar.serving.tokenizer import Tokenizer
+
+    module = get_model("gpt", "tiny", seq_len=96).module.eval()
+    tokenizer = Tokenizer(str(tokenizer_dir))
+    client = server.client()
+    prompt = [72, 101, 108, 108, 111]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    tokens = eager_greedy(module, prompt, 6)
+    assert lp.tokens == [tokenizer.decode([t]) for t in tokens]
+    for i, top in enumerate(_eager_tops(module, prompt, tokens, 3)):
+        expected = {tokenizer.decode([t]): v for t, v in top}  # greedy: the chosen is the best
+        assert lp.top_logprobs[i].keys() == expected.keys()
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(list(expected.values()),
+                                                                  abs=1e-4)
+        assert lp.token_logprobs[i] == pytest.approx(top[0][1], abs=1e-4)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_prompt = tokenizer.apply_chat_template(messages)
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+            top_logprobs=4, stream=stream)
+        if stream:
+            content = [e for c in response if c.choices and c.choices[0].logprobs
+                       for e in c.choices[0].logprobs.content]
+        else:
+            content = response.choices[0].logprobs.content
+        assert len(content) == 5
+        chosen = eager_greedy(module, chat_prompt, 5)
+        assert [e.token for e in content] == [tokenizer.decode([t]) for t in chosen]
+        for entry, top in zip(content, _eager_tops(module, chat_prompt, chosen, 4)):
+            assert [e.token for e in entry.top_logprobs] == [tokenizer.decode([t]) for t, _ in top]
+            assert [e.logprob for e in entry.top_logprobs] == pytest.approx(
+                [v for _, v in top], abs=1e-4)
+
+
+def test_echo_puts_the_prompt_before_the_completion(server, tokenizer_dir):
+    from graphpar.serving.tokenizer import Tokenizer
+
+    client = server.client()
+    plain = client.completions.create(model="tiny", prompt=["Hello", "Bye"], max_tokens=4,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    echoed = client.completions.create(model="tiny", prompt=["Hello", "Bye"], max_tokens=4,
+                                       temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in echoed.choices] == ["Hello" + plain.choices[0].text,
+                                                "Bye" + plain.choices[1].text]
+    hi = Tokenizer(str(tokenizer_dir)).encode("Hi")  # as token ids: echo decodes them
+    chunks = client.completions.create(model="tiny", prompt=hi, max_tokens=4,
+                                       temperature=0, echo=True, stream=True,
+                                       extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    again = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert streamed == "Hi" + again.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_eager(server, tokenizer_dir):
+    import torch
+    from serve_testutil import eager_greedy
+
+    from graphpar.models import get_model
+    from graphpar.serving.tokenizer import Tokenizer
+
+    module = get_model("gpt", "tiny", seq_len=96).module.eval()
+    decode = Tokenizer(str(tokenizer_dir)).decode
+    prompt = list(range(50, 70))  # 20 tokens: over one step's budget of 16, so two chunks
+    generated = eager_greedy(module, prompt, 3)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(module(torch.tensor([prompt + generated]))[0].float(), -1)
+    ids = prompt + generated
+    client = server.client()
+    for stream in (False, True):
+        response = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+            stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            parts = [c.choices[0].logprobs for c in response if c.choices]
+            tokens = [t for p in parts for t in p.tokens]
+            token_logprobs = [v for p in parts for v in p.token_logprobs]
+            tops = [d for p in parts for d in p.top_logprobs]
+        else:
+            lp = response.choices[0].logprobs
+            tokens, token_logprobs, tops = lp.tokens, lp.token_logprobs, lp.top_logprobs
+            assert response.choices[0].text == decode(prompt) + decode(generated)
+        assert tokens == [decode([t]) for t in ids]
+        assert token_logprobs[0] is None and tops[0] is None
+        assert token_logprobs[1:] == pytest.approx(
+            [float(logprobs[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4)
+        for p in range(1, len(ids)):
+            values, best = logprobs[p - 1].topk(2)
+            expected = {decode([t]): v for t, v in zip(best.tolist(), values.tolist())}
+            expected.setdefault(decode([ids[p]]), float(logprobs[p - 1, ids[p]]))
+            assert tops[p].keys() == expected.keys()
+            assert list(tops[p].values()) == pytest.approx(list(expected.values()), abs=1e-4)
 
 
 def test_zz_sigterm_drains_and_exits_143(server):

@@ -35,6 +35,7 @@ from graphpar.serving.http.protocol import (
     chat_logprobs,
     completion_body,
     completion_logprobs,
+    echo_logprobs,
     error_body,
     new_id,
     usage,
@@ -190,7 +191,8 @@ class _Routes:
             model.engine.engine.check_request(prompt, params)
         except GenerationError as exc:
             message = str(exc)
-            param = "n" if "parallel samples" in message else field
+            param = "n" if "parallel samples" in message else \
+                "logit_bias" if message.startswith("logit_bias") else field
             code = "context_length_exceeded" if "too long" in message else None
             raise ApiError(400, message, param, code=code) from None
 
@@ -241,15 +243,17 @@ class _Routes:
         request_id = new_id("cmpl")
         streams = self._start(model, prompts, params, request_id)
         decode = model.tokenizer.decode
+        echo = body.prompt_texts(decode) if body.echo else None
         if body.stream:
             chunks = _completion_chunks(request_id, model.name, streams, params, body.n,
-                                        body.logprobs is not None, body.include_usage, decode)
+                                        body.logprobs is not None, body.include_usage, decode,
+                                        echo)
             return self._stream(model, request_id, len(prompts), chunks, raw)
         outputs = await _final(streams, raw, "prompt")
         if outputs is None:
             return Response(status_code=499)  # the client went away: nobody reads this
         return JSONResponse(completion_body(request_id, model.name, outputs, body.n,
-                                            body.logprobs is not None, decode))
+                                            body.logprobs is not None, decode, echo))
 
     # --- chat ---------------------------------------------------------------------------------
 
@@ -365,8 +369,10 @@ class _Delta:
         self.tokens = 0
         self.done = False
 
-    def next(self, c: CompletionOutput) -> tuple[str, list[int], list[float]] | None:
-        """The new text and tokens to send for ``c``; None when there is no new token. A new
+    def next(self, c: CompletionOutput
+             ) -> tuple[str, list[int], list[float], list | None] | None:
+        """The new text, tokens, their logprobs and top logprobs (None unless asked) to send
+        for ``c``; None when there is no new token. A new
         token whose text is held back still makes a chunk (with empty text), as in vLLM, so
         a client sees each token when it comes."""
         if self.done:
@@ -382,20 +388,25 @@ class _Delta:
         delta = text[self.text:end] if end > self.text else ""
         tokens = c.token_ids[self.tokens:]
         logprobs = c.logprobs[self.tokens:]
+        tops = None if c.top_logprobs is None else c.top_logprobs[self.tokens:]
         if not tokens and not delta and c.finish_reason is None:
             return None
         self.text = max(self.text, end)
         self.tokens = len(c.token_ids)
-        return delta, tokens, logprobs
+        return delta, tokens, logprobs, tops
 
 
 async def _completion_chunks(request_id: str, model: str,
                              streams: list[AsyncIterator[RequestOutput]], params: SamplingParams,
                              n: int, want_logprobs: bool, include_usage: bool,
-                             decode: Callable[[list[int]], str]) -> AsyncIterator[dict]:
+                             decode: Callable[[list[int]], str], echo: list[str] | None = None
+                             ) -> AsyncIterator[dict]:
+    """Completion chunks as outputs come; ``echo``: each prompt's text, sent before the first
+    token of each of its choices."""
     created = int(time.time())
     sent: dict[tuple[int, int], _Delta] = {}
     last: dict[int, RequestOutput] = {}
+    echoed: set[tuple[int, int]] = set()
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
         return {"id": request_id, "object": "text_completion", "created": created,
@@ -412,10 +423,17 @@ async def _completion_chunks(request_id: str, model: str,
             new = state.next(c)
             if new is None:
                 continue
-            text, tokens, logprobs = new
-            yield chunk([{"index": i * n + c.index, "text": text,
-                          "logprobs": completion_logprobs(tokens, logprobs, decode, offset)
-                          if want_logprobs else None,
+            text, tokens, logprobs, tops = new
+            scores = None
+            if want_logprobs:
+                scores = completion_logprobs(tokens, logprobs, decode,
+                                             offset + len(echo[i]) if echo else offset, tops)
+            if echo and (i, c.index) not in echoed:  # the prompt, before the first tokens
+                echoed.add((i, c.index))
+                text = echo[i] + text
+                if want_logprobs:
+                    scores = echo_logprobs(out, c, decode, len(c.token_ids) - len(tokens))
+            yield chunk([{"index": i * n + c.index, "text": text, "logprobs": scores,
                           "finish_reason": c.finish_reason}])
     if include_usage:
         yield chunk([], usage=usage([last[i] for i in sorted(last)]))
@@ -445,9 +463,9 @@ async def _chat_chunks(request_id: str, model: str, stream: AsyncIterator[Reques
             new = sent[c.index].next(c)
             if new is None:
                 continue
-            text, tokens, logprobs = new
+            text, tokens, logprobs, tops = new
             yield chunk([{"index": c.index, "delta": {"content": text} if text else {},
-                          "logprobs": chat_logprobs(tokens, logprobs, decode)
+                          "logprobs": chat_logprobs(tokens, logprobs, decode, tops)
                           if want_logprobs else None,
                           "finish_reason": c.finish_reason}])
     if include_usage and last is not None:

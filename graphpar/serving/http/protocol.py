@@ -11,8 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from graphpar.errors import GenerationError
-from graphpar.serving.outputs import RequestOutput
-from graphpar.serving.sampling import SamplingParams
+from graphpar.serving.outputs import CompletionOutput, RequestOutput
+from graphpar.serving.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 __all__ = ["ApiError", "ChatCompletionRequest", "CompletionRequest", "error_body"]
 
@@ -57,6 +57,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extras
+    repetition_penalty: float | None = None
     top_k: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -65,15 +66,28 @@ class _SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         """A 400 for an OpenAI option the engine does not implement (rather than ignore it)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported by this server; leave it at 0",
-                               name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true",
                            "stream_options")
+
+    def top_logprobs_asked(self) -> int:
+        """How many most likely tokens to return at each position (the endpoint's field)."""
+        return 0
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The prompt tokens' log-probabilities: None, or how many most likely at each."""
+        return None
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with its keys (token ids written as strings) as ints."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ApiError(400, f"logit_bias keys are token ids (integers written as "
+                                    f"strings), got {key!r}", "logit_bias") from None
+        return bias
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,7 +100,12 @@ class _SamplingFields(BaseModel):
             top_k=0 if self.top_k is None or self.top_k == -1 else self.top_k,
             n=self.n, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, seed=self.seed, min_tokens=self.min_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=self.logit_bias_ids(), top_logprobs=self.top_logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked())
         try:
             params.validate()
         except GenerationError as exc:  # "top_p must be in (0, 1], got 2.0": name the field
@@ -112,16 +131,31 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported by this server", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported by this server", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, "best_of is not supported by this server: leave it out (or "
                                 "equal to n)", "best_of")
-        if self.logprobs:
-            raise ApiError(400, f"logprobs={self.logprobs}: this server returns each token's "
-                                "own log-probability only; ask for logprobs=0", "logprobs")
+        if self.logprobs is not None and self.logprobs > MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                f"{self.logprobs}", "logprobs")
+
+    def top_logprobs_asked(self) -> int:
+        return self.logprobs or 0
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo + logprobs: the prompt's too
+
+    def prompt_texts(self, decode) -> list[str]:
+        """Every prompt as text (what echo prepends): the text given, or its ids decoded."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, int) for p in prompt):
+            return [decode(list(prompt))]
+        return [decode(list(p)) for p in prompt]
 
     def prompts(self, encode) -> list[list[int]]:
         """Every prompt as token ids (one engine request each)."""
@@ -172,10 +206,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.top_logprobs:
-            raise ApiError(400, f"top_logprobs={self.top_logprobs}: this server returns each "
-                                "token's own log-probability only; leave it at 0",
-                           "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                f"{self.top_logprobs}", "top_logprobs")
+
+    def top_logprobs_asked(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -199,37 +237,73 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
                                                            for o in outputs)}}
 
 
+Tops = list[list[tuple[int, float]]] | None  # per token, the most likely (id, logprob)
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[float], decode,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """The completions API's logprobs object for these tokens (each token's own)."""
+                        text_offset: int = 0, tops: Tops = None) -> dict[str, Any]:
+    """The completions API's logprobs object for these tokens: each token's own logprob and,
+    per position, a dict of the most likely tokens (``tops``) and the chosen one, as OpenAI
+    (up to logprobs + 1 entries)."""
     tokens = [decode([t]) for t in token_ids]
     offsets, at = [], text_offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
-    return {"tokens": tokens, "token_logprobs": list(logprobs),
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, logprobs)],
+    top_dicts: list[dict[str, float] | None] = []
+    for i, (token, logprob) in enumerate(zip(tokens, logprobs)):
+        if logprob is None:  # an echoed prompt's first token: nothing comes before it
+            top_dicts.append(None)
+            continue
+        best = {decode([t]): lp for t, lp in tops[i]} if tops else {}
+        best.setdefault(token, logprob)
+        top_dicts.append(best)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top_dicts,
             "text_offset": offsets}
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[float], decode) -> dict[str, Any]:
+def echo_logprobs(out: RequestOutput, c: CompletionOutput, decode, new_from: int = 0
+                  ) -> dict[str, Any]:
+    """The completions logprobs object of an echoed choice: the prompt's tokens (the first
+    without a logprob, as OpenAI), then the generated ones from ``new_from`` on."""
+    prompt = out.prompt_token_ids
+    scored = out.prompt_logprobs or [None] * len(prompt)
+    tokens = c.token_ids[new_from:]
+    tops = [[] for _ in tokens] if c.top_logprobs is None else c.top_logprobs[new_from:]
+    return completion_logprobs(
+        prompt + tokens, [None if e is None else e[0] for e in scored] + c.logprobs[new_from:],
+        decode, 0, [[] if e is None else e[1] for e in scored] + tops)
+
+
+def _chat_token(token_id: int, logprob: float, decode) -> dict[str, Any]:
+    token = decode([token_id])
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[float], decode, tops: Tops = None
+                  ) -> dict[str, Any]:
+    """The chat API's logprobs object: each token, its logprob and its ``top_logprobs``."""
     content = []
-    for token_id, logprob in zip(token_ids, logprobs):
-        token = decode([token_id])
-        content.append({"token": token, "logprob": logprob,
-                        "bytes": list(token.encode("utf-8")), "top_logprobs": []})
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        entry = _chat_token(token_id, logprob, decode)
+        entry["top_logprobs"] = [_chat_token(t, lp, decode) for t, lp in tops[i]] \
+            if tops else []
+        content.append(entry)
     return {"content": content}
 
 
 def completion_body(request_id: str, model: str, outputs: list[RequestOutput], n: int,
-                    want_logprobs: bool, decode) -> dict[str, Any]:
+                    want_logprobs: bool, decode, echo: list[str] | None = None
+                    ) -> dict[str, Any]:
+    """``echo``: each prompt's text, put before its completions' text."""
     choices = []
     for i, out in enumerate(outputs):
         for c in out.outputs:
             choices.append({
-                "index": i * n + c.index, "text": c.text or "",
-                "logprobs": completion_logprobs(c.token_ids, c.logprobs, decode)
-                if want_logprobs else None,
+                "index": i * n + c.index, "text": (echo[i] if echo else "") + (c.text or ""),
+                "logprobs": None if not want_logprobs
+                else echo_logprobs(out, c, decode) if echo
+                else completion_logprobs(c.token_ids, c.logprobs, decode, tops=c.top_logprobs),
                 "finish_reason": c.finish_reason})
     return {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(outputs)}
@@ -239,7 +313,7 @@ def chat_body(request_id: str, model: str, out: RequestOutput, want_logprobs: bo
               decode) -> dict[str, Any]:
     choices = [{"index": c.index,
                 "message": {"role": "assistant", "content": c.text or ""},
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode)
+                "logprobs": chat_logprobs(c.token_ids, c.logprobs, decode, c.top_logprobs)
                 if want_logprobs else None,
                 "finish_reason": c.finish_reason} for c in out.outputs]
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()),

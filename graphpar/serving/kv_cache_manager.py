@@ -317,6 +317,14 @@ class BlockAllocator:
         self._block_of[key] = block
         return True
 
+    def drop_key(self, block: int) -> None:
+        """Forget the key of held ``block`` (its KV is leaving the pool): no lookup finds it,
+        and at reference count 0 it goes back to the plain free list."""
+        self._check_live(block)
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
     def take(self, block: int) -> None:
         """One more reference to a cached block: an evictable one is taken back (count 1)."""
         if self._refcount[block] == 0:
@@ -800,7 +808,9 @@ class BlockManager:
 
         Blocks shared only within the group move once (sharing is kept). Blocks also referenced
         outside the group (a registered prefix) stay on the device and the group keeps its
-        reference: they free no memory and need no copy.
+        reference: they free no memory and need no copy. With prefix caching, the moved device
+        blocks lose their keys: their KV now lives in the CPU pool (the runtime may treat the
+        device copy as gone), so no later prompt may map them.
         """
         g = self._running(group)
         refs = self._private_device_blocks(g)
@@ -1267,6 +1277,8 @@ class BlockManager:
                     s.blocks[i] = mapping[b]
                     s.on_cpu[i] = to_cpu
         for b, n in refs.items():
+            if to_cpu:  # a swap-out is a move: the device copy is not a cached block any more
+                src.drop_key(b)
             src.decref(b, n)
         return mapping
 

@@ -545,10 +545,20 @@ class BlockManager:
             )
         blocks = [self._device.allocate() for _ in range(self.blocks_for_tokens(num_tokens))]
         self._prefixes[prefix] = _Prefix(blocks, num_tokens)
-        if tokens is not None and self.prefix_caching:
-            for block, key in zip(blocks, self._block_keys(tokens[:num_tokens])):
-                self._device.set_key(block, key)
+        if tokens is not None:
+            self.cache_prefix(prefix, tokens)
         return tuple(blocks)
+
+    def cache_prefix(self, prefix: PrefixId, tokens: Sequence[int]) -> int:
+        """Key a registered prefix's full blocks by its ``tokens`` (prefix caching), so prompts
+        that start with them find them; returns how many got a key. Call it only once the
+        prefix is sure to stay and be prefilled: a prefix taken back unkeyed leaves nothing
+        behind, a keyed one would leave unwritten blocks findable."""
+        p = self._prefix(prefix)
+        if not self.prefix_caching:
+            return 0
+        return sum(self._device.set_key(block, key) for block, key in
+                   zip(p.blocks, self._block_keys(tokens[:p.num_tokens])))
 
     def unregister_prefix(self, prefix: PrefixId) -> None:
         """Drop the manager's reference to a prefix's blocks.

@@ -280,3 +280,20 @@ def test_a_swapped_out_block_is_not_found_in_the_cache(monkeypatch):
         machine.expected[machine.engine.add_request(prompt, params)] = (prompt, params)
     machine.teardown()  # runs every request to its end, checking tokens, frees everything
     assert machine.engine.stats.swap_preemptions > 0  # the program still swaps
+
+
+def test_a_refused_prefix_leaves_no_cached_block(monkeypatch):
+    """Issue 28's second program (shrunk by hypothesis): a prefix refused because a request in
+    flight would no longer fit used to leave its blocks keyed but never prefilled, and the
+    request, starting with the prefix's tokens, mapped one and read unwritten slots."""
+    patch_engine(monkeypatch)
+    machine = EngineMachine()
+    machine.build(block_size=3, num_blocks=5, swap_blocks=0, max_num_seqs=6, mode=None,
+                  caching=True, chunk=None)
+    prompt, params = [7, 0, 9, 0, 0, 0, 0, 0, 0, 0], SamplingParams(max_tokens=5, ignore_eos=True)
+    machine.expected[machine.engine.add_request(prompt, params)] = (prompt, params)
+    with pytest.raises(GraphparError, match="too little KV memory"):
+        machine.llm.register_prefix([7, 0, 9])
+    assert machine.engine.scheduler.block_manager.device_allocator.num_cached == 0
+    machine.teardown()  # the request's tokens equal the cache-free reference
+    assert machine.engine.stats.prefix_cache_hits == 0

@@ -317,6 +317,14 @@ class BlockAllocator:
         self._block_of[key] = block
         return True
 
+    def drop_key(self, block: int) -> None:
+        """Forget the key of held ``block`` (its KV is leaving the pool): no lookup finds it,
+        and at reference count 0 it goes back to the plain free list."""
+        self._check_live(block)
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+
     def take(self, block: int) -> None:
         """One more reference to a cached block: an evictable one is taken back (count 1)."""
         if self._refcount[block] == 0:
@@ -537,10 +545,20 @@ class BlockManager:
             )
         blocks = [self._device.allocate() for _ in range(self.blocks_for_tokens(num_tokens))]
         self._prefixes[prefix] = _Prefix(blocks, num_tokens)
-        if tokens is not None and self.prefix_caching:
-            for block, key in zip(blocks, self._block_keys(tokens[:num_tokens])):
-                self._device.set_key(block, key)
+        if tokens is not None:
+            self.cache_prefix(prefix, tokens)
         return tuple(blocks)
+
+    def cache_prefix(self, prefix: PrefixId, tokens: Sequence[int]) -> int:
+        """Key a registered prefix's full blocks by its ``tokens`` (prefix caching), so prompts
+        that start with them find them; returns how many got a key. Call it only once the
+        prefix is sure to stay and be prefilled: a prefix taken back unkeyed leaves nothing
+        behind, a keyed one would leave unwritten blocks findable."""
+        p = self._prefix(prefix)
+        if not self.prefix_caching:
+            return 0
+        return sum(self._device.set_key(block, key) for block, key in
+                   zip(p.blocks, self._block_keys(tokens[:p.num_tokens])))
 
     def unregister_prefix(self, prefix: PrefixId) -> None:
         """Drop the manager's reference to a prefix's blocks.
@@ -800,7 +818,9 @@ class BlockManager:
 
         Blocks shared only within the group move once (sharing is kept). Blocks also referenced
         outside the group (a registered prefix) stay on the device and the group keeps its
-        reference: they free no memory and need no copy.
+        reference: they free no memory and need no copy. With prefix caching, the moved device
+        blocks lose their keys: their KV now lives in the CPU pool (the runtime may treat the
+        device copy as gone), so no later prompt may map them.
         """
         g = self._running(group)
         refs = self._private_device_blocks(g)
@@ -1267,6 +1287,8 @@ class BlockManager:
                     s.blocks[i] = mapping[b]
                     s.on_cpu[i] = to_cpu
         for b, n in refs.items():
+            if to_cpu:  # a swap-out is a move: the device copy is not a cached block any more
+                src.drop_key(b)
             src.decref(b, n)
         return mapping
 

@@ -369,17 +369,20 @@ class Scheduler:
         its full blocks are cached blocks too: prompts that start with them find them."""
         self.check_prefix_room(num_tokens)
         bm = self.block_manager
-        blocks = list(bm.register_prefix(prefix_id, num_tokens, tokens))
+        blocks = list(bm.register_prefix(prefix_id, num_tokens))
         for request in self.in_flight():
             try:
                 self.check_fits(request)
             except GraphparError as exc:
+                # Taken back unkeyed: its blocks were never written (issue 28).
                 bm.unregister_prefix(prefix_id)
                 raise GenerationError(
                     f"cannot register the prefix now: its blocks would leave request "
                     f"{request.request_id!r} (in flight) too little KV memory to finish ({exc}) "
                     f"Register it when fewer requests run, or give the KV cache more memory."
                 ) from None
+        if tokens is not None:  # kept: the caller prefills it before the next step
+            bm.cache_prefix(prefix_id, tokens)
         return PrefixBlocks(blocks, bm.prefix_slot_mapping(prefix_id))
 
     def unregister_prefix(self, prefix_id: str) -> None:

@@ -237,3 +237,63 @@ def test_the_state_machine_finds_planted_bugs(plant, monkeypatch):
     machine = EngineMachine if plant in CACHE_BUGS else PlainEngineMachine
     with pytest.raises(BaseException):  # noqa: B017 (an assertion or an engine error)
         run_state_machine_as_test(machine, settings=no_shrinking)
+
+
+# Issue 28's failing program, shrunk by hypothesis: (prompt, n, beam width, max_tokens,
+# ignore_eos) adds a request, an int runs that many steps. The two-sample request of 9 tokens
+# is swapped out; its first block ([0, 0, 0, 0], cached) stayed findable on the device after
+# its KV had moved to the CPU pool, and the last prompt mapped it and read unwritten slots.
+SWAPPED_CACHED_BLOCK = (
+    1, ([0], 1, 0, 1, False), ([0, 0, 0, 0], 1, 0, 1, False), ([0, 0], 1, 0, 1, False),
+    3, ([0], 1, 1, 1, False), ([0], 1, 0, 1, False), ([0, 0], 1, 0, 1, False),
+    5, ([0], 1, 0, 1, False), ([0] * 8, 1, 0, 1, False), ([0, 0, 1], 1, 0, 1, False),
+    1, ([0], 1, 0, 1, False), ([0] * 7, 1, 2, 1, False), ([0] * 3, 1, 0, 1, False),
+    ([0] * 6, 1, 0, 1, False),
+    1, ([0, 0], 1, 0, 1, False), ([0] * 8, 1, 0, 1, False),
+    2, ([0], 1, 0, 1, False),
+    4, ([0], 1, 0, 1, False), ([0] * 8, 1, 0, 1, False), ([0] * 9, 1, 3, 1, False),
+    ([0] * 4, 3, 3, 9, True), ([0, 0], 1, 3, 2, True), ([0] * 9, 1, 0, 8, True),
+    ([0] * 3, 1, 0, 3, False), ([0], 1, 0, 1, False),
+    11, ([0], 1, 2, 10, True), ([0, 0], 1, 0, 12, False), ([0], 1, 0, 1, False),
+    2, ([0, 0, 1, 0, 0], 2, 0, 12, False), ([0, 0, 0, 0, 0, 0, 0, 1, 4], 2, 0, 12, False),
+    3, ([0] * 5, 1, 0, 1, False),
+)
+
+
+def test_a_swapped_out_block_is_not_found_in_the_cache(monkeypatch):
+    """Issue 28, replayed without hypothesis: after every step the manager is consistent, and
+    every request's tokens equal the cache-free reference (the fake poisons swapped-out
+    blocks, so a block mapped after its swap-out is read as unwritten)."""
+    patch_engine(monkeypatch)
+    machine = EngineMachine()
+    machine.build(block_size=4, num_blocks=10, swap_blocks=5, max_num_seqs=5, mode=None,
+                  caching=True, chunk=3)
+    for event in SWAPPED_CACHED_BLOCK:
+        if isinstance(event, int):
+            for _ in range(event):
+                machine.check_outputs(machine.engine.step())
+                machine.consistent()
+            continue
+        prompt, n, width, max_tokens, ignore_eos = event  # what add_request would draw
+        params = SamplingParams(max_tokens=max_tokens, n=n, beam_width=width,
+                                ignore_eos=ignore_eos)
+        machine.expected[machine.engine.add_request(prompt, params)] = (prompt, params)
+    machine.teardown()  # runs every request to its end, checking tokens, frees everything
+    assert machine.engine.stats.swap_preemptions > 0  # the program still swaps
+
+
+def test_a_refused_prefix_leaves_no_cached_block(monkeypatch):
+    """Issue 28's second program (shrunk by hypothesis): a prefix refused because a request in
+    flight would no longer fit used to leave its blocks keyed but never prefilled, and the
+    request, starting with the prefix's tokens, mapped one and read unwritten slots."""
+    patch_engine(monkeypatch)
+    machine = EngineMachine()
+    machine.build(block_size=3, num_blocks=5, swap_blocks=0, max_num_seqs=6, mode=None,
+                  caching=True, chunk=None)
+    prompt, params = [7, 0, 9, 0, 0, 0, 0, 0, 0, 0], SamplingParams(max_tokens=5, ignore_eos=True)
+    machine.expected[machine.engine.add_request(prompt, params)] = (prompt, params)
+    with pytest.raises(GraphparError, match="too little KV memory"):
+        machine.llm.register_prefix([7, 0, 9])
+    assert machine.engine.scheduler.block_manager.device_allocator.num_cached == 0
+    machine.teardown()  # the request's tokens equal the cache-free reference
+    assert machine.engine.stats.prefix_cache_hits == 0

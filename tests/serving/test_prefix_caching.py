@@ -84,6 +84,26 @@ def test_a_recomputed_sequence_maps_what_the_cache_still_holds():
     m.check_invariants()
 
 
+def test_a_swapped_out_block_leaves_the_cache():
+    """Issue 28: a swap-out moves a group's KV to the CPU pool; the device blocks it leaves
+    must not be found by a later prompt (they are plain free blocks now)."""
+    m = BlockManager(8, 4, 4, enable_prefix_caching=True)
+    prompt = list(range(9))  # 2 full blocks of 4 and 1 token
+    blocks = m.allocate("a.0", 9, group="a", tokens=prompt).blocks
+    assert m.cache_blocks("a.0", prompt, 9) == 2
+    m.fork("a.0", "a.1")  # two samples, as n=2 makes them
+    mapping = m.swap_out("a")
+    assert set(mapping) == set(blocks) and m.device_allocator.num_cached == 0
+    assert m.device_allocator.lookup(block_key(None, prompt[:4])) is None
+    again = m.allocate("b", 6, tokens=prompt[:5] + [99])  # its first block was a's first
+    assert again.num_cached_tokens == 0
+    m.check_invariants()
+    swapped_in = m.swap_in("a")  # back in fresh blocks, keyed again as the sequence goes on
+    assert len(swapped_in) == 3
+    assert m.cache_blocks("a.0", prompt + [5], 10) == 2
+    m.check_invariants()
+
+
 def test_without_prefix_caching_nothing_is_kept():
     m = BlockManager(8, 0, 4)
     m.allocate("a", 9, tokens=list(range(9)))

@@ -311,8 +311,11 @@ def _attention(q, k, v, mask=None, causal=False, scale=None, gqa=False):
                                           enable_gqa=gqa)
 
 
+_KERNEL_DEVICES = ("cpu", "meta")  # where the CPU flash kernel runs (meta: capture's shapes)
+
+
 def _attention_with_lse(q, k, v, mask=None, causal=False, scale=None):
-    if q.device.type != "cpu":
+    if q.device.type not in _KERNEL_DEVICES:
         return _math_attention_with_lse(q, k, v, mask, causal, scale)
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
@@ -320,7 +323,7 @@ def _attention_with_lse(q, k, v, mask=None, causal=False, scale=None):
 
 
 def _attention_backward(grad, q, k, v, out, lse, mask=None, causal=False, scale=None):
-    if q.device.type != "cpu":
+    if q.device.type not in _KERNEL_DEVICES:
         return _math_attention_backward(grad, q, k, v, out, lse, mask, causal, scale)
     return tuple(aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale))
@@ -330,7 +333,23 @@ def _attention_backward(grad, q, k, v, out, lse, mask=None, causal=False, scale=
 # elsewhere the same results, written out in float32: out, and the log-sum-exp [batch, heads,
 # seq_q] of the scaled, masked scores that the backward recomputes the probabilities from.
 
+def _kv_heads(q, t):
+    """k or v with its heads repeated to q's (grouped-query attention: the CPU kernel takes
+    fewer key/value heads, each shared by heads // kv_heads query heads)."""
+    return t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) if t.shape[-3] != q.shape[
+        -3] else t
+
+
+def _kv_grad(t, g):
+    """The gradient of the repeated k or v summed back onto its own heads."""
+    if t.shape[-3] == g.shape[-3]:
+        return g
+    groups = g.shape[-3] // t.shape[-3]
+    return g.unflatten(-3, (t.shape[-3], groups)).sum(-3)
+
+
 def _scores(q, k, mask, causal, scale):
+    k = _kv_heads(q, k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q.float() @ k.float().transpose(-2, -1)) * scale
     if mask is not None:
@@ -344,7 +363,7 @@ def _scores(q, k, mask, causal, scale):
 def _math_attention_with_lse(q, k, v, mask, causal, scale):
     s, _ = _scores(q, k, mask, causal, scale)
     lse = torch.logsumexp(s, -1)
-    out = torch.exp(s - lse.unsqueeze(-1)) @ v.float()
+    out = torch.exp(s - lse.unsqueeze(-1)) @ _kv_heads(q, v).float()
     return out.to(q.dtype), lse
 
 
@@ -352,10 +371,11 @@ def _math_attention_backward(grad, q, k, v, out, lse, mask, causal, scale):
     s, scale = _scores(q, k, mask, causal, scale)
     p = torch.exp(s - lse.unsqueeze(-1))
     g = grad.float()
-    dv = p.transpose(-2, -1) @ g
-    ds = p * (g @ v.float().transpose(-2, -1) - (g * out.float()).sum(-1, keepdim=True))
-    dq = (ds @ k.float()) * scale
-    dk = (ds.transpose(-2, -1) @ q.float()) * scale
+    k_all, v_all = _kv_heads(q, k).float(), _kv_heads(q, v).float()
+    dv = _kv_grad(v, p.transpose(-2, -1) @ g)
+    ds = p * (g @ v_all.transpose(-2, -1) - (g * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ k_all) * scale
+    dk = _kv_grad(k, (ds.transpose(-2, -1) @ q.float()) * scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

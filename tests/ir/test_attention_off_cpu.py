@@ -8,10 +8,11 @@ import torch
 from graphpar.ir import ops
 
 
-def _case(mask_kind):
+def _case(mask_kind, kv_heads=3):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
-    grad = torch.randn(2, 3, 5, 8, generator=g)
+    q = torch.randn(2, 6 if kv_heads != 3 else 3, 5, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 5, 8, generator=g) for _ in range(2))
+    grad = torch.randn(q.shape, generator=g)
     mask = None
     if mask_kind == "float":
         mask = torch.randn(5, 5, generator=g)
@@ -21,10 +22,11 @@ def _case(mask_kind):
     return q, k, v, grad, mask
 
 
-@pytest.mark.parametrize("mask_kind, causal, scale", [
-    (None, True, None), (None, False, 0.3), ("float", False, None), ("float", True, 0.5)])
-def test_written_out_attention_equals_the_cpu_kernel(mask_kind, causal, scale):
-    q, k, v, grad, mask = _case(mask_kind)
+@pytest.mark.parametrize("mask_kind, causal, scale, kv_heads", [
+    (None, True, None, 3), (None, False, 0.3, 3), ("float", False, None, 3),
+    ("float", True, 0.5, 3), (None, True, None, 2)])  # the last: 6 query heads share 2 kv heads
+def test_written_out_attention_equals_the_cpu_kernel(mask_kind, causal, scale, kv_heads):
+    q, k, v, grad, mask = _case(mask_kind, kv_heads)
     out, lse = ops._attention_with_lse(q, k, v, mask, causal, scale)  # the CPU kernel
     mine_out, mine_lse = ops._math_attention_with_lse(q, k, v, mask, causal, scale)
     torch.testing.assert_close(mine_out, out, rtol=1e-5, atol=1e-6)

@@ -210,11 +210,7 @@ class Interpreter:
                               else fn(*args, **attrs))
                 except Exception as exc:
                     raise node_error(self.graph, node, exc) from exc
-                if isinstance(result, (tuple, list)):
-                    for o, r in zip(outs, result):
-                        env[o] = r
-                elif outs:
-                    env[outs[0]] = result
+                _store(env, outs, result)
             for f in frees:
                 env[f] = None
             if index in launches:
@@ -246,11 +242,7 @@ class Interpreter:
                     result = fn(*args, **attrs) if attrs else fn(*args)
                 except Exception as exc:
                     raise node_error(self.graph, node, exc) from exc
-            if isinstance(result, (tuple, list)):  # an op may return a 1-tuple for one output
-                for o, r in zip(outs, result):
-                    env[o] = r
-            elif outs:
-                env[outs[0]] = result
+            _store(env, outs, result)
             for f in frees:
                 env[f] = None
         return [env[i] for i in self.outputs]
@@ -288,6 +280,15 @@ class Interpreter:
                 raise GraphparError(f"graph @{name}: input %{input_name} expects {ty}, got "
                                     f"{tuple(tensor.shape)} {tensor.dtype}")
             env[index] = tensor
+
+
+def _store(env: list, outs: tuple, result) -> None:
+    """A node's result into its output slots (an op may return a 1-tuple for one output)."""
+    if isinstance(result, (tuple, list)):
+        for o, r in zip(outs, result):
+            env[o] = r
+    elif outs:
+        env[outs[0]] = result
 
 
 def _fetch(operands, env: list):

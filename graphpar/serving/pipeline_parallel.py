@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from graphpar.errors import BackendError, GenerationError, GraphparError
+from graphpar.errors import BackendError, GenerationError
 from graphpar.ir.graph import Role
 from graphpar.ir.graph_template import GraphTemplate
 from graphpar.runtime.jobs import Job, JobFolder, rank_file
-from graphpar.runtime.workers import from_peer
 from graphpar.serving.model_rank import ModelRank
+from graphpar.serving.tensor_parallel import WorkerFailures
 
 if TYPE_CHECKING:  # the compiler's result type only: the runtime does not compile
     from graphpar.serving.stage_split import ServingStages
@@ -124,7 +124,7 @@ def _weight_names(programs: Mapping[str, tuple]) -> set[str]:
                 ("key_cache.", "value_cache."))}
 
 
-class PipelineRanks:
+class PipelineRanks(WorkerFailures):
     """Stages 0..S-1 in worker processes, driven from here as one model rank.
 
     Args:
@@ -132,6 +132,10 @@ class PipelineRanks:
         state: the whole model's weights by graph input name.
         timeout: seconds a transfer or the start-up may wait for a peer.
     """
+
+    STOPPED = "the pipeline stages are stopped (closed, or stopped after an error)"
+    PEER_STOPPED = "a pipeline stage stopped"
+    FAILED = "pipeline-parallel serving failed"
 
     def __init__(self, stages: ServingStages, state: dict[str, torch.Tensor], *,
                  num_cpu_blocks: int = 0, kernel: str = "auto", timeout: float = 300.0,
@@ -212,32 +216,6 @@ class PipelineRanks:
         self.group.stop()
         self.link = None
         self._finalizer()
-
-    # --- failures ---------------------------------------------------------------------------
-
-    def _send(self, *command) -> None:
-        if self._closed:
-            raise GenerationError("the pipeline stages are stopped (closed, or stopped after "
-                                  "an error)")
-        try:
-            self.job.send(*command)
-        except BackendError as exc:  # a worker is gone: the group says which and why
-            self.close()
-            raise GenerationError(str(exc)) from None
-
-    def _collective(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as exc:
-            message = self.group.collect_failure(exc)
-            self.close()
-            if message is not None:
-                raise GenerationError(message) from None
-            if isinstance(exc, GraphparError):
-                raise
-            if from_peer(exc):
-                raise GenerationError(f"a pipeline stage stopped: {exc}") from exc
-            raise GenerationError(f"pipeline-parallel serving failed: {exc}") from exc
 
 
 # --- the worker ---------------------------------------------------------------------------------

@@ -66,7 +66,41 @@ def load_rank(jobdir: Path, state: dict[str, torch.Tensor], comm) -> ModelRank:
                      num_cpu_blocks=job["num_cpu_blocks"], kernel=job["kernel"], comm=comm)
 
 
-class TensorParallelRanks:
+class WorkerFailures:
+    """How a driver of worker processes (tensor-parallel ranks, pipeline stages) turns a
+    failure into one GenerationError: a command that cannot be sent, or a collective that
+    breaks, stops every worker and raises the first worker's own error when one failed. The
+    driver has ``job``, ``group``, ``_closed`` and ``close()``; the messages name its kind."""
+
+    STOPPED = "the workers are stopped (closed, or stopped after an error)"
+    PEER_STOPPED = "a worker stopped"
+    FAILED = "serving failed"
+
+    def _send(self, *command) -> None:
+        if self._closed:
+            raise GenerationError(self.STOPPED)
+        try:
+            self.job.send(*command)
+        except BackendError as exc:  # a worker is gone: the group says which and why
+            self.close()
+            raise GenerationError(str(exc)) from None
+
+    def _collective(self, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as exc:
+            message = self.group.collect_failure(exc)
+            self.close()
+            if message is not None:
+                raise GenerationError(message) from None
+            if isinstance(exc, GraphparError):
+                raise
+            if from_peer(exc):
+                raise GenerationError(f"{self.PEER_STOPPED}: {exc}") from exc
+            raise GenerationError(f"{self.FAILED}: {exc}") from exc
+
+
+class TensorParallelRanks(WorkerFailures):
     """Rank 0 here and ranks 1..tp-1 in worker processes, run as one :class:`ModelRank`.
 
     Args:
@@ -76,6 +110,10 @@ class TensorParallelRanks:
         tp: the number of ranks.
         timeout: seconds a collective or the start-up may wait for a peer.
     """
+
+    STOPPED = "the tensor-parallel ranks are stopped (closed, or stopped after an error)"
+    PEER_STOPPED = "a tensor-parallel worker stopped"
+    FAILED = "tensor-parallel rank 0 failed"
 
     def __init__(self, programs: Mapping[str, ServingProgram], state: dict[str, torch.Tensor],
                  tp: int, *, num_cpu_blocks: int = 0, kernel: str = "auto",
@@ -188,37 +226,6 @@ class TensorParallelRanks:
         if dist.is_initialized():
             dist.destroy_process_group()
         self._finalizer()
-
-    # --- failures ---------------------------------------------------------------------------
-
-    def _send(self, *command) -> None:
-        if self._closed:
-            raise GenerationError("the tensor-parallel ranks are stopped (closed, or stopped "
-                                  "after an error)")
-        try:
-            self.job.send(*command)
-        except BackendError as exc:  # a worker is gone: the group says which and why
-            self.close()
-            raise GenerationError(str(exc)) from None
-
-    def _collective(self, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as exc:
-            self._fail(exc)
-
-    def _fail(self, exc: BaseException):
-        """Raise the first worker's own error if one failed, else ``exc``; stop every rank."""
-        message = self.group.collect_failure(exc)
-        self.close()
-        if message is not None:
-            raise GenerationError(message) from None
-        if isinstance(exc, GraphparError):
-            raise exc
-        if from_peer(exc):
-            raise GenerationError(f"a tensor-parallel worker stopped: {exc}") from exc
-        raise GenerationError(f"tensor-parallel rank 0 failed: {exc}") from exc
-
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

@@ -306,7 +306,7 @@ def check_plan_options(args: argparse.Namespace) -> None:
                      args.time_limit if args.time_limit is not None else DEFAULT_TIME_SECONDS,
                      options=LIMIT_OPTIONS)
 
-    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
+    if args.cluster not in (None, *PRESETS) and Path(args.cluster).exists():  # a file
         from graphpar.errors import GraphparError
         from graphpar.ir.parser import read_text_file
 
@@ -373,8 +373,8 @@ def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:
     """--mesh, --cluster, --memory-limit and --time-limit: the auto-shard plan's options."""
     parser.add_argument("--mesh", help=mesh_help)
     parser.add_argument("--cluster", default="dgx-a100",
-                        help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON "
-                             "file")
+                        help="cluster preset (dgx-a100, dgx-a100-80gb, dgx-h100, p3.16xlarge, cpu, "
+                             "cpu-gloo) or a JSON file")
     parser.add_argument("--memory-limit",
                         help="per-device memory the plan must fit: a size like 40GB, 'device' "
                              "(the cluster's device memory, the default) or 'none'")

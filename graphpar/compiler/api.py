@@ -241,13 +241,14 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str |
 
 
 def compile_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, optimizer: Optimizer,
-                     passes: str = "cleanup") -> Compiled:
+                     passes: str = "cleanup", bucket_bytes: int | None = None) -> Compiled:
     """A model file's (or example's) training step auto-sharded on `mesh` under `limits`, both
     read once where the user's options were (`graphpar train`), lowered to its device
-    program."""
+    program. `bucket_bytes`: the ranks will all-reduce gradients in buckets of about that
+    many bytes, and the plan is chosen knowing it."""
     from graphpar.compiler.driver import compile_model
 
-    pipeline = [*parse_pipeline(passes), AutoShard.of(mesh, limits)]
+    pipeline = [*parse_pipeline(passes), AutoShard.of(mesh, limits, bucket_bytes=bucket_bytes)]
     result = compile_model(spec, "train", pipeline, optimizer=optimizer)
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphpar.ir.graph import Graph, Node, OutputRole, Value
+from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.registry import Trait, get_op
 from graphpar.ir.spmd_ops import node_axes
 
@@ -63,14 +63,7 @@ def defer_reduced(graph: Graph) -> int:
     nodes = list(graph.nodes)
     if any(get_op(n.op).has(Trait.WRITES_OPERAND) for n in nodes):
         return 0
-    # the nodes whose results only ever reach parameter and state updates (not the loss,
-    # nor anything the backward reads): those may wait
-    returned = {o.value: o.role for o in graph.outputs}
-    updating: set[Node] = set()
-    for node in reversed(nodes):
-        if all(returned.get(v, OutputRole.UPDATE) is OutputRole.UPDATE
-               and all(u in updating for u in v.users) for v in node.outputs):
-            updating.add(node)
+    updating = graph.update_only_nodes()  # those may wait
     moved: set[Node] = set()
     for node in nodes:
         if node in updating and (_bucketable(node)

@@ -25,6 +25,7 @@ from graphpar.capture.optim import optimizer_from_name
 from graphpar.cost.limits import PlanLimits
 from graphpar.errors import GraphparError, UsageError
 from graphpar.ir.mesh import Mesh
+from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES
 from graphpar.training import checkpoint
 from graphpar.training.plan import TrainPlan, initial_state, pipeline_plan_from, plan_from
 from graphpar.training.report import Reporter
@@ -162,7 +163,8 @@ def prepare(options: TrainOptions) -> Start:
                                   options.cluster)
         start = Start(plan, [], data, pipe=pipe)
     else:
-        compiled = compile_training(options.spec, options.mesh, options.limits, optimizer)
+        compiled = compile_training(options.spec, options.mesh, options.limits, optimizer,
+                                    bucket_bytes=DEFAULT_BUCKET_BYTES)  # as TrainRank runs
         plan = plan_from(compiled, options.spec.name, options.cluster)
         start = Start(plan, initial_state(compiled, plan), data)
     from graphpar.training.rank import batch_source

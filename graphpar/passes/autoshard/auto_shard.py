@@ -59,6 +59,9 @@ class AutoShard(GraphPass):
     memory_limit: float | str | None = DEFAULT_MEMORY
     time_limit: float = DEFAULT_TIME_SECONDS  # seconds for the whole pass: build and solve
     dtype: str = "fp32"
+    # the runtime will all-reduce gradients in buckets of about this many bytes (a
+    # `graphpar train` rank): price them so (`ilp.Problem`); None: one by one
+    bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         """Bad options fail when the pass is made (a pipeline string is parsed), not after the
@@ -70,10 +73,11 @@ class AutoShard(GraphPass):
         self.memory_limit, self.time_limit = limits.memory_bytes, limits.time_seconds
 
     @classmethod
-    def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32") -> AutoShard:
+    def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32",
+           bucket_bytes: int | None = None) -> AutoShard:
         """The pass for `mesh` (on its cluster) under `limits`."""
         return cls(mesh=mesh, memory_limit=limits.memory_bytes, time_limit=limits.time_seconds,
-                   dtype=dtype)
+                   dtype=dtype, bucket_bytes=bucket_bytes)
 
     @property
     def limits(self) -> PlanLimits:
@@ -87,7 +91,7 @@ class AutoShard(GraphPass):
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         _check_mesh_divides(graph, self.mesh)
         return ilp.solve(graph, self.mesh, Roofline.of(self.cluster, self.dtype), self.limits,
-                         deadline=deadline)
+                         deadline=deadline, bucket_bytes=self.bucket_bytes)
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         reduced, plan = self.solve(graph)

@@ -306,7 +306,7 @@ def check_plan_options(args: argparse.Namespace) -> None:
                      args.time_limit if args.time_limit is not None else DEFAULT_TIME_SECONDS,
                      options=LIMIT_OPTIONS)
 
-    if args.cluster not in (None, *PRESETS) and Path(args.cluster).exists():  # a file
+    if args.cluster not in PRESETS and Path(args.cluster).exists():  # a file, not a preset
         from graphpar.errors import GraphparError
         from graphpar.ir.parser import read_text_file
 

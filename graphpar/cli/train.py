@@ -92,9 +92,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         under_torchrun,
     )
 
-    check_train_options(args)
     cluster_given = args.cluster is not None
     args.cluster = args.cluster or "cpu-gloo"
+    check_train_options(args)
     mesh = plan_mesh(args)
     # a pipelined plan's world is its stages' devices, checked once it is compiled
     if under_torchrun() and not args.pipeline and int(os.environ["WORLD_SIZE"]) != mesh.size:

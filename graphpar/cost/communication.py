@@ -52,7 +52,7 @@ from functools import lru_cache
 import numpy as np
 
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Node
+from graphpar.ir.graph import Graph, Node, OutputRole
 from graphpar.ir.layout import Layout, Partial, Placement, Replicate, Shard
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import StepKind
@@ -60,7 +60,9 @@ from graphpar.ir.spmd_ops import comm_kind, node_axes
 from graphpar.units import format_bytes, format_seconds
 
 __all__ = [
+    "DEFERRED_ROLES",
     "Cost",
+    "deferred_nodes",
     "Step",
     "StepKind",
     "ZERO_COST",
@@ -82,6 +84,19 @@ __all__ = [
 ]
 
 AxesArg = int | str | Sequence[int | str]
+
+# A training rank defers the all-reduces whose results only reach outputs of one of these
+# roles to the end of the backward and runs them in buckets (`graphpar.runtime.overlap`); the
+# ILP prices them so (`bucketed_resharding_seconds`).
+DEFERRED_ROLES = (OutputRole.UPDATE, OutputRole.LOSS)
+
+
+def deferred_nodes(graph: Graph) -> set[Node]:
+    """The nodes of a training step that may wait until the whole backward has run: those
+    whose results only reach the parameter and state updates (the optimizer step and the
+    gradient work only it reads), and those whose results only reach the loss (its last
+    reduction, which the backward does not read)."""
+    return set().union(*(graph.nodes_only_reaching(role) for role in DEFERRED_ROLES))
 
 
 # (latency steps as a function of n, bandwidth factor as a function of n)

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphpar.cost.communication import bucketed_resharding_seconds, resharding_cost_matrix
+from graphpar.cost.communication import (
+    bucketed_resharding_seconds,
+    deferred_nodes,
+    resharding_cost_matrix,
+)
 from graphpar.cost.compute import Roofline
 from graphpar.cost.limits import NO_MEMORY_LIMIT, PlanLimits
 from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
@@ -219,12 +223,15 @@ class Problem:
         return found
 
     def _bucketed_edges(self) -> frozenset[int]:
-        """The edges whose all-reduces a bucketing runtime defers and bucketing: those into
-        a node that only feeds parameter and state updates (`Graph.update_only_nodes`)."""
+        """The edges whose all-reduces a bucketing runtime defers and buckets: those into a
+        node that only feeds parameter and state updates or only the loss, and the loss
+        itself (`deferred_nodes`)."""
         if self.bucket_bytes is None or not self.training:
             return frozenset()
-        updating = {self.index[n] for n in self.graph.update_only_nodes()}
-        return frozenset(e for e, (_, _, dst, _) in enumerate(self.edges) if dst in updating)
+        waiting = {self.index[n] for n in deferred_nodes(self.graph)}
+        loss = {o.value for o in self.graph.outputs if o.role is OutputRole.LOSS}
+        return frozenset(e for e, (v, _, dst, _) in enumerate(self.edges)
+                         if dst in waiting or (dst < 0 and v in loss))
 
     def produced_ids(self, value: Value) -> np.ndarray:
         """Layout ids `value` has under each choice of its producer."""

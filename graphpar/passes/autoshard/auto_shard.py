@@ -15,6 +15,7 @@ from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard import ilp
 from graphpar.passes.autoshard.apply import shard_graph
+from graphpar.passes.autoshard.hand_plans import HAND_PLANS, hand_plan
 from graphpar.passes.autoshard.ilp import Deadline, Plan, Reduced
 from graphpar.passes.autoshard.strategies import node_strategies
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -59,6 +60,9 @@ class AutoShard(GraphPass):
     memory_limit: float | str | None = DEFAULT_MEMORY
     time_limit: float = DEFAULT_TIME_SECONDS  # seconds for the whole pass: build and solve
     dtype: str = "fp32"
+    # "auto": the ILP's cheapest plan; or a hand plan's name (hand_plans.HAND_PLANS): the
+    # cheapest plan its rules allow, solved by the same ILP
+    plan: str = "auto"
 
     def __post_init__(self) -> None:
         """Bad options fail when the pass is made (a pipeline string is parsed), not after the
@@ -66,14 +70,18 @@ class AutoShard(GraphPass):
         self.mesh = mesh_for(self.mesh, self.cluster)
         self.cluster = self.mesh.cluster
         self.cluster.peak_flops(self.dtype)
+        if self.plan != "auto" and self.plan not in HAND_PLANS:
+            raise ShardingError(f"unknown plan {self.plan!r}; choose auto or a "
+                                f"hand plan: {', '.join(HAND_PLANS)}")
         limits = PlanLimits.parse(self.memory_limit, self.time_limit, self.cluster)
         self.memory_limit, self.time_limit = limits.memory_bytes, limits.time_seconds
 
     @classmethod
-    def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32") -> AutoShard:
-        """The pass for `mesh` (on its cluster) under `limits`."""
+    def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32",
+           plan: str = "auto") -> AutoShard:
+        """The pass for `mesh` (on its cluster) under `limits`, solving for `plan`."""
         return cls(mesh=mesh, memory_limit=limits.memory_bytes, time_limit=limits.time_seconds,
-                   dtype=dtype)
+                   dtype=dtype, plan=plan)
 
     @property
     def limits(self) -> PlanLimits:
@@ -86,8 +94,12 @@ class AutoShard(GraphPass):
         if graph.mesh is not None:
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         _check_mesh_divides(graph, self.mesh)
-        return ilp.solve(graph, self.mesh, Roofline.of(self.cluster, self.dtype), self.limits,
-                         deadline=deadline)
+        roofline = Roofline.of(self.cluster, self.dtype)
+        if self.plan == "auto":
+            return ilp.solve(graph, self.mesh, roofline, self.limits, deadline=deadline)
+        reduced = ilp.build_reduced(graph, self.mesh, roofline, deadline)
+        return reduced, hand_plan(reduced, self.plan, self.memory_limit,
+                                  time_limit=max(deadline.left(), 1e-3))
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         reduced, plan = self.solve(graph)

@@ -5,37 +5,9 @@ line."""
 import json
 
 import pytest
-import torch
-from train_testutil import MODEL
+from train_testutil import MODEL, corpus, eager_gpt_tiny
 
 from graphpar.cli.main import main
-from graphpar.models import get_model
-from graphpar.training.data import TokenWindows
-
-
-def corpus(tmp) -> str:
-    """A byte corpus: this test's own source."""
-    path = tmp / "corpus.txt"
-    path.write_bytes(open(__file__, "rb").read() * 4)
-    return str(path)
-
-
-def eager_gpt_tiny(data: str, steps: int, lr: float) -> list[float]:
-    """SGD on gpt:tiny, built as graphpar train builds it (torch.manual_seed(0)), on the
-    batches its --data sampler draws (batch 2 x 32 bytes, seed 0)."""
-    torch.manual_seed(0)
-    example = get_model("gpt", "tiny", train=True)
-    module = example.module
-    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
-    windows, losses = TokenWindows(data, 2, 32, seed=0), []
-    for step in range(steps):
-        (ids,), (target,) = windows(step)
-        loss = example.loss_fn(module(ids), target)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_ddp_plan_trains_as_auto_and_as_eager(tmp_path, capsys):

@@ -265,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         _rank(kind, int(rank), int(world), int(port), folder, args.model, args.steps,
               args.warmup)
         return 0
+    from graphpar.cost.cluster import get_cluster
+    from graphpar.errors import GraphparError
+
+    try:
+        get_cluster(args.cluster)
+    except GraphparError as exc:  # cpu-gloo is a preset only where the cost model has it
+        parser.error(f"--cluster {args.cluster}: {exc} (tools/bench/gloo_cluster.json holds "
+                     "cpu-gloo's measured numbers)")
     contenders = (args.only or ",".join(CONTENDERS)).split(",")
     unknown = [c for c in contenders if c not in CONTENDERS + EXTRA]
     if unknown:

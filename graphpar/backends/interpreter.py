@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from graphpar.backends.codegen import Generated, generate
 from graphpar.backends.paged import KERNEL_OPS
 from graphpar.errors import BackendError, GraphparError
 from graphpar.ir.graph import Graph, Node, Value
@@ -122,6 +123,7 @@ class Interpreter:
         self._bucketed: frozenset[int] = frozenset()
         if buckets:
             self._plan_buckets(buckets)
+        self._generated: Generated | None = None  # `run`'s function, made at its first call
 
     def _plan_buckets(self, buckets: Sequence[Bucketed]) -> None:
         if self.comm is None or not hasattr(self.comm, "launch_all_reduce"):
@@ -154,70 +156,29 @@ class Interpreter:
     # --- running ----------------------------------------------------------------------------
 
     def run(self, inputs: Inputs) -> list[torch.Tensor]:
-        """The graph's outputs in order; each communicating node goes to :meth:`communicate`."""
-        with torch.inference_mode() if self.inference else torch.no_grad():
-            if self._buckets:
-                return self._run_bucketed(inputs)
-            steps = self.steps(inputs)
-            try:
-                request = next(steps)
-                while True:
-                    index, node, args = request
-                    try:
-                        result = self.communicate(index, node, args)
-                    except Exception as exc:
-                        raise node_error(self.graph, node, exc) from exc
-                    request = steps.send(result)
-            except StopIteration as done:
-                return done.value
-
-    def _run_bucketed(self, inputs: Inputs) -> list[torch.Tensor]:
-        """:meth:`steps` run to the end with the buckets launched and waited for where
-        planned, their all-reduce nodes skipped."""
+        """The graph's outputs in order: the plan run as one generated function
+        (`graphpar.backends.codegen`), each communicating node through :meth:`communicate`,
+        the buckets launched and waited for where planned."""
+        generated = self._generated
+        if generated is None or generated.plan is not self.plan:  # a copy with another plan
+            generated = self._generated = generate(self)
         env: list = [None] * self.size
         self.bind(inputs, env)
-        pending: dict[int, Any] = {}
-        launches, waits, bucketed = self._launches, self._waits, self._bucketed
+        with torch.inference_mode() if self.inference else torch.no_grad():
+            try:
+                return generated.function(env)
+            except Exception as exc:
+                node = generated.failing_node(exc)
+                if node is None:
+                    raise
+                raise node_error(self.graph, node, exc) from exc
 
-        def launch(after: int) -> None:
-            for k in launches[after]:
-                requests = [(i, node, list(_fetch(operands, env)))
-                            for i, node, operands in self._buckets[k][0]]
-                try:
-                    pending[k] = self.comm.launch_all_reduce(requests)  # type: ignore
-                except Exception as exc:
-                    raise node_error(self.graph, requests[0][1], exc) from exc
-
-        def arrive(before: int) -> None:
-            for k in waits[before]:
-                requests, slots = self._buckets[k]
-                try:
-                    results = pending.pop(k)()
-                except Exception as exc:
-                    raise node_error(self.graph, requests[0][1], exc) from exc
-                for s, r in zip(slots, results):
-                    env[s] = r
-
-        if -1 in launches:
-            launch(-1)
-        for index, node, fn, operands, attrs, outs, frees in self.plan:
-            if index in waits:
-                arrive(index)
-            if index not in bucketed:
-                args = _fetch(operands, env)
-                try:
-                    result = (self.communicate(index, node, args) if fn is None
-                              else fn(*args, **attrs))
-                except Exception as exc:
-                    raise node_error(self.graph, node, exc) from exc
-                _store(env, outs, result)
-            for f in frees:
-                env[f] = None
-            if index in launches:
-                launch(index)
-        if len(self.plan) in waits:
-            arrive(len(self.plan))
-        return [env[i] for i in self.outputs]
+    @property
+    def code(self) -> str:
+        """The Python source :meth:`run` runs."""
+        if self._generated is None or self._generated.plan is not self.plan:
+            self._generated = generate(self)
+        return self._generated.source
 
     def communicate(self, index: int, node: Node, args: list) -> Any:
         """Run communicating node `node` (its graph position `index`) on operands `args`: the

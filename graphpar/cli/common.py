@@ -373,8 +373,8 @@ def add_plan_options(parser: argparse.ArgumentParser, mesh_help: str) -> None:
     """--mesh, --cluster, --memory-limit and --time-limit: the auto-shard plan's options."""
     parser.add_argument("--mesh", help=mesh_help)
     parser.add_argument("--cluster", default="dgx-a100",
-                        help="cluster preset (dgx-a100, dgx-h100, p3.16xlarge, cpu) or a JSON "
-                             "file")
+                        help="cluster preset (dgx-a100, dgx-a100-80gb, dgx-h100, p3.16xlarge, cpu, "
+                             "cpu-gloo) or a JSON file")
     parser.add_argument("--memory-limit",
                         help="per-device memory the plan must fit: a size like 40GB, 'device' "
                              "(the cluster's device memory, the default) or 'none'")

@@ -26,7 +26,9 @@ def add_train_parser(sub) -> None:
                                             "and, for its data, batch(step) (see README)")
     t.add_argument("--example", help="a bundled model instead, e.g. gpt:tiny (with --data)")
     add_plan_options(t, "the device mesh to train on, e.g. 2x2 (one rank per device)")
-    t.set_defaults(cluster="cpu", mode="train")
+    # the default cluster is where the ranks run: cpu-gloo (this kind of machine, measured)
+    # on CPU ranks, dgx-a100 on GPUs
+    t.set_defaults(cluster=None, mode="train")
     add_pipeline_options(t, "train with a pipelined plan: 'auto' or a number of stages on "
                             "sub-meshes of --mesh (one process per device)")
     t.add_argument("--plan", choices=TRAIN_PLANS, default="auto",
@@ -101,9 +103,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         under_torchrun,
     )
 
+    cluster_given = args.cluster is not None
+    args.cluster = args.cluster or "cpu-gloo"
     check_train_options(args)
     mesh = plan_mesh(args)
-    limits = plan_limits(args, mesh.cluster)
     # a pipelined plan's world is its stages' devices, checked once it is compiled
     if under_torchrun() and not args.pipeline and int(os.environ["WORLD_SIZE"]) != mesh.size:
         raise UsageError(f"torchrun started {os.environ['WORLD_SIZE']} processes (WORLD_SIZE) "
@@ -112,6 +115,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     device = choose_device(args.device, cuda=torch.cuda.is_available(),
                            gpus=torch.cuda.device_count(), ranks=local_ranks(mesh),
                            pipelined=bool(args.pipeline))
+    if device == "cuda" and not cluster_given:
+        args.cluster = "dgx-a100"
+        mesh = plan_mesh(args)
+    limits = plan_limits(args, mesh.cluster)
     torch.manual_seed(args.seed)
     spec = load_target(args.model, args.example, "train")
     if args.pipeline:

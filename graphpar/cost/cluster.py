@@ -120,6 +120,57 @@ _DGX_A100 = Cluster(
         "25 GB/s = 200 GB/s per node. " + _COMPUTE_NOTE + " " + _NCCL_LATENCY_NOTE),
 )
 
+# The machine `graphpar train` and the CPU benches run on, measured: `graphpar calibrate --ranks
+# 2` (tools/bench/gloo_cluster.json, idle), rounded to two digits. The `cpu` preset's
+# placeholders price a gloo collective at 20 us; on loopback one costs about 0.4-1 ms, so
+# plans chosen on `cpu` communicate far more than pays on CPU ranks.
+_CPU_GLOO = Cluster(
+    name="cpu-gloo",
+    device="cpu-process",
+    num_nodes=1,
+    devices_per_node=8,
+    intra_node_bandwidth=2.0e9,
+    intra_node_latency=420e-6,
+    inter_node_bandwidth=1.25e9,
+    inter_node_latency=420e-6,
+    device_memory=4 * _GiB,
+    peak_flops_fp32=81e9,
+    peak_flops_fp16=1.3e9,
+    peak_flops_bf16=1.3e9,
+    compute={
+        "fp32": {"gemm": {"flops": 81e9, "bandwidth": 5.6e9, "overhead": 21e-6},
+                 "gemm_skinny": {"flops": 15e9, "bandwidth": 11e9, "overhead": 24e-6},
+                 "elementwise": {"flops": 3.2e9, "bandwidth": 16e9, "overhead": 27e-6},
+                 "normalization": {"flops": 8.5e9, "bandwidth": 24e9, "overhead": 29e-6},
+                 "attention": {"flops": 17e9, "bandwidth": 9.6e9, "overhead": 33e-6},
+                 "gather": {"flops": 22e9, "bandwidth": 9.5e9, "overhead": 36e-6}},
+        "fp16": {"gemm": {"flops": 1.3e9, "bandwidth": 28e9, "overhead": 22e-6},
+                 "gemm_skinny": {"flops": 0.14e9, "bandwidth": 15e9, "overhead": 24e-6},
+                 "elementwise": {"flops": 2.1e9, "bandwidth": 8.9e9, "overhead": 27e-6},
+                 "normalization": {"flops": 7.1e9, "bandwidth": 13e9, "overhead": 30e-6},
+                 "attention": {"flops": 5.0e9, "bandwidth": 0.62e9, "overhead": 38e-6},
+                 "gather": {"flops": 0.35e9, "bandwidth": 9.7e9, "overhead": 36e-6}},
+        "bf16": {"gemm": {"flops": 1.2e9, "bandwidth": 20e9, "overhead": 22e-6},
+                 "gemm_skinny": {"flops": 0.14e9, "bandwidth": 11e9, "overhead": 24e-6},
+                 "elementwise": {"flops": 1.9e9, "bandwidth": 6.5e9, "overhead": 27e-6},
+                 "normalization": {"flops": 5.7e9, "bandwidth": 10e9, "overhead": 30e-6},
+                 "attention": {"flops": 12e9, "bandwidth": 0.96e9, "overhead": 34e-6},
+                 "gather": {"flops": 0.34e9, "bandwidth": 11e9, "overhead": 36e-6}}},
+    collectives={"all_reduce": {"latency": 0.96e-3, "bandwidth": 1.6e9},
+                 "all_gather": {"latency": 0.84e-3, "bandwidth": 0.47e9},
+                 "reduce_scatter": {"latency": 1.6e-3, "bandwidth": 0.24e9},
+                 "all_to_all": {"latency": 0.84e-3, "bandwidth": 0.23e9},
+                 "send_recv": {"latency": 0.28e-3, "bandwidth": 2.9e9}},
+    seconds_per_result_byte=1.0e-10,
+    source=(
+        "Measured on the project's 2-core AMD EPYC VM: `graphpar calibrate --ranks 2` "
+        "(tools/bench/gloo_cluster.json: one gloo process per device on loopback, one thread "
+        "each; compute: ops per class fitted to the roofline, collectives to alpha-beta per kind, "
+        "rates divided by the in-step factors), rounded to two digits. Inter-node as the "
+        "intra-node link, at most 10 GbE. Measure your own machine with `graphpar calibrate` "
+        "for its numbers."),
+)
+
 _PRESET_LIST = [
     _DGX_A100,
     dataclasses.replace(  # the same machine with 80 GB parts
@@ -195,6 +246,7 @@ _PRESET_LIST = [
             "as eager torch on one core). Order-of-magnitude only: use them to test plans, "
             "not to predict times. " + _COMPUTE_NOTE),
     ),
+    _CPU_GLOO,
 ]
 
 PRESETS: Mapping[str, Cluster] = MappingProxyType({c.name: c for c in _PRESET_LIST})

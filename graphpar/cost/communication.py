@@ -52,7 +52,7 @@ from functools import lru_cache
 import numpy as np
 
 from graphpar.errors import ShardingError
-from graphpar.ir.graph import Node
+from graphpar.ir.graph import Graph, Node, OutputRole
 from graphpar.ir.layout import Layout, Partial, Placement, Replicate, Shard
 from graphpar.ir.mesh import Mesh
 from graphpar.ir.registry import StepKind
@@ -60,7 +60,9 @@ from graphpar.ir.spmd_ops import comm_kind, node_axes
 from graphpar.units import format_bytes, format_seconds
 
 __all__ = [
+    "DEFERRED_ROLES",
     "Cost",
+    "deferred_nodes",
     "Step",
     "StepKind",
     "ZERO_COST",
@@ -68,6 +70,7 @@ __all__ = [
     "all_reduce_cost",
     "all_to_all_cost",
     "broadcast_cost",
+    "bucketed_resharding_seconds",
     "collective_bytes",
     "collective_cost",
     "collective_terms",
@@ -81,6 +84,19 @@ __all__ = [
 ]
 
 AxesArg = int | str | Sequence[int | str]
+
+# A training rank defers the all-reduces whose results only reach outputs of one of these
+# roles to the end of the backward and runs them in buckets (`graphpar.runtime.overlap`); the
+# ILP prices them so (`bucketed_resharding_seconds`).
+DEFERRED_ROLES = (OutputRole.UPDATE, OutputRole.LOSS)
+
+
+def deferred_nodes(graph: Graph) -> set[Node]:
+    """The nodes of a training step that may wait until the whole backward has run: those
+    whose results only reach the parameter and state updates (the optimizer step and the
+    gradient work only it reads), and those whose results only reach the loss (its last
+    reduction, which the backward does not read)."""
+    return set().union(*(graph.nodes_only_reaching(role) for role in DEFERRED_ROLES))
 
 
 # (latency steps as a function of n, bandwidth factor as a function of n)
@@ -641,6 +657,26 @@ def resharding_cost_matrix(global_shape: Sequence[int], dtype_bytes: int,
                 row.append(tree.best[goal][0])
         rows.append(row)
     return rows
+
+
+def bucketed_resharding_seconds(global_shape: Sequence[int], dtype_bytes: int, src: Layout,
+                                dst: Layout, mesh: Mesh, bucket_bytes: float) -> float:
+    """`resharding_cost(...).seconds` of a value whose all-reduce the runtime runs in a bucket
+    with others of about `bucket_bytes` (a training step's gradients:
+    `graphpar.runtime.overlap`): where the cheapest resharding is one all-reduce, its
+    latency term is shared by the bucket's members in proportion to their bytes (this one's
+    share: its local bytes over `bucket_bytes`, at most all of it), its bandwidth term stays
+    whole. Linear in each value's bytes, as the ILP needs; a bucket that is not full is priced
+    below what it costs, one that mixes a large value with small ones about right. Any other
+    resharding costs what `resharding_cost` says."""
+    cost = resharding_cost(global_shape, dtype_bytes, src, dst, mesh)
+    if len(cost.steps) != 1 or cost.steps[0].kind is not StepKind.ALL_REDUCE:
+        return cost.seconds
+    step = cost.steps[0]
+    latency = _rates(StepKind.ALL_REDUCE, mesh, step.axes)[1]
+    alpha = _terms(StepKind.ALL_REDUCE, step.group_size, latency)[0]
+    share = min(1.0, step.nbytes / bucket_bytes)
+    return cost.seconds - alpha * (1.0 - share)
 
 
 def node_comm_cost(node: Node, mesh: Mesh) -> Step | None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphpar.ir.graph import Graph, Node, OutputRole, Value
+from graphpar.cost.communication import deferred_nodes
+from graphpar.ir.graph import Graph, Node, Value
 from graphpar.ir.registry import Trait, get_op
 from graphpar.ir.spmd_ops import node_axes
 
@@ -52,9 +53,11 @@ class Bucket:
 
 def defer_reduced(graph: Graph) -> int:
     """Move the all-reduces `plan_buckets` may bucket whose results only reach the
-    parameter and state updates (the gradients' all-reduces), and the nodes that read them
-    (the updates), to the end of `graph`, in their order: the optimizer updates after the
-    whole backward, as DDP runs `optimizer.step()` after `backward()`. A program
+    parameter and state updates or the loss (the gradients' all-reduces, the loss's), and
+    the nodes that read them (the updates), to the end of `graph`, in their order: the
+    optimizer updates after the whole backward, as DDP runs `optimizer.step()` after
+    `backward()`, and the loss's all-reduce in the gradients' last bucket instead of a
+    rendezvous of its own. A program
     that updates each layer's parameters as soon as its gradients are reduced leaves a bucket
     nothing to overlap with (its wait comes right after its launch); deferred, the buckets
     launch during the backward and are waited for after it. Nothing that stays reads what
@@ -63,14 +66,7 @@ def defer_reduced(graph: Graph) -> int:
     nodes = list(graph.nodes)
     if any(get_op(n.op).has(Trait.WRITES_OPERAND) for n in nodes):
         return 0
-    # the nodes whose results only ever reach parameter and state updates (not the loss,
-    # nor anything the backward reads): those may wait
-    returned = {o.value: o.role for o in graph.outputs}
-    updating: set[Node] = set()
-    for node in reversed(nodes):
-        if all(returned.get(v, OutputRole.UPDATE) is OutputRole.UPDATE
-               and all(u in updating for u in v.users) for v in node.outputs):
-            updating.add(node)
+    updating = deferred_nodes(graph)  # those may wait
     moved: set[Node] = set()
     for node in nodes:
         if node in updating and (_bucketable(node)

@@ -25,6 +25,7 @@ from graphpar.capture.optim import optimizer_from_name
 from graphpar.cost.limits import PlanLimits
 from graphpar.errors import GraphparError, UsageError
 from graphpar.ir.mesh import Mesh
+from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES
 from graphpar.training import checkpoint
 from graphpar.training.plan import TrainPlan, initial_state, pipeline_plan_from, plan_from
 from graphpar.training.report import Reporter
@@ -182,6 +183,7 @@ def _compile(options: TrainOptions, optimizer):
 
     try:
         return compile_training(options.spec, options.mesh, options.limits, optimizer,
+                                bucket_bytes=DEFAULT_BUCKET_BYTES,  # as TrainRank runs
                                 plan=options.plan)
     except NotApplicable as exc:
         raise NotApplicable(f"--plan {options.plan} for {options.spec.name} on mesh "

@@ -96,6 +96,33 @@ def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
     assert "%6 = sub(%b, %5)" in print_graph(graph)  # the same program, renumbered
 
 
+# the loss's all-reduce read by nothing but the user: it waits for the gradients' bucket
+LOSS_APART = """
+mesh @mesh = <[2]>
+graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
+  %0 = matmul(%x, %a)                           : f32[4,4]
+  %1 = sum(%0)                                  : f32[]
+  %2 = all_reduce(%1) {axes=[0], n=2, op="sum"} : f32[]
+  %3 = mul(%x, %0)                              : f32[4,4]
+  %4 = all_reduce(%3) {axes=[0], n=2, op="sum"} : f32[4,4]
+  %5 = sub(%b, %4)                              : f32[4,4]
+  %6 = mul(%3, %0)                              : f32[4,4]
+  %7 = all_reduce(%6) {axes=[0], n=2, op="sum"} : f32[4,4]
+  %8 = sub(%a, %7)                              : f32[4,4]
+  return %2 loss, %5 update(%b), %8 update(%a)
+}
+"""
+
+
+def test_the_losss_all_reduce_joins_the_gradients_bucket_when_the_backward_does_not_read_it():
+    graph = parse(LOSS_APART)
+    assert [b.members for b in plan_buckets(graph)] == [(2,), (4,), (7,)]
+    assert defer_reduced(graph) == 5  # %2 as well as %4, %5, %7, %8
+    assert [n.op for n in graph.nodes] == ["matmul", "sum", "mul", "mul", "all_reduce",
+                                           "all_reduce", "sub", "all_reduce", "sub"]
+    assert plan_buckets(graph) == [Bucket((4, 5, 7), 3, 6, 132)]  # one rendezvous a step
+
+
 def test_the_interpreter_refuses_buckets_it_cannot_run():
     from graphpar.backends.interpreter import Interpreter
     from graphpar.errors import BackendError
@@ -124,6 +151,7 @@ class _Launching:
 @pytest.mark.parametrize("program, deterministic, bucket_bytes", [
     # what training runs: gloo's all-reduce, the updates deferred, two gradients in a bucket
     (LAYERWISE, False, 1 << 20),
+    (LOSS_APART, False, 1 << 20),  # the loss's all-reduce in the gradients' bucket
     pytest.param(STEP, True, 64 * 4, marks=pytest.mark.slow),  # all-gather and sum
 ])
 def test_bucketed_ranks_give_the_plain_results_bit_for_bit(program, deterministic,
@@ -154,9 +182,14 @@ def test_bucketed_ranks_give_the_plain_results_bit_for_bit(program, deterministi
     a, b = state["a"], state["b"]
     if program is STEP:
         want = a - sum(x.T @ (x @ a) for x in (i["x"] for i in inputs))
+    elif program is LOSS_APART:
+        xs = [i["x"] for i in inputs]
+        assert torch.allclose(bucketed[0][0], sum((x @ a).sum() for x in xs))
+        assert torch.allclose(bucketed[0][1], b - sum(x * (x @ a) for x in xs))
+        want = a - sum(x * (x @ a) * (x @ a) for x in xs)
     else:
         loss = sum((i["x"] @ a).sum() for i in inputs) / 2
         want = a - sum((i["x"] * loss) * (i["x"] @ a) for i in inputs)
         assert torch.allclose(bucketed[0][1], b - sum(i["x"] * loss for i in inputs))
-    assert torch.allclose(bucketed[0][-1 if program is LAYERWISE else 0], want, rtol=1e-5,
+    assert torch.allclose(bucketed[0][0 if program is STEP else -1], want, rtol=1e-5,
                           atol=1e-5)

@@ -2,6 +2,8 @@
 resumed run continues them, and the DCP checkpoint loads into the plain module."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,4 +49,32 @@ def test_device_cpu_trains_as_auto_does_without_a_gpu(tmp_path, capsys):
     assert train("--mesh", 2, "--steps", 2, "--optimizer", "sgd", "--lr", "0.5", "--device",
                  "cpu", "--log", log) == 0
     assert logged_losses(log) == pytest.approx(eager_run(2, "sgd", 0.5)[1], rel=1e-4)
-    assert "(median, rank 0, cpu, gloo)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(median, rank 0, cpu, gloo)" in out
+    # planned for where it runs: the measured CPU cluster, not the GPU presets' numbers
+    assert "estimated (cost model, cluster cpu-gloo)" in out
+
+
+def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path):
+    """gpt:tiny with Adam planned on the `cpu` preset (whose 20 us collectives make the plan
+    shard parameters and optimizer state): the 2x2 run's checkpoint holds DTensor shards;
+    resumed on a mesh of 2, another sharded plan, it logs the uninterrupted run's losses."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = tmp_path / "text.txt"
+    data.write_bytes(Path(json.__file__).read_bytes())  # a real text, as bytes
+    common = ["--example", "gpt:tiny", "--data", data, "--optimizer", "adam", "--lr", "0.01",
+              "--cluster", "cpu", "--steps", 4]
+    first, moved = tmp_path / "ckpt", tmp_path / "moved"
+    assert main(["train", *map(str, common), "--mesh", "2x2", "--checkpoint-dir", str(first),
+                 "--checkpoint-every", "2", "--log", str(tmp_path / "run.jsonl"),
+                 "--no-progress"]) == 0
+    metadata = FileSystemReader(str(first / "step-2")).read_metadata().state_dict_metadata
+    shards = {key: len(item.chunks) for key, item in metadata.items() if hasattr(item, "chunks")}
+    assert any(n > 1 for key, n in shards.items() if key.startswith("model.")), shards
+    assert any(n > 1 for key, n in shards.items() if key.startswith("optimizer.")), shards
+    shutil.copytree(first / "step-2", moved / "step-2")
+    assert main(["train", *map(str, common), "--mesh", "2", "--checkpoint-dir", str(moved),
+                 "--resume", "--log", str(tmp_path / "resumed.jsonl"), "--no-progress"]) == 0
+    assert logged_losses(tmp_path / "resumed.jsonl") == pytest.approx(
+        logged_losses(tmp_path / "run.jsonl")[2:], rel=1e-4)

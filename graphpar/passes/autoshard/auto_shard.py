@@ -60,6 +60,9 @@ class AutoShard(GraphPass):
     memory_limit: float | str | None = DEFAULT_MEMORY
     time_limit: float = DEFAULT_TIME_SECONDS  # seconds for the whole pass: build and solve
     dtype: str = "fp32"
+    # the runtime will all-reduce gradients in buckets of about this many bytes (a
+    # `graphpar train` rank): price them so (`ilp.Problem`); None: one by one
+    bucket_bytes: int | None = None
     # "auto": the ILP's cheapest plan; or a hand plan's name (hand_plans.HAND_PLANS): the
     # cheapest plan its rules allow, solved by the same ILP
     plan: str = "auto"
@@ -78,10 +81,10 @@ class AutoShard(GraphPass):
 
     @classmethod
     def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32",
-           plan: str = "auto") -> AutoShard:
+           bucket_bytes: int | None = None, plan: str = "auto") -> AutoShard:
         """The pass for `mesh` (on its cluster) under `limits`, solving for `plan`."""
         return cls(mesh=mesh, memory_limit=limits.memory_bytes, time_limit=limits.time_seconds,
-                   dtype=dtype, plan=plan)
+                   dtype=dtype, bucket_bytes=bucket_bytes, plan=plan)
 
     @property
     def limits(self) -> PlanLimits:
@@ -96,8 +99,10 @@ class AutoShard(GraphPass):
         _check_mesh_divides(graph, self.mesh)
         roofline = Roofline.of(self.cluster, self.dtype)
         if self.plan == "auto":
-            return ilp.solve(graph, self.mesh, roofline, self.limits, deadline=deadline)
-        reduced = ilp.build_reduced(graph, self.mesh, roofline, deadline)
+            return ilp.solve(graph, self.mesh, roofline, self.limits, deadline=deadline,
+                             bucket_bytes=self.bucket_bytes)
+        reduced = ilp.build_reduced(graph, self.mesh, roofline, deadline,
+                                    bucket_bytes=self.bucket_bytes)
         return reduced, hand_plan(reduced, self.plan, self.memory_limit,
                                   time_limit=max(deadline.left(), 1e-3))
 

@@ -36,7 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphpar.cost.communication import resharding_cost_matrix
+from graphpar.cost.communication import (
+    bucketed_resharding_seconds,
+    deferred_nodes,
+    resharding_cost_matrix,
+)
 from graphpar.cost.compute import Roofline
 from graphpar.cost.limits import NO_MEMORY_LIMIT, PlanLimits
 from graphpar.errors import MemoryLimitError, ShardingError, TimeLimitError
@@ -121,11 +125,17 @@ class Problem:
     between them, and what each choice costs in time and memory."""
 
     def __init__(self, graph: Graph, mesh: Mesh, roofline: Roofline | float,
-                 deadline: Deadline = _NO_DEADLINE, tables: dict | None = None):
+                 deadline: Deadline = _NO_DEADLINE, tables: dict | None = None,
+                 bucket_bytes: float | None = None):
         """`tables`: resharding cost tables to share with other problems (per mesh, by
         shape and layouts): the layers of one model priced on the same mesh reshard the same
-        activations between the same layouts."""
+        activations between the same layouts. `bucket_bytes`: the program will run with
+        its gradients' all-reduces in buckets of about that many bytes (a `graphpar train`
+        rank: `graphpar.runtime.overlap`), so an all-reduce into the optimizer update is
+        priced with its share of one bucket's latency (`bucketed_resharding_seconds`);
+        None: each all-reduce on its own."""
         self.graph, self.mesh = graph, mesh
+        self.bucket_bytes = bucket_bytes
         self.roofline = roofline = Roofline.coerce(roofline)
         self.deadline = deadline
         self.items: list = [*graph.inputs, *graph.nodes]
@@ -146,6 +156,7 @@ class Problem:
         self.compute = [self._compute(i) for i in range(len(self.items))]
         self.memory = self._memory_terms()
         self.edges = self._edges()
+        self.bucketed_edges = self._bucketed_edges()
 
     # Layouts are interned as small ints so that edge matrices are built by array indexing.
     def layout_id(self, layout: Layout) -> int:
@@ -192,6 +203,35 @@ class Problem:
                 self._shared[(shape, itemsize, src, dst)] = base
             found = self._costs[key] = base[np.ix_(inv_s.ravel(), inv_d.ravel())]
         return found
+
+    def edge_matrix(self, e: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
+        """Resharding seconds of edge `e` from each source layout to each destination layout:
+        `cost_matrix`, or for an edge into the optimizer update of a program whose
+        all-reduces run in buckets, its bucketed price."""
+        value = self.edges[e][0]
+        if e not in self.bucketed_edges:
+            return self.cost_matrix(value, src_ids, dst_ids)
+        shape, itemsize = value.type.shape, value.type.itemsize
+        key = ("bucketed", shape, itemsize, src_ids.tobytes(), dst_ids.tobytes())
+        found = self._costs.get(key)
+        if found is None:
+            layouts = self._layout_list
+            found = self._costs[key] = np.array([[
+                0.0 if a == b else bucketed_resharding_seconds(
+                    shape, itemsize, layouts[a], layouts[b], self.mesh, self.bucket_bytes)
+                for b in dst_ids] for a in src_ids]).reshape(len(src_ids), len(dst_ids))
+        return found
+
+    def _bucketed_edges(self) -> frozenset[int]:
+        """The edges whose all-reduces a bucketing runtime defers and buckets: those into a
+        node that only feeds parameter and state updates or only the loss, and the loss
+        itself (`deferred_nodes`)."""
+        if self.bucket_bytes is None or not self.training:
+            return frozenset()
+        waiting = {self.index[n] for n in deferred_nodes(self.graph)}
+        loss = {o.value for o in self.graph.outputs if o.role is OutputRole.LOSS}
+        return frozenset(e for e, (v, _, dst, _) in enumerate(self.edges)
+                         if dst in waiting or (dst < 0 and v in loss))
 
     def produced_ids(self, value: Value) -> np.ndarray:
         """Layout ids `value` has under each choice of its producer."""
@@ -262,7 +302,7 @@ class Problem:
             b = self.needed_ids(dst, k)[0 if dst < 0 else picks[dst]]
             if a != b and b >= 0:
                 charged = dst if dst >= 0 and isinstance(self.items[dst], Node) else src
-                yield e, charged, float(self.cost_matrix(v, np.array([a]), np.array([b]))[0, 0])
+                yield e, charged, float(self.edge_matrix(e, np.array([a]), np.array([b]))[0, 0])
 
     def evaluate(self, picks: list[int]) -> tuple[float, float, float]:
         """(compute seconds, communication seconds, memory bytes) of one choice per item, on
@@ -450,7 +490,7 @@ class Reduced:
             keep = dst_ids >= 0
             if not keep.all():  # operands a strategy takes whole (never for tensors)
                 continue
-            matrix = p.cost_matrix(v, src_ids, dst_ids)
+            matrix = p.edge_matrix(done, src_ids, dst_ids)
             if not matrix.any():
                 continue
             a = self.class_of(src)
@@ -835,23 +875,25 @@ SOLVERS: dict[str, Callable] = {"cp-sat": _solve_cpsat, "scip": _solve_mip("SCIP
 
 def solve(graph: Graph, mesh: Mesh, roofline: Roofline | float,
           limits: PlanLimits = NO_MEMORY_LIMIT, *, tie_layers: bool = True, simplify: bool = True,
-          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None
-          ) -> tuple[Reduced, Plan]:
+          solver: str = DEFAULT_SOLVER, deadline: Deadline | None = None,
+          bucket_bytes: float | None = None) -> tuple[Reduced, Plan]:
     """The reduced problem of `graph` on `mesh` (see the module docstring) and its cheapest
     plan within `limits.memory_bytes` per device (None: no limit). `limits.time_seconds`
     bounds the whole call, or `deadline` (a limit started earlier, by the pass) if given: what
     building the problem leaves of it is the solver's. The `auto-shard` pass solves through
-    here, and so does every stage's re-solve on its sub-mesh."""
+    here, and so does every stage's re-solve on its sub-mesh. `bucket_bytes`: see
+    `Problem`."""
     deadline = deadline or Deadline(limits.time_seconds)
-    reduced = build_reduced(graph, mesh, roofline, deadline, tie_layers, simplify)
+    reduced = build_reduced(graph, mesh, roofline, deadline, tie_layers, simplify, bucket_bytes)
     return reduced, reduced.solve(limits.memory_bytes, max(deadline.left(), 1e-3), solver)
 
 
 def build_reduced(graph: Graph, mesh: Mesh, roofline: Roofline | float, deadline: Deadline,
-                  tie_layers: bool = True, simplify: bool = True) -> Reduced:
+                  tie_layers: bool = True, simplify: bool = True,
+                  bucket_bytes: float | None = None) -> Reduced:
     """The reduced problem `solve` solves, built within `deadline`."""
-    reduced = Reduced(Problem(graph, mesh, roofline, deadline), simplify=simplify,
-                      tie_layers=tie_layers)
+    reduced = Reduced(Problem(graph, mesh, roofline, deadline, bucket_bytes=bucket_bytes),
+                      simplify=simplify, tie_layers=tie_layers)
     deadline.check("reducing the problem")
     return reduced
 

@@ -14,6 +14,9 @@ from graphpar.cli.common import (
     plan_mesh,
 )
 from graphpar.errors import UsageError
+from graphpar.passes.autoshard.hand_plans import HAND_PLANS
+
+TRAIN_PLANS = ("auto", *HAND_PLANS)
 
 
 def add_train_parser(sub) -> None:
@@ -28,6 +31,11 @@ def add_train_parser(sub) -> None:
     t.set_defaults(cluster=None, mode="train")
     add_pipeline_options(t, "train with a pipelined plan: 'auto' or a number of stages on "
                             "sub-meshes of --mesh (one process per device)")
+    t.add_argument("--plan", choices=TRAIN_PLANS, default="auto",
+                   help="auto: the plan auto-shard's ILP chooses; or a hand plan solved by the "
+                        "same ILP under its rules: data, ddp (DistributedDataParallel's), zero, "
+                        "zero-3, megatron, data+megatron (docs/autoshard.md); not with "
+                        "--pipeline")
     t.add_argument("--steps", type=int, required=True, help="train up to this step")
     t.add_argument("--optimizer", choices=["sgd", "adam"], default="adam")
     t.add_argument("--lr", type=float, help="learning rate (default: torch.optim's)")
@@ -78,6 +86,9 @@ def check_train_options(args: argparse.Namespace) -> None:
     check_pipeline_options_need_pipeline(args)
     if args.pipeline:
         check_pipeline_options(args)
+        if args.plan != "auto":
+            raise UsageError(f"--plan {args.plan} with --pipeline: a pipelined plan's stages are "
+                             "auto-sharded on their sub-meshes; drop --plan or --pipeline")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -118,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             args.microbatches = default_microbatches(len(spec.inputs[0]))
     options = TrainOptions(
         spec=spec, mesh=mesh, limits=limits, cluster=args.cluster, steps=args.steps,
-        optimizer=args.optimizer, lr=args.lr, data=args.data,
+        optimizer=args.optimizer, lr=args.lr, data=args.data, plan=args.plan,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, log=args.log, seed=args.seed, progress=not args.no_progress,
         pipeline=args.pipeline or None, microbatches=args.microbatches or 4,
@@ -127,7 +138,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if summary:
         losses = summary["losses"]
         if losses:
-            print(f"trained {summary['model']} on mesh {summary['mesh']}: steps "
+            # a pipelined run's stages are auto-sharded: its own line below says how
+            plan = "" if summary.get("pipeline") else f" with plan {summary['plan']}"
+            print(f"trained {summary['model']} on mesh {summary['mesh']}{plan}: steps "
                   f"{summary['first_step'] + 1}..{summary['steps']}, loss {losses[0]:.4f} -> "
                   f"{losses[-1]:.4f}")
             on = "cuda, NCCL" if summary["device"] == "cuda" else "cpu, gloo"

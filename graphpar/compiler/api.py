@@ -241,14 +241,18 @@ def compile(module: torch.nn.Module, inputs: Sequence[torch.Tensor], mesh: str |
 
 
 def compile_training(spec: ModelSpec, mesh: Mesh, limits: PlanLimits, optimizer: Optimizer,
-                     passes: str = "cleanup", bucket_bytes: int | None = None) -> Compiled:
+                     passes: str = "cleanup", bucket_bytes: int | None = None,
+                     plan: str = "auto") -> Compiled:
     """A model file's (or example's) training step auto-sharded on `mesh` under `limits`, both
     read once where the user's options were (`graphpar train`), lowered to its device
     program. `bucket_bytes`: the ranks will all-reduce gradients in buckets of about that
-    many bytes, and the plan is chosen knowing it."""
+    many bytes, and the plan is chosen knowing it. `plan`: "auto" (the ILP's cheapest plan)
+    or a hand plan's name (`passes/autoshard/hand_plans.py`: the cheapest plan its rules
+    allow); a hand plan that does not exist for the model or mesh raises NotApplicable."""
     from graphpar.compiler.driver import compile_model
 
-    pipeline = [*parse_pipeline(passes), AutoShard.of(mesh, limits, bucket_bytes=bucket_bytes)]
+    pipeline = [*parse_pipeline(passes),
+                AutoShard.of(mesh, limits, bucket_bytes=bucket_bytes, plan=plan)]
     result = compile_model(spec, "train", pipeline, optimizer=optimizer)
     return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 

@@ -9,12 +9,13 @@ tokens (`.u32.bin` uint32: the suffix says the dtype), `.npy` any integer array,
 is UTF-8 text read as bytes (a vocabulary of 256). Each step draws `batch` window starts from a
 generator seeded with (seed, step) and cuts `[batch, seq + 1]` windows: inputs are the first
 `seq` tokens, targets the next-token labels. The file is memory-mapped and a rank reads only
-the rows it holds (`rows`).
+the rows it holds (`rows`), and of them only the tensors it reads (`parts`: a pipeline's first
+stage the inputs, its loss stage the targets).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -42,21 +43,27 @@ class TokenWindows:
                              f"of {seq + 1} (the model's sequence length + 1); give a longer "
                              "file")
         self.vocab = vocab
+        self.tokens_read = 0  # from the file, over every call (counted)
 
     def starts(self, step: int) -> torch.Tensor:
         """Where step `step`'s windows start in the file."""
         high = len(self.tokens) - self.seq - 1
         return torch.randint(0, high, (self.batch,), generator=step_generator(self.seed, step))
 
-    def __call__(self, step: int, rows: slice | None = None) -> Batch:
+    def __call__(self, step: int, rows: slice | None = None,
+                 parts: Collection[int] = (0, 1)) -> Batch:
         """Step `step`'s (inputs, targets), int64 `[batch, seq]`; with `rows`, only those rows
-        are read (the others are zeros: this rank does not hold them)."""
+        are read, and of `parts` (0: the inputs, 1: the targets) only those (the others are
+        zeros: this rank does not hold them)."""
         rows = slice(0, self.batch) if rows is None else rows
         windows = torch.zeros((self.batch, self.seq + 1), dtype=torch.int64)
+        # window positions 0..seq-1 are the inputs, 1..seq the targets
+        first, stop = (0 if 0 in parts else 1), (self.seq + 1 if 1 in parts else self.seq)
         for row, start in enumerate(self.starts(step).tolist()):
-            if rows.start <= row < rows.stop:
-                windows[row] = torch.from_numpy(
-                    np.asarray(self.tokens[start:start + self.seq + 1], dtype=np.int64))
+            if rows.start <= row < rows.stop and parts:
+                windows[row, first:stop] = torch.from_numpy(
+                    np.asarray(self.tokens[start + first:start + stop], dtype=np.int64))
+                self.tokens_read += stop - first
         if self.vocab is not None and int(windows.max()) >= self.vocab:
             raise UsageError(f"--data {self.path}: token {int(windows.max())} is outside the "
                              f"model's vocabulary of {self.vocab}")
@@ -118,7 +125,10 @@ class ModelFileBatches:
         self.batch, self.path = batch, path
         self.shapes = (inputs, targets)
 
-    def __call__(self, step: int, rows: slice | None = None) -> Batch:
+    def __call__(self, step: int, rows: slice | None = None,
+                 parts: Collection[int] = (0, 1)) -> Batch:
+        """Step `step`'s batch: the model file's function makes every tensor of it, whatever
+        `rows` and `parts` a rank reads (a rank that reads none does not call it)."""
         try:
             got = self.batch(step)
         except Exception as exc:

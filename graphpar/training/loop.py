@@ -60,6 +60,8 @@ class TrainOptions:
     schedule: str = "1f1b"
     token_slices: str | None = None  # "auto" or a number: the stages run token slices
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL), as `choose_device` resolved it
+    # "auto": auto-shard's ILP chooses; or a hand plan's name (passes/autoshard/hand_plans.py)
+    plan: str = "auto"
 
 
 def under_torchrun() -> bool:
@@ -141,8 +143,6 @@ class Start:
 
 def prepare(options: TrainOptions) -> Start:
     """Compile the step and find the checkpoint to resume from, checking it fits the model."""
-    from graphpar.compiler.api import compile_training
-
     if options.spec.loss_fn is None:
         raise UsageError(f"{options.spec.name}: training needs a loss: define loss(output, "
                          "*targets) and targets() in the model file")
@@ -163,9 +163,8 @@ def prepare(options: TrainOptions) -> Start:
                                   options.cluster)
         start = Start(plan, [], data, pipe=pipe)
     else:
-        compiled = compile_training(options.spec, options.mesh, options.limits, optimizer,
-                                    bucket_bytes=DEFAULT_BUCKET_BYTES)  # as TrainRank runs
-        plan = plan_from(compiled, options.spec.name, options.cluster)
+        compiled = _compile(options, optimizer)
+        plan = plan_from(compiled, options.spec.name, options.cluster, options.plan)
         start = Start(plan, initial_state(compiled, plan), data)
     from graphpar.training.rank import batch_source
 
@@ -174,6 +173,22 @@ def prepare(options: TrainOptions) -> Start:
         checkpoint.check_resumable(resume[1], plan)
         start.step, start.resume = resume[0], str(resume[1])
     return start
+
+
+def _compile(options: TrainOptions, optimizer):
+    """The step under `options.plan`; a hand plan that does not exist for this model or mesh
+    is an error naming it."""
+    from graphpar.compiler.api import compile_training
+    from graphpar.passes.autoshard.hand_plans import NotApplicable
+
+    try:
+        return compile_training(options.spec, options.mesh, options.limits, optimizer,
+                                bucket_bytes=DEFAULT_BUCKET_BYTES,  # as TrainRank runs
+                                plan=options.plan)
+    except NotApplicable as exc:
+        raise NotApplicable(f"--plan {options.plan} for {options.spec.name} on mesh "
+                            f"{options.mesh}: {exc}; choose another --plan (auto always "
+                            "applies)") from None
 
 
 def train(options: TrainOptions) -> dict:

@@ -63,6 +63,8 @@ class TrainPlan:
     # ranks); None for an SPMD step
     pipeline: dict | None = None
     world_size: int | None = None  # processes it runs on, when not the mesh's size
+    # how it was planned: "auto" (auto-shard's ILP) or a hand plan's name (hand_plans.py)
+    plan_name: str = "auto"
 
     @property
     def mesh(self) -> Mesh:
@@ -79,8 +81,10 @@ class TrainPlan:
         return int(torch.Size(first.shape).numel())
 
 
-def plan_from(compiled: Compiled, name: str, cluster: str) -> TrainPlan:
-    """The plan of a compiled training step (`graphpar.compile(..., mode="train")`)."""
+def plan_from(compiled: Compiled, name: str, cluster: str, plan_name: str = "auto"
+              ) -> TrainPlan:
+    """The plan of a compiled training step (`graphpar.compile(..., mode="train")`), planned
+    as `plan_name` says ("auto" or a hand plan's name)."""
     from graphpar.ir.graph import OutputRole, Role
     from graphpar.ir.printer import print_graph
     from graphpar.ir.spmd_ops import GROUP_OPS, node_axes
@@ -100,7 +104,7 @@ def plan_from(compiled: Compiled, name: str, cluster: str) -> TrainPlan:
         targets=[o.target for o in spmd.outputs], mesh_shape=tuple(compiled.mesh.shape),
         axes=[tuple(a) for a in axes], inputs=inputs, state=state,
         loss_index=next(i for i, o in enumerate(spmd.outputs) if o.role is OutputRole.LOSS),
-        estimated_seconds=compiled.plan.step_seconds, cluster=cluster,
+        estimated_seconds=compiled.plan.step_seconds, cluster=cluster, plan_name=plan_name,
         **state_keys(glob, compiled.spec_or_raise(), state, compiled.optimizer))
 
 

@@ -85,7 +85,8 @@ class RankSteps:
             if on_step is not None:
                 on_step({"step": done, "loss": loss, "seconds": seconds,
                          "tokens_per_second": self.plan.tokens_per_step / seconds,
-                         "estimated_seconds": self.plan.estimated_seconds})
+                         "estimated_seconds": self.plan.estimated_seconds,
+                         "plan": self.plan.plan_name})
             if checkpoint_dir and ((every and done % every == 0) or done == stop):
                 self.save(Path(checkpoint_dir), done)
         return losses

@@ -76,6 +76,7 @@ class Reporter:
             "estimated_on": self.plan.cluster,
             "pipeline": self.plan.pipeline,
             "device": self.options.device,
+            "plan": self.plan.plan_name,
         }
         if self.options.log is not None:
             curve = self.options.log.with_suffix(".html")
@@ -123,8 +124,11 @@ def loss_curve_html(records: list[dict], summary: dict) -> str:
     timing = (f"step time {measured * 1e3:.2f} ms measured (median, rank 0's clock); "
               f"{summary['step_seconds_estimated'] * 1e3:.3f} ms estimated (cost model, "
               f"cluster {html.escape(str(summary['estimated_on']))})" if measured else "")
+    planned = ("pipelined" if summary.get("pipeline")
+               else f"plan {html.escape(str(summary.get('plan', 'auto')))}")
     return (f"<!doctype html><meta charset='utf-8'><title>{html.escape(summary['model'])} "
-            f"loss</title><h1>{html.escape(summary['model'])} on mesh {summary['mesh']}</h1>"
+            f"loss</title><h1>{html.escape(summary['model'])} on mesh {summary['mesh']}, "
+            f"{planned}</h1>"
             f"<svg width='{w}' height='{h}' style='border:1px solid #ccc'>{axis}"
             f"<polyline fill='none' stroke='#1f77b4' stroke-width='2' points='{points}'/>"
             f"</svg><p>{timing}</p>\n")

@@ -2,12 +2,14 @@
 
 `StageTrainWorker` is the pipeline runtime's worker (`graphpar.runtime.pipeline.PipelineWorker`:
 its stage's programs, its action list, tiles over gloo) kept for the whole run. Each step it
-reads the step's batch, cuts it into microbatches, runs its action list on its stage's runner
-(`StageRunner.next_step`: the interpreters are kept), keeps the updates, and sends the updated
-tensors another stage reads (a tied embedding, Adam's step count) to it. The loss, made on the
-last stage, is broadcast so rank 0 reports it. `TokenTrainWorker` does the same on the token
-pipeline runtime's worker (`graphpar.runtime.token_pipeline.TokenPipelineWorker`: one process
-per stage, each microbatch cut into token slices); `StageRanks` is what the two share.
+reads what its stage's programs read of the step's batch (the first stage the inputs, the loss
+stage the targets, a stage between them nothing), cuts it into microbatches, runs its action
+list on its stage's runner (`StageRunner.next_step`: the interpreters are kept), keeps the
+updates, and sends the updated tensors another stage reads (a tied embedding, Adam's step count)
+to it. The loss, made on the last stage, is broadcast so rank 0 reports it. `TokenTrainWorker`
+does the same on the token pipeline runtime's worker
+(`graphpar.runtime.token_pipeline.TokenPipelineWorker`: one process per stage, each microbatch
+cut into token slices); `StageRanks` is what the two share.
 
 A stage's state is whole on each of its devices (a stage on several devices shards each phase
 from whole tensors), so its checkpoint entries are DTensors with `Replicate()` on the stage's
@@ -80,21 +82,30 @@ class StageRanks(RankSteps):
     folder: object
     stage_devices: tuple[int, ...]
 
-    def _setup_training(self, state: dict[str, torch.Tensor]) -> None:
+    def _setup_training(self, state: dict[str, torch.Tensor], reads: set[str]) -> None:
+        """`reads`: the names of the step's inputs and targets this stage's programs read."""
         train = self.job["train"]
         self.plan = plan_from_description(train["plan"], "", self.folder.load("constants.pt"))
         self.data = train["data"]
         self.batches = batch_source(self.data, self.plan)
         self.names = list(self.plan.inputs)
+        # positions in (*inputs, *targets) this stage reads; the rest it holds as zeros
+        self.reads = tuple(k for k, name in enumerate(self.names) if name in reads)
         self.loss_rank = train["loss_rank"]
         self.state = dict(state)
         self.transfers = [tuple(t) for t in train["state_transfers"]]
         self.device_mesh = None
 
     def _batch(self, index: int, microbatches: int) -> list[dict[str, torch.Tensor]]:
-        """Step `index`'s batch cut into microbatches, by the step's input names."""
-        inputs, targets = self.batches(index)
-        return split_microbatches(dict(zip(self.names, (*inputs, *targets))), microbatches)
+        """Step `index`'s batch cut into microbatches, by the step's input names: only what
+        this stage reads is read (`reads`), the other tensors are zeros it never looks at."""
+        if self.reads:
+            inputs, targets = self.batches(index, parts=self.reads)
+            tensors = (*inputs, *targets)
+        else:
+            tensors = tuple(torch.zeros(t.shape, dtype=t.torch_dtype)
+                            for t in self.plan.inputs.values())
+        return split_microbatches(dict(zip(self.names, tensors)), microbatches)
 
     def _keep(self, updates: dict[str, torch.Tensor]) -> None:
         for target, value in updates.items():
@@ -155,7 +166,7 @@ class StageTrainWorker(PipelineWorker, StageRanks):
     def __init__(self, jobdir: str | Path, rank: int, world: int) -> None:
         super().__init__(jobdir, rank, world)
         self.stage_devices = tuple(self.comm.mesh.device_ids)
-        self._setup_training(self.tensors["state"])
+        self._setup_training(self.tensors["state"], set(self.runner.needed))
         self.state_out = [(dst, n) for src, dst, n in self.transfers if src == self.stage]
         self.state_in = [(src, n) for src, dst, n in self.transfers if dst == self.stage]
 
@@ -194,7 +205,11 @@ class TokenTrainWorker(TokenPipelineWorker, StageRanks):
         stage = self.stage
         needed = set().union(*(r.needed for r in stage.runners), *(
             [stage.update_runner.needed] if stage.update_runner is not None else []))
-        self._setup_training({k: v for k, v in self.tensors["state"].items() if k in needed})
+        # the stage's programs read each slice's `input_ids` and `target` (`slice_inputs`)
+        reads = {name for name, sliced in zip(self.job["names"], ("input_ids", "target"))
+                 if sliced in needed}
+        self._setup_training({k: v for k, v in self.tensors["state"].items() if k in needed},
+                             reads)
         self.tensors = None  # every stage's state, read once: only its own is kept
         self.state_out = [(dst, n) for src, dst, n in self.transfers if src == rank]
         self.state_in = [(src, n) for src, dst, n in self.transfers if dst == rank]

@@ -3,9 +3,12 @@ pipeline runtimes): losses equal an eager PyTorch loop, checkpoints cross betwee
 token-sliced and plain plans, and the final one loads into the plain module equal to
 eager's."""
 
+import argparse
+from pathlib import Path
+
 import pytest
 import torch
-from train_testutil import MODEL, checkpoint_model, eager_run, logged_losses
+from train_testutil import MODEL, checkpoint_model, corpus, eager_gpt_tiny, eager_run, logged_losses
 
 from graphpar.cli.main import main
 
@@ -54,6 +57,55 @@ def test_token_sliced_training_equals_eager(tmp_path, capsys):
     module, losses = eager_run(2, "sgd", 0.5)
     assert logged_losses(log) == pytest.approx(losses, rel=1e-4)
     equals_eager_module(ckpt / "step-2", module, tmp_path)
+
+
+def test_each_stage_reads_only_what_its_programs_read(tmp_path):
+    """gpt:tiny in 3 stages on a mesh of 4, fed from a token file: the first stage reads the
+    token ids, the middle stage nothing, the last (on two devices) the targets; each reads
+    them as a run reading the whole batch would (counted: tokens taken from the file)."""
+    from graphpar.cli.common import load_target, plan_limits
+    from graphpar.cost.cluster import mesh_for
+    from graphpar.runtime.jobs import JobFolder
+    from graphpar.training.data import TokenWindows
+    from graphpar.training.loop import TrainOptions, prepare, write_pipeline_job
+    from graphpar.training.stage_rank import StageRanks
+
+    mesh = mesh_for("4", "cpu")
+    limits = plan_limits(argparse.Namespace(memory_limit=None, time_limit=None,
+                                            cluster="cpu"), mesh.cluster)
+    data = Path(corpus(tmp_path))
+    start = prepare(TrainOptions(spec=load_target(None, "gpt:tiny", "train", batch=4),
+                                 mesh=mesh, limits=limits, cluster="cpu", steps=1, data=data,
+                                 progress=False, pipeline="3", microbatches=4))
+    folder = JobFolder(tmp_path / "job")
+    folder.path.mkdir()
+    write_pipeline_job(folder, start)
+    (ids,), (target,) = TokenWindows(data, 4, 32)(0)
+    whole = {"idx": ids, "target": target}
+    read = []
+    for spec in folder.description["stages"]:
+        stage = StageRanks()
+        stage.job, stage.folder = folder.description, folder
+        # what the worker passes: the names its stage's programs read (StageRunner.needed)
+        stage._setup_training({}, {v.name for entry in spec["graphs"].values()
+                                   for v in folder.read_graph(entry).inputs})
+        micro = stage._batch(0, 4)
+        names = [n for k, n in enumerate(stage.names) if k in stage.reads]
+        read.append((names, stage.batches.tokens_read))
+        for name in names:
+            assert torch.equal(torch.cat([m[name] for m in micro]), whole[name])
+    assert [spec["device_ids"] for spec in folder.description["stages"]] == [[0], [1], [2, 3]]
+    assert read == [(["idx"], 4 * 32), ([], 0), (["target"], 4 * 32)]
+
+
+def test_pipelined_training_on_a_token_file_equals_eager(tmp_path):
+    """--data through 2 stages: the first stage reads the token ids, the second the targets,
+    and the losses are eager's."""
+    data, log = corpus(tmp_path), tmp_path / "run.jsonl"
+    assert main(["train", "--example", "gpt:tiny", "--data", data, "--mesh", "2",
+                 "--pipeline", "2", "--microbatches", "2", "--steps", "2", "--optimizer",
+                 "sgd", "--lr", "0.1", "--no-progress", "--log", str(log)]) == 0
+    assert logged_losses(log) == pytest.approx(eager_gpt_tiny(data, 2, 0.1), rel=1e-4)
 
 
 @pytest.mark.slow

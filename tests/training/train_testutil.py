@@ -36,6 +36,34 @@ def eager_run(steps: int, optimizer: str, lr: float, seed: int = 0):
     return module, losses
 
 
+def corpus(tmp) -> str:
+    """A byte corpus: this file's own source."""
+    path = tmp / "corpus.txt"
+    path.write_bytes(Path(__file__).read_bytes() * 4)
+    return str(path)
+
+
+def eager_gpt_tiny(data: str, steps: int, lr: float) -> list[float]:
+    """SGD on gpt:tiny, built as graphpar train builds it (torch.manual_seed(0)), on the
+    batches its --data sampler draws (batch 2 x 32 bytes, seed 0)."""
+    from graphpar.models import get_model
+    from graphpar.training.data import TokenWindows
+
+    torch.manual_seed(0)
+    example = get_model("gpt", "tiny", train=True)
+    module = example.module
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+    windows, losses = TokenWindows(data, 2, 32, seed=0), []
+    for step in range(steps):
+        (ids,), (target,) = windows(step)
+        loss = example.loss_fn(module(ids), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def logged_losses(path: Path) -> list[float]:
     import json
 

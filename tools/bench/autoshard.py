@@ -8,7 +8,7 @@
 For each model (a training step with Adam, captured with uninitialized weights) and mesh on
 DGX A100 nodes: the ILP's size after simplification (variables, constraints, shared
 variables), its build and solve times (measured), and the estimated step time of the ILP plan
-and of each hand plan (data parallel, ZeRO, ZeRO-3, Megatron-LM, data x Megatron) under the
+and of each hand plan (data parallel, DDP, ZeRO, ZeRO-3, Megatron-LM, data x Megatron) under the
 same cost model and the same per-device memory limit. The last column checks that the ILP plan
 is never worse than the best hand plan (`ok`), and the run fails if it is.
 
@@ -143,7 +143,7 @@ def _cell(h: dict) -> str:
 
 def print_row(label: str, row: dict, first: bool) -> None:
     if first:
-        hand = "".join(f"{n:>10}" for n in ("data", "zero", "zero-3", "megatron", "dp+mp"))
+        hand = "".join(f"{n.replace('data+megatron', 'dp+mp'):>10}" for n in HAND_PLANS)
         header = (f"{'model':<24}{'mesh':>5}{'nodes':>7}{'vars':>7}{'solve s':>8}{'total s':>8}"
                   f"{'ILP ms':>10}{hand}{'ILP/best':>9}  ok")
         print(header)

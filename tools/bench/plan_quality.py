@@ -8,14 +8,14 @@
 For each model (bundled GPT, LLaMA, MoE and Wide-ResNet at sizes a CPU runs in seconds), mode
 (`train`: forward, backward and an Adam update in one step; `decode`: for GPT and LLaMA one new
 token per sequence over a KV cache, `capture_decode`'s graph; for the others, inference) and
-mesh, the ILP's plan and every hand plan (data parallel, ZeRO, ZeRO-3, Megatron-LM, data x
-Megatron; graphpar/passes/autoshard/hand_plans.py) are solved under one cost model, the
-cluster file's (default tools/bench/gloo_cluster.json, this machine measured), lowered to
-device programs and run on one gloo process per rank: `--repeats` times `--steps` timed steps
-after `--warmup` untimed ones, with one set of processes per plan. A step is as long as its
-slowest rank; a plan's measured time is the median over all its timed steps, and its noise
-the spread of its repeats' medians ((max - min) / median), so that repeated runs say how far
-apart two plans must be to differ.
+mesh, the ILP's plan and every hand plan (data parallel, DDP's pure data parallel, ZeRO,
+ZeRO-3, Megatron-LM, data x Megatron; graphpar/passes/autoshard/hand_plans.py) are solved under
+one cost model, the cluster file's (default tools/bench/gloo_cluster.json, this machine
+measured), lowered to device programs and run on one gloo process per rank: `--repeats` times
+`--steps` timed steps after `--warmup` untimed ones, with one set of processes per plan. A step
+is as long as its slowest rank; a plan's measured time is the median over all its timed steps,
+and its noise the spread of its repeats' medians ((max - min) / median), so that repeated runs
+say how far apart two plans must be to differ.
 
 Per row: predicted ms (the device program's estimate: its nodes priced by the cost model; the
 JSON also has `objective_ms`, the ILP objective the plan was chosen by, which prices a value

@@ -4,24 +4,28 @@ DistributedDataParallel and FSDP2 (`fully_shard`), on gloo CPU processes.
 Each contender runs `--steps` Adam steps of the bundled GPT (`--model`, default gpt:tiny: batch
 2 × 32 tokens) on `--ranks` processes after `--warmup` untimed ones. The contenders:
 
-- `graphpar`: the plan auto-shard chooses on `--cluster` (default `cpu`), as `graphpar train`
-  compiles it;
-- `graphpar-data`: graphpar's data-parallel hand plan (`passes/autoshard/hand_plans.py`:
-  parameters and optimizer state replicated, every heavy op split by the batch), solved under
-  the same cost model;
-- `graphpar-pure-data`: pure data parallelism, as DDP runs: the same hand plan's rules applied
-  to every node, the cheap ones too (`hand_plans` leaves elementwise ops, norms and reshapes
-  to the solver, which on the `cpu` preset's 20 us collectives gathers activations to run
-  them replicated); only the inputs are sliced and the gradients all-reduced;
-- `graphpar-pure-data-unbucketed` (only with `--only`): the same plan with every gradient
-  all-reduce run where the program has it, one at a time, instead of in overlapped buckets
-  (`graphpar.runtime.overlap`);
+- `graphpar`: what `graphpar train --example MODEL --mesh RANKS --cluster CLUSTER` runs
+  (`--plan auto`: the plan auto-shard chooses on `--cluster`, default `cpu-gloo`, the gloo
+  CPU ranks' measured preset), compiled by the same code (`training.loop.prepare`);
+- `graphpar-data`: the same with `--plan data`, graphpar's data-parallel hand plan
+  (`passes/autoshard/hand_plans.py`: parameters and optimizer state replicated, every heavy op
+  split by the batch, the cheap ops left to the solver), solved under the same cost model;
+- `graphpar-ddp`: the same with `--plan ddp`, data parallelism as DDP runs it: the data rule
+  on every node, the cheap ones too, the inputs sliced by the batch, parameters and optimizer
+  state replicated, the gradients all-reduced (in buckets, overlapped with the backward:
+  `graphpar.runtime.overlap`);
+- `graphpar-ddp-unbucketed` (only with `--only`): the same plan with every gradient
+  all-reduce run where the program has it, one at a time;
+- `graphpar-pipeline`: `graphpar train --pipeline 2 --microbatches 2`'s run (2 stages, one
+  on each of 2 ranks, schedule 1f1b), its ranks being `training.stage_rank.StageTrainWorker`
+  (with `--ranks` other than 2 the stages are auto-shard's choice);
 - `ddp`, `fsdp2`: the eager module wrapped in `DistributedDataParallel`, or `fully_shard`.
 
 Every contender runs in the same harness: one process of this script per rank (a fresh
 interpreter each, started the same way), `torch.distributed` over gloo on 127.0.0.1, one
-intra-op thread. graphpar's ranks are `graphpar.training.rank.TrainRank`, the class
-`graphpar train` runs on each rank (alone or under torchrun), given the plan compiled here.
+intra-op thread. graphpar's ranks are `graphpar.training.rank.TrainRank` (a pipelined plan's:
+`StageTrainWorker` on the pipeline job's folder), the classes `graphpar train` runs on each
+rank (alone or under torchrun), given the plan compiled here.
 A step's time is rank 0's wall clock from a barrier to the step's end (measured); the table
 gives the median over every timed step of every round, tokens/s from it. The contenders run
 `--rounds` times in turn (interleaved), so that a change of the machine's load hits them all;
@@ -34,6 +38,7 @@ the end minus `VmRSS` just before the first step).
 
     python tools/bench/train.py                       # table; writes train.json here
     python tools/bench/train.py --steps 10 --warmup 2 --rounds 1 --out /tmp/train.json
+    python tools/bench/train.py --cluster tools/bench/gloo_cluster.json   # the same numbers
 
 Timings are measured on a shared machine; run it on an idle one for numbers to quote.
 """
@@ -57,8 +62,13 @@ import torch.distributed as dist
 from graphpar.calibration.calibrate import cpu_model
 
 OUT = Path(__file__).with_name("train.json")
-CONTENDERS = ("graphpar", "graphpar-data", "graphpar-pure-data", "ddp", "fsdp2")
-EXTRA = ("graphpar-pure-data-unbucketed",)
+CONTENDERS = ("graphpar", "graphpar-data", "graphpar-ddp", "graphpar-pipeline", "ddp", "fsdp2")
+EXTRA = ("graphpar-ddp-unbucketed",)
+# graphpar's contenders: `graphpar train`'s --plan, and its --pipeline (stages) or None
+GRAPHPAR = {"graphpar": ("auto", None), "graphpar-data": ("data", None),
+            "graphpar-ddp": ("ddp", None), "graphpar-ddp-unbucketed": ("ddp", None),
+            "graphpar-pipeline": ("auto", 2)}
+MICROBATCHES = 2  # graphpar-pipeline's, as `--microbatches 2`
 
 
 def _batches(model: str, steps: int):
@@ -109,6 +119,10 @@ def _graphpar_steps(kind: str, rank: int, world: int, folder: str, model: str):
     from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES
     from graphpar.training.rank import TrainRank
 
+    if GRAPHPAR[kind][1] is not None:  # a pipelined plan: a device of its job, as torchrun's
+        from graphpar.training.stage_rank import StageTrainWorker
+
+        return StageTrainWorker(Path(folder, "job"), rank, world).step
     start = torch.load(Path(folder, "start.pt"), weights_only=False)
     buckets = None if kind.endswith("-unbucketed") else DEFAULT_BUCKET_BYTES
     trainer = TrainRank(start["plan"], rank, start["data"], start["states"][rank],
@@ -145,36 +159,41 @@ def _torch_steps(kind: str, rank: int, world: int, folder: str, model: str):
 
 # --- the driver -------------------------------------------------------------------------------
 
-def graphpar_start(model: str, ranks: int, cluster: str, plan: str, folder: Path) -> dict:
-    """Compile `plan` ("auto": auto-shard's; "data", "pure-data": `_hand_compiled`) as
-    `graphpar train` compiles,
-    and write what every rank starts from to `folder`/start.pt. Returns its estimate."""
-    from graphpar.capture.optim import optimizer_from_name
-    from graphpar.cli.common import example_spec, plan_limits
+def graphpar_start(model: str, ranks: int, cluster: str, name: str, folder: Path) -> dict:
+    """Compile contender `name` as `graphpar train --example MODEL --mesh RANKS --cluster
+    CLUSTER --plan P [--pipeline S --microbatches 2]` compiles it (the same steps as
+    `cli/train.py`, then `training.loop.prepare`), and write what every rank starts from to
+    `folder`: start.pt (the plan, each rank's shards, the data), or a pipelined plan's job
+    folder. Returns its estimate and what its program's collectives are."""
+    from graphpar.cli.common import load_target, plan_limits
     from graphpar.cost.cluster import mesh_for
-    from graphpar.training.plan import initial_state, plan_from
+    from graphpar.runtime.jobs import JobFolder
+    from graphpar.training.loop import TrainOptions, prepare, write_pipeline_job
 
-    spec = example_spec(model, train=True)
+    plan, stages = GRAPHPAR[name]
     mesh = mesh_for(str(ranks), cluster)
     limits = plan_limits(argparse.Namespace(memory_limit=None, time_limit=None,
                                             cluster=cluster), mesh.cluster)
-    optimizer = optimizer_from_name("adam", 1e-3)
-    if plan == "auto":
-        from graphpar.compiler.api import compile_training
-
-        compiled = compile_training(spec, mesh, limits, optimizer)
-    else:
-        compiled = _hand_compiled(spec, mesh, limits, optimizer, plan)
-    train_plan = plan_from(compiled, spec.name, cluster)
+    torch.manual_seed(0)
+    spec = load_target(None, model, "train")
     tokens = folder / "tokens.bin"
     vocab = spec.module.config.vocab_size if hasattr(spec.module, "config") else 256
     torch.randint(0, min(vocab, 256), (1 << 16,), dtype=torch.int32).to(
         torch.int16).numpy().tofile(tokens)
-    torch.save({"plan": train_plan, "states": initial_state(compiled, train_plan),
-                "data": {"kind": "tokens", "path": str(tokens), "seed": 0}},
+    options = TrainOptions(spec=spec, mesh=mesh, limits=limits, cluster=cluster, steps=1,
+                           optimizer="adam", lr=1e-3, data=tokens, progress=False, plan=plan,
+                           pipeline=None if stages is None else str(stages),
+                           microbatches=MICROBATCHES, schedule="1f1b")
+    start = prepare(options)
+    if start.pipe is not None:
+        (folder / "job").mkdir()
+        write_pipeline_job(JobFolder(folder / "job"), start)
+        return {"estimated_seconds": start.plan.estimated_seconds,
+                "pipeline": start.plan.pipeline}
+    torch.save({"plan": start.plan, "states": start.states, "data": start.data},
                folder / "start.pt")
-    return {"estimated_seconds": train_plan.estimated_seconds,
-            **_collectives(train_plan.program)}
+    return {"estimated_seconds": start.plan.estimated_seconds,
+            **_collectives(start.plan.program)}
 
 
 def _collectives(program: str) -> dict:
@@ -191,40 +210,6 @@ def _collectives(program: str) -> dict:
     return {"collectives_in_program": total,
             "collectives_run_bucketed": total - sum(len(b.members) for b in buckets)
             + len(buckets)}
-
-
-def _hand_compiled(spec, mesh, limits, optimizer, name: str):
-    """The training step under hand plan `name` ("data"; "pure-data": its rules on every
-    node), solved by the same ILP under `limits`."""
-    from graphpar.compiler.api import lower
-    from graphpar.compiler.driver import compile_model
-    from graphpar.cost.compute import Roofline
-    from graphpar.ir.graph import Role, Value
-    from graphpar.ir.ops import OpKind, get_op
-    from graphpar.passes import parse_pipeline
-    from graphpar.passes.autoshard.apply import shard_graph
-    from graphpar.passes.autoshard.auto_shard import ShardingPlans
-    from graphpar.passes.autoshard.hand_plans import _axis_roles, _Filter, hand_plan
-    from graphpar.passes.autoshard.ilp import Problem, Reduced
-
-    result = compile_model(spec, "train", parse_pipeline("cleanup"), optimizer=optimizer)
-    graph = result.captured.graph
-    reduced = Reduced(Problem(graph, mesh, Roofline.of(mesh.cluster, "fp32")))
-    if name == "pure-data":
-        class EveryNode(_Filter):  # the data plan's rule on the inputs and on every op
-            def __call__(self, item, choice):
-                if isinstance(item, Value):
-                    return None if item.role is Role.INPUT else self._input(item, choice)
-                return None if get_op(item.op).kind is OpKind.CREATION else self._heavy(
-                    item, choice)
-
-        plan = reduced.solve(limits.memory_bytes, limits.time_seconds,
-                             allow=EveryNode(reduced, _axis_roles("data", mesh)), name=name)
-    else:
-        plan = hand_plan(reduced, name, limits.memory_bytes, time_limit=limits.time_seconds)
-    shard_graph(graph, mesh, plan)
-    result.context.result(ShardingPlans)[graph.name] = plan
-    return lower(result.captured, result.context, spec=spec, optimizer=optimizer)
 
 
 def run_ranks(kind: str, folder: Path, model: str, ranks: int, steps: int,
@@ -267,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cluster", default="cpu")
+    parser.add_argument("--cluster", default="cpu-gloo",
+                        help="the cost model's cluster every graphpar plan is solved on: a "
+                             "preset or a cluster file (tools/bench/gloo_cluster.json holds "
+                             "cpu-gloo's measured numbers)")
     parser.add_argument("--only", help=f"comma-separated, of {', '.join(CONTENDERS + EXTRA)}")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--rank", help=argparse.SUPPRESS)  # KIND,RANK,WORLD,PORT,FOLDER
@@ -277,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         _rank(kind, int(rank), int(world), int(port), folder, args.model, args.steps,
               args.warmup)
         return 0
+    from graphpar.cost.cluster import get_cluster
+    from graphpar.errors import GraphparError
+
+    try:
+        get_cluster(args.cluster)
+    except GraphparError as exc:  # cpu-gloo is a preset only where the cost model has it
+        parser.error(f"--cluster {args.cluster}: {exc} (tools/bench/gloo_cluster.json holds "
+                     "cpu-gloo's measured numbers)")
     contenders = (args.only or ",".join(CONTENDERS)).split(",")
     unknown = [c for c in contenders if c not in CONTENDERS + EXTRA]
     if unknown:
@@ -290,12 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in contenders:
             folders[name] = Path(tmp, name)
             folders[name].mkdir()
-            if name.startswith("graphpar"):
-                plan = ("auto" if name == "graphpar" else
-                        "pure-data" if name.startswith("graphpar-pure-data") else "data")
+            if name in GRAPHPAR:
                 try:
                     rows[name].update(graphpar_start(args.model, args.ranks, args.cluster,
-                                                     plan, folders[name]))
+                                                     name, folders[name]))
                 except Exception as exc:
                     traceback.print_exc()
                     rows[name]["error"] = f"{type(exc).__name__}: {exc}"

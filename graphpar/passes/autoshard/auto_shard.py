@@ -15,6 +15,7 @@ from graphpar.ir.mesh import Mesh
 from graphpar.ir.ops import OpKind, get_op
 from graphpar.passes.autoshard import ilp
 from graphpar.passes.autoshard.apply import shard_graph
+from graphpar.passes.autoshard.hand_plans import HAND_PLANS, hand_plan
 from graphpar.passes.autoshard.ilp import Deadline, Plan, Reduced
 from graphpar.passes.autoshard.strategies import node_strategies
 from graphpar.passes.manager import GraphPass, PassContext, register_pass
@@ -62,6 +63,9 @@ class AutoShard(GraphPass):
     # the runtime will all-reduce gradients in buckets of about this many bytes (a
     # `graphpar train` rank): price them so (`ilp.Problem`); None: one by one
     bucket_bytes: int | None = None
+    # "auto": the ILP's cheapest plan; or a hand plan's name (hand_plans.HAND_PLANS): the
+    # cheapest plan its rules allow, solved by the same ILP
+    plan: str = "auto"
 
     def __post_init__(self) -> None:
         """Bad options fail when the pass is made (a pipeline string is parsed), not after the
@@ -69,15 +73,18 @@ class AutoShard(GraphPass):
         self.mesh = mesh_for(self.mesh, self.cluster)
         self.cluster = self.mesh.cluster
         self.cluster.peak_flops(self.dtype)
+        if self.plan != "auto" and self.plan not in HAND_PLANS:
+            raise ShardingError(f"unknown plan {self.plan!r}; choose auto or a "
+                                f"hand plan: {', '.join(HAND_PLANS)}")
         limits = PlanLimits.parse(self.memory_limit, self.time_limit, self.cluster)
         self.memory_limit, self.time_limit = limits.memory_bytes, limits.time_seconds
 
     @classmethod
     def of(cls, mesh: Mesh, limits: PlanLimits, dtype: str = "fp32",
-           bucket_bytes: int | None = None) -> AutoShard:
-        """The pass for `mesh` (on its cluster) under `limits`."""
+           bucket_bytes: int | None = None, plan: str = "auto") -> AutoShard:
+        """The pass for `mesh` (on its cluster) under `limits`, solving for `plan`."""
         return cls(mesh=mesh, memory_limit=limits.memory_bytes, time_limit=limits.time_seconds,
-                   dtype=dtype, bucket_bytes=bucket_bytes)
+                   dtype=dtype, bucket_bytes=bucket_bytes, plan=plan)
 
     @property
     def limits(self) -> PlanLimits:
@@ -90,8 +97,14 @@ class AutoShard(GraphPass):
         if graph.mesh is not None:
             raise ShardingError(f"graph @{graph.name} is already sharded on mesh {graph.mesh}")
         _check_mesh_divides(graph, self.mesh)
-        return ilp.solve(graph, self.mesh, Roofline.of(self.cluster, self.dtype), self.limits,
-                         deadline=deadline, bucket_bytes=self.bucket_bytes)
+        roofline = Roofline.of(self.cluster, self.dtype)
+        if self.plan == "auto":
+            return ilp.solve(graph, self.mesh, roofline, self.limits, deadline=deadline,
+                             bucket_bytes=self.bucket_bytes)
+        reduced = ilp.build_reduced(graph, self.mesh, roofline, deadline,
+                                    bucket_bytes=self.bucket_bytes)
+        return reduced, hand_plan(reduced, self.plan, self.memory_limit,
+                                  time_limit=max(deadline.left(), 1e-3))
 
     def run_on_graph(self, graph: Graph, ctx: PassContext) -> bool:
         reduced, plan = self.solve(graph)

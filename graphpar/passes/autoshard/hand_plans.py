@@ -1,5 +1,5 @@
-"""Hand-written parallel plans, costed like the ILP's: data parallel, ZeRO, Megatron-LM tensor
-parallel, and data x tensor parallel.
+"""Hand-written parallel plans, costed like the ILP's: data parallel (and DDP's pure form of
+it), ZeRO, Megatron-LM tensor parallel, and data x tensor parallel.
 
 Each plan is a rule per mesh axis, applied as a filter on the choices of the same reduced ILP
 the auto-sharder solves (`Reduced.solve(allow=...)`):
@@ -12,6 +12,12 @@ the auto-sharder solves (`Reduced.solve(allow=...)`):
   replicated; optimizer state like its parameter) and shards a non-batch factor of every heavy
   op (attention: its heads), reading each weight it shards where it lies (a weight is never
   gathered or moved to run a linear another way).
+
+`ddp` is data parallelism as PyTorch's DistributedDataParallel runs it: the data rule on every
+node, the cheap ones too, and every input sliced by the batch (dim 0), so each rank runs the
+whole step on its rows and the only collectives are the gradients' (and the loss's)
+all-reduces. The other plans leave the cheap nodes to the solver, which may gather
+activations to run norms and additions replicated where collectives are priced cheap.
 
 Everything else — elementwise ops, reshapes, norms, where to all-reduce or reduce-scatter — is
 left to the solver, so a hand plan is the best plan of its family under the cost model, and it
@@ -30,7 +36,7 @@ from graphpar.passes.autoshard.factors import factor_spec
 from graphpar.passes.autoshard.ilp import DEFAULT_SOLVER, Plan, Reduced
 from graphpar.passes.autoshard.strategies import Strategy, is_follower
 
-HAND_PLANS = ("data", "zero", "zero-3", "megatron", "data+megatron")
+HAND_PLANS = ("data", "ddp", "zero", "zero-3", "megatron", "data+megatron")
 
 # Megatron-LM's layouts by module name: column-parallel linears split their output features
 # (weight dim 0 of nn.Linear's [out, in], dim 1 of GPT-2's Conv1D [in, out]; bias too),
@@ -57,6 +63,7 @@ class _Rules:
     tensor_axes: tuple[int, ...]
     shard_state: bool = False  # ZeRO: optimizer state sharded over the data axes
     shard_params: bool = False  # ZeRO-3: parameters too
+    every_node: bool = False  # DDP: the rules on the cheap nodes and the inputs too
 
 
 def param_name(name: str) -> str:
@@ -130,6 +137,8 @@ def _axis_roles(name: str, mesh) -> _Rules:
         raise NotApplicable(f"mesh {mesh} has one device")
     if name == "data":
         return _Rules(axes, ())
+    if name == "ddp":
+        return _Rules(axes, (), every_node=True)
     if name == "zero":
         return _Rules(axes, (), shard_state=True)
     if name == "zero-3":
@@ -159,11 +168,26 @@ class _Filter:
         self.in_out = weights_stored_in_out(self.problem.graph)
 
     def __call__(self, item, choice) -> bool | None:
+        every = self.rules.every_node
         if isinstance(item, Value):
-            return self._input(item, choice) if item.role in PERSISTENT_ROLES else None
-        if is_follower(item) or get_op(item.op).kind is OpKind.CREATION:
+            if item.role in PERSISTENT_ROLES:
+                return self._input(item, choice)
+            return self._batch_input(item, choice) if every and item.role is Role.INPUT \
+                else None
+        if (is_follower(item) and not every) or get_op(item.op).kind is OpKind.CREATION:
             return None
         return self._heavy(item, choice)
+
+    def _batch_input(self, value: Value, layout: Layout) -> bool:
+        """DDP's inputs: sliced by the batch (dim 0) over the data axes where some layout of
+        `value` is, else replicated."""
+        key = ("batch-input", value.type.shape, value.name)
+        if key not in self._required:
+            choices = self.problem.choices[self.problem.index[value]]
+            self._required[key] = {a: any(lay[a] == Shard(0) for lay in choices)
+                                   for a in self.rules.data_axes}
+        return all(layout[a] == (Shard(0) if sliced else Replicate())
+                   for a, sliced in self._required[key].items())
 
     def _input(self, value: Value, layout: Layout) -> bool:
         rules = self.rules

@@ -8,7 +8,6 @@ import pytest
 
 from graphpar.capture import Adam, capture_training
 from graphpar.cost.cluster import get_cluster, mesh_for
-from graphpar.cost.communication import deferred_nodes
 from graphpar.cost.compute import Roofline
 from graphpar.errors import MemoryLimitError
 from graphpar.ir.graph import OutputRole, Role
@@ -308,14 +307,20 @@ def test_gradients_all_reduced_in_buckets_are_priced_so():
     roof = Roofline.of(mesh.cluster, "fp32")
     alone, bucketed = (Problem(graph, mesh, roof, bucket_bytes=b) for b in (None, 1 << 20))
     assert not alone.bucketed_edges
-    waiting = deferred_nodes(graph)
+    update_only = graph.nodes_only_reaching(OutputRole.UPDATE)
+    loss_only = graph.nodes_only_reaching(OutputRole.LOSS)
     params = graph.inputs_with_role(Role.PARAM)
-    loss = next(o.value for o in graph.outputs if o.role is OutputRole.LOSS)
-    assert bucketed.bucketed_edges == {
-        e for e, (v, _, dst, _) in enumerate(bucketed.edges)
-        if (dst >= 0 and bucketed.items[dst] in waiting) or (dst < 0 and v is loss)}
-    # every parameter's update is among the nodes whose all-reduces wait for the buckets
-    updates = {n for n in waiting if any(v in params for v in n.input_values)}
+    # a value's all-reduce waits when all its readers wait: only update work, or only the
+    # loss's last reduction
+    for e in bucketed.bucketed_edges:
+        users = set(bucketed.edges[e][0].users)
+        assert users <= update_only or users <= loss_only, bucketed.edges[e]
+    # cross-entropy's count of tokens: read by the loss and by the backward, so not deferred
+    count = next(n for n in graph.nodes if n.op == "nll_loss").outputs[1]
+    assert {u.op for u in count.users} >= {"div", "nll_loss_backward"}
+    assert not any(bucketed.edges[e][0] is count for e in bucketed.bucketed_edges)
+    # every parameter has its update among the update-only nodes
+    updates = {n for n in update_only if any(v in params for v in n.input_values)}
     assert len(updates) >= len(params)
 
     data = [hand_plan(Reduced(p), "data") for p in (alone, bucketed)]

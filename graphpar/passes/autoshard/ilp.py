@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphpar.cost.communication import (
+    DEFERRED_ROLES,
     bucketed_resharding_seconds,
-    deferred_nodes,
     resharding_cost_matrix,
 )
 from graphpar.cost.compute import Roofline
@@ -223,15 +223,23 @@ class Problem:
         return found
 
     def _bucketed_edges(self) -> frozenset[int]:
-        """The edges whose all-reduces a bucketing runtime defers and buckets: those into a
-        node that only feeds parameter and state updates or only the loss, and the loss
-        itself (`deferred_nodes`)."""
+        """The edges whose all-reduces a bucketing runtime defers and buckets: those of a
+        value every reader of which only feeds parameter and state updates, or every reader
+        of which only feeds the loss, and the loss itself (`deferred_nodes`; the all-reduce is
+        deferred when all of its readers are)."""
         if self.bucket_bytes is None or not self.training:
             return frozenset()
-        waiting = {self.index[n] for n in deferred_nodes(self.graph)}
-        loss = {o.value for o in self.graph.outputs if o.role is OutputRole.LOSS}
+        graph = self.graph
+        sets = {role: graph.nodes_only_reaching(role) for role in DEFERRED_ROLES}
+        loss = {o.value for o in graph.outputs if o.role is OutputRole.LOSS}
+
+        def waits(v: Value, roles=DEFERRED_ROLES) -> bool:
+            return any(all(u in sets[r] for u in v.users) for r in roles)
+
         return frozenset(e for e, (v, _, dst, _) in enumerate(self.edges)
-                         if dst in waiting or (dst < 0 and v in loss))
+                         if (dst >= 0 and isinstance(self.items[dst], Node) and v.users
+                             and waits(v))
+                         or (dst < 0 and v in loss and waits(v, (OutputRole.LOSS,))))
 
     def produced_ids(self, value: Value) -> np.ndarray:
         """Layout ids `value` has under each choice of its producer."""

@@ -97,21 +97,7 @@ def test_updates_wait_until_the_backward_is_done_so_one_bucket_overlaps_it():
 
 
 # the loss's all-reduce read by nothing but the user: it waits for the gradients' bucket
-LOSS_APART = """
-mesh @mesh = <[2]>
-graph @g(%x: f32[4,4] input, %a: f32[4,4] param, %b: f32[4,4] param) on @mesh {
-  %0 = matmul(%x, %a)                           : f32[4,4]
-  %1 = sum(%0)                                  : f32[]
-  %2 = all_reduce(%1) {axes=[0], n=2, op="sum"} : f32[]
-  %3 = mul(%x, %0)                              : f32[4,4]
-  %4 = all_reduce(%3) {axes=[0], n=2, op="sum"} : f32[4,4]
-  %5 = sub(%b, %4)                              : f32[4,4]
-  %6 = mul(%3, %0)                              : f32[4,4]
-  %7 = all_reduce(%6) {axes=[0], n=2, op="sum"} : f32[4,4]
-  %8 = sub(%a, %7)                              : f32[4,4]
-  return %2 loss, %5 update(%b), %8 update(%a)
-}
-"""
+LOSS_APART = LAYERWISE.replace('op="avg"', 'op="sum"').replace("mul(%x, %2)", "mul(%x, %0)")
 
 
 def test_the_losss_all_reduce_joins_the_gradients_bucket_when_the_backward_does_not_read_it():

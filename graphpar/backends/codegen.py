@@ -12,7 +12,7 @@ small training step's time, whose 580 nodes each take a few microseconds (measur
 all-reduces are launched and waited for where planned (`graphpar.runtime.overlap`), exactly
 as `Interpreter.run` interprets them. A failing line is mapped back to its node.
 
-`Interpreter.code` shows the text; a traceback through it shows its lines.
+`Interpreter.code` shows the text; the traceback of a failure in it shows its lines.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class Generated:
         self.line_nodes, self.filename = line_nodes, filename
 
     def failing_node(self, exc: BaseException) -> Node | None:
-        """The node whose line raised `exc` (the innermost frame in the generated code)."""
+        """The node whose line raised `exc` (the innermost frame in the generated code). The
+        source goes into `linecache` then, so that the traceback shows its lines (not before:
+        a long-running server makes many programs, and linecache keeps what it is given)."""
+        linecache.cache[self.filename] = (len(self.source), None,
+                                          self.source.splitlines(True), self.filename)
         tb, node = exc.__traceback__, None
         while tb is not None:
             if tb.tb_frame.f_code.co_filename == self.filename:
@@ -123,6 +127,5 @@ def generate(interp: Interpreter) -> Generated:
     emit(f"return [{', '.join(f'v{i}' for i in interp.outputs)}]")
     source = "\n".join(lines) + "\n"
     filename = f"<graphpar @{graph.name} {next(_COUNT)}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), names)  # noqa: S102 - our own generated code
     return Generated(interp.plan, source, names["step"], line_nodes, filename)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable
 
 _task: Callable[[int], object] | None = None  # what the forked workers run (set before forking)
@@ -19,6 +20,14 @@ _task: Callable[[int], object] | None = None  # what the forked workers run (set
 
 def _run(i: int) -> object:
     return _task(i)
+
+
+def _worker_signals() -> None:
+    """A forked worker ends quietly when the pool terminates it (SIGTERM), instead of running
+    the handler it inherited (the CLI's, which raises to clean up and would print a
+    traceback); Ctrl-C is the parent's to handle."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def available_workers() -> int:
@@ -40,7 +49,7 @@ def map_in_order(task: Callable[[int], object], count: int, workers: int) -> lis
     global _task
     _task = task
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with multiprocessing.get_context("fork").Pool(workers, _worker_signals) as pool:
             return pool.map(_run, range(count), chunksize=1)
     finally:
         _task = None

@@ -338,3 +338,23 @@ def test_solves_run_in_forked_workers_and_come_back_in_order():
     assert map_in_order(lambda i: os.getpid(), 3, 1) == [parent] * 3
     with pytest.raises(PassError, match="workers=-1"):
         SliceStages(workers=-1)
+
+
+def test_the_solve_pool_ends_its_workers_quietly_under_the_clis_sigterm_handler():
+    """The CLI raises on SIGTERM to clean up (`cli.main._on_sigterm`); forked solve workers
+    inherit that handler, and the pool ends them with SIGTERM, which printed a traceback per
+    worker. A worker takes SIGTERM's default (it just ends) and leaves Ctrl-C to the parent."""
+    import signal
+
+    from graphpar.cli.main import _on_sigterm
+
+    def handlers(i: int) -> tuple:
+        return (i, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+                signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        assert map_in_order(handlers, 4, 2) == [(i, True, True) for i in range(4)]
+        assert signal.getsignal(signal.SIGTERM) is _on_sigterm  # the parent's is kept
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -145,7 +145,12 @@ def _check_compile_options(args: argparse.Namespace) -> None:
     check_plan_options(args)
     if args.run_cpu is not None and args.run_cpu < 1:
         raise UsageError(f"--run-cpu {args.run_cpu}: give the number of CPU ranks (>= 1)")
-    if args.run_cpu_steps < 1:
+    if args.run_cpu_steps is None:
+        args.run_cpu_steps = 3
+    elif args.run_cpu is None:
+        raise UsageError(f"--run-cpu-steps {args.run_cpu_steps} sets how many steps --run-cpu "
+                         "compares: give --run-cpu N too")
+    elif args.run_cpu_steps < 1:
         raise UsageError(f"--run-cpu-steps {args.run_cpu_steps}: give the number of steps to "
                          "compare (>= 1)")
     if not args.mesh:

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="certify the plan: run it on N CPU ranks (gloo) against eager PyTorch "
                         "(float64), each element against its float32 rounding; exit 1 when it "
                         "differs")
-    c.add_argument("--run-cpu-steps", type=int, metavar="K", default=3,
+    c.add_argument("--run-cpu-steps", type=int, metavar="K",
                    help="with --run-cpu in train mode: compare K steps, state carried "
                         "(default 3)")
     c.add_argument("--lower", "--backend", dest="lower", choices=["cuda"],

@@ -49,7 +49,8 @@ def check_pipeline_options(args: argparse.Namespace) -> None:
         args.schedule = DEFAULT_SCHEDULE
     if getattr(args, "trace", None):
         check_output_file(Path(args.trace), "--trace")
-    if getattr(args, "run_cpu_steps", 1) < 1:
+    steps = getattr(args, "run_cpu_steps", None)
+    if steps is not None and steps < 1:
         raise UsageError(f"--run-cpu-steps {args.run_cpu_steps}: give the number of steps to "
                          "compare (>= 1)")
     if args.token_slices is not None:

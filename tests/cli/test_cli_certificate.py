@@ -100,3 +100,13 @@ def test_run_cpu_steps_must_be_positive(capsys):
         code, out, err = run_cli(capsys, "compile", "--example", "mlp:tiny", "--mode", "train",
                                  "--mesh", "2", "--run-cpu", "2", "--run-cpu-steps", steps)
         assert code == 2 and "--run-cpu-steps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_cpu_steps_needs_run_cpu(capsys):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cli_run import run_cli
+
+    code, out, err = run_cli(capsys, "compile", "--example", "mlp:tiny", "--mode", "train",
+                             "--mesh", "2", "--run-cpu-steps", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--run-cpu-steps 2 sets how many steps --run-cpu compares: give --run-cpu N" in err

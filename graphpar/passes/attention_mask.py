@@ -78,11 +78,12 @@ def mask_reach(graph: Graph, node: Node, bounds: _Bounds | None = None) -> MaskR
         may &= ~torch.ones(sq, sk, dtype=torch.bool).triu(1)  # SDPA's is_causal: top-left
     must = may.clone()  # where every sequence and head surely reads the key
     if isinstance(mask, Value):
+        bounds = bounds or _Bounds(graph)
         try:
-            lower, upper = (bounds or _Bounds(graph)).of(mask)
+            lower, upper = bounds.of(mask)
         except _Unreadable as exc:
             return MaskReach(False, why=f"its mask cannot be read: {exc}")
-        return _reach(may, must, lower, upper)
+        return bounds.explain(_reach(may, must, lower, upper), mask)
     if not node.attrs.get("causal"):
         return MaskReach(False, why="it has neither is_causal=True nor a mask")
     return _reach(may, must)
@@ -115,7 +116,7 @@ def scores_reach(graph: Graph, logits: Value, scores: Value, bounds: _Bounds | N
     finally:
         bounds.unseed(scores)
     everything = torch.ones(sq, sk, dtype=torch.bool)
-    return _reach(everything, everything.clone(), lower, upper)
+    return bounds.explain(_reach(everything, everything.clone(), lower, upper), logits)
 
 
 # The q @ k^T product is taken to lie within this fraction of its dtype's largest value: a
@@ -183,6 +184,34 @@ class _Bounds:
             and type(t) is torch.Tensor and t.device.type == "cpu"  # not fake, not meta
             and tuple(t.shape) == tuple(v.type.shape) and t.dtype == v.type.dtype}
         self.seeds: dict[Value, tuple[torch.Tensor, torch.Tensor]] = {}
+        # constant inputs read as "anything" for want of a value (a model built on the meta
+        # device to plan without weights): named when a mask that reads one is not causal
+        self.valueless = {v for v in graph.inputs
+                          if v.role in (Role.CONST, Role.BUFFER) and v.name not in updated
+                          and v not in self.constants}
+
+    def explain(self, reach: MaskReach, value: Value) -> MaskReach:
+        """`reach`, its `why` naming the valueless constants the value's cone reads, if any."""
+        if reach.causal:
+            return reach
+        seen, stack, missing = {value}, [value], []
+        while stack:
+            v = stack.pop()
+            if v in self.valueless:
+                missing.append(v)
+            if v.producer is not None:
+                for x in v.producer.input_values:
+                    if x not in seen:
+                        seen.add(x)
+                        stack.append(x)
+        if not missing:
+            return reach
+        names = " and ".join(f"%{v.name}" for v in sorted(missing, key=lambda v: v.name)[:2])
+        return MaskReach(False, why=(
+            f"{reach.why}, as far as its mask can be read: it reads {names}, which "
+            f"{'have' if len(missing) > 1 else 'has'} no values in a planning-only compile "
+            "(the model is built on the meta device); "
+            "compile with --run-cpu N, which builds the model with its weights and buffers"))
 
     def seed(self, value: Value, lower: torch.Tensor, upper: torch.Tensor) -> None:
         """Take `value` to lie between `lower` and `upper` (what depends on it is re-read)."""

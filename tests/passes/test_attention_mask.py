@@ -104,3 +104,31 @@ def test_masks_that_hide_every_later_key_are_causal(mask_of, window, plain):
 def test_masks_that_may_show_a_later_key_are_not(mask_of, why):
     got = reach(mask_of)
     assert not got.causal and not got.plain and got.why == why
+
+
+class BufferMasked(Attend):  # GPT-Neo: the causal mask is a buffer made in __init__
+    def __init__(self):
+        super().__init__(None)
+        self.register_buffer("bias", torch.ones(SEQ, SEQ, dtype=torch.bool).tril())
+
+    def forward(self, ids):
+        x = self.embed(ids)[:, None]
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=self.bias)
+
+
+def test_a_mask_buffer_is_read_when_it_has_values_and_named_when_it_has_none():
+    from graphpar.passes.attention_mask import mask_reaches
+
+    ids = torch.randint(1, 8, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    module = BufferMasked()
+    graph = capture_inference(module, (ids,), name="buffer_masked").graph
+    (node,) = graph.find("attention")
+    (mask,) = [v for v in graph.inputs if v.name.endswith("bias")]
+    assert mask_reaches(graph, [node], {mask.name: module.bias})[node].causal
+    # built on meta to plan, the buffer has no values: the reason is said, and what to do
+    got = mask_reaches(graph, [node], {mask.name: module.bias.to("meta")})[node]
+    assert not got.causal
+    assert got.why == (f"query 0 may attend to the later key 1, as far as its mask can be "
+                       f"read: it reads %{mask.name}, which has no values in a planning-only "
+                       "compile (the model is built on the meta device); compile with "
+                       "--run-cpu N, which builds the model with its weights and buffers")

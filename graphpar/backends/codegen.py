@@ -18,6 +18,7 @@ as `Interpreter.run` interprets them. A failing line is mapped back to its node.
 from __future__ import annotations
 
 import itertools
+import keyword
 import linecache
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -106,9 +107,13 @@ def generate(interp: Interpreter) -> Generated:
                 call = f"_comm({index}, n{index}, [{', '.join(args)}])"
             else:
                 names[f"f{index}"] = fn
-                for key, value in attrs.items():
-                    names[f"a{index}_{key}"] = value
-                    args.append(f"{key}=a{index}_{key}")
+                if all(k.isidentifier() and not keyword.iskeyword(k) for k in attrs):
+                    for key, value in attrs.items():
+                        names[f"a{index}_{key}"] = value
+                        args.append(f"{key}=a{index}_{key}")
+                elif attrs:  # a name Python cannot spell as a keyword argument
+                    names[f"a{index}"] = attrs
+                    args.append(f"**a{index}")
                 call = f"f{index}({', '.join(args)})"
             # as `_store`: an op may return a 1-tuple for its one result
             note = f"  # {node.op}" + (f" ({node.module})".replace("\n", " ")

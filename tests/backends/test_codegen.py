@@ -54,3 +54,17 @@ def test_a_failing_line_names_its_node():
     with pytest.raises(GraphparError, match=r"graph @g, node 3 \(reshape\) failed to execute: "
                                             r"shape '\[3, 3\]' is invalid"):
         Interpreter(graph).run({"x": torch.randn(4, 4), "a": torch.randn(4, 4)})
+
+
+def test_an_attribute_python_cannot_spell_as_a_keyword_goes_in_a_dict():
+    interpreter = Interpreter(parse("""
+graph @g(%x: f32[4] input) {
+  %0 = mul(%x, 2.0) : f32[4]
+  return %0 output
+}
+"""))
+    index, node, _, operands, _, outs, frees = interpreter.plan[0]
+    interpreter.plan = [(index, node, lambda a, b, **kw: a * b + kw["from"], operands,
+                         {"from": 1.0}, outs, frees)]  # as a kernel table could give
+    assert "_r = f0(v0, c0_1, **a0)  # mul" in interpreter.code
+    assert torch.equal(interpreter.run({"x": torch.ones(4)})[0], torch.full((4,), 3.0))

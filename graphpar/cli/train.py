@@ -147,6 +147,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"step time  {summary['step_seconds_measured'] * 1e3:.2f} ms measured "
                   f"(median, rank 0, {on}), {summary['step_seconds_estimated'] * 1e3:.3f} ms "
                   f"estimated (cost model, cluster {summary['estimated_on']})")
+        if summary.get("shape"):
+            shape = summary["shape"]
+            print(f"plan       {summary['plan']} on {summary['estimated_on']}: "
+                  f"{shape['sharded']} of {shape['tensors']} parameter and buffer tensors split "
+                  f"across devices, {shape['collectives']} collectives a step in the program "
+                  "(all-reduces bucketed when run)")
         if summary.get("pipeline"):
             p = summary["pipeline"]
             slices = f", token slices {p['token_slices']}" if p.get("token_slices") else ""

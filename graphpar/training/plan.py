@@ -74,6 +74,21 @@ class TrainPlan:
     def world(self) -> int:
         return self.world_size or self.mesh.size
 
+    def shape_summary(self) -> dict[str, int]:
+        """What the plan does, counted from it: parameters (the module's parameters and
+        buffers the step reads) and how many are split across devices, and the device
+        program's collectives a step (an SPMD step; empty for a pipelined one)."""
+        if self.pipeline is not None:
+            return {}
+        from graphpar.ir.parser import parse
+        from graphpar.ir.spmd_ops import GROUP_OPS
+
+        held = set(self.model_keys.values())
+        sharded = sum(not self.state[name].placements().is_replicated for name in held)
+        graph = parse(self.program)
+        return {"tensors": len(held), "sharded": sharded,
+                "collectives": sum(1 for n in graph.nodes if n.op in GROUP_OPS)}
+
     @property
     def tokens_per_step(self) -> int:
         """Elements of the first input per step: tokens for a language model."""

@@ -77,6 +77,7 @@ class Reporter:
             "pipeline": self.plan.pipeline,
             "device": self.options.device,
             "plan": self.plan.plan_name,
+            "shape": self.plan.shape_summary(),
         }
         if self.options.log is not None:
             curve = self.options.log.with_suffix(".html")

@@ -51,11 +51,14 @@ def test_device_cpu_trains_as_auto_does_without_a_gpu(tmp_path, capsys):
     assert logged_losses(log) == pytest.approx(eager_run(2, "sgd", 0.5)[1], rel=1e-4)
     out = capsys.readouterr().out
     assert "(median, rank 0, cpu, gloo)" in out
-    # planned for where it runs: the measured CPU cluster, not the GPU presets' numbers
+    # planned for where it runs: the measured CPU cluster, not the GPU presets' numbers; on
+    # it this small model is replicated whole (no collective)
     assert "estimated (cost model, cluster cpu-gloo)" in out
+    assert ("plan       auto on cpu-gloo: 0 of 16 parameter and buffer tensors split across "
+            "devices, 0 collectives a step") in out
 
 
-def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path):
+def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path, capsys):
     """gpt:tiny with Adam planned on the `cpu` preset (whose 20 us collectives make the plan
     shard parameters and optimizer state): the 2x2 run's checkpoint holds DTensor shards;
     resumed on a mesh of 2, another sharded plan, it logs the uninterrupted run's losses."""
@@ -69,6 +72,8 @@ def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path):
     assert main(["train", *map(str, common), "--mesh", "2x2", "--checkpoint-dir", str(first),
                  "--checkpoint-every", "2", "--log", str(tmp_path / "run.jsonl"),
                  "--no-progress"]) == 0
+    said = capsys.readouterr().out.split("plan       auto on cpu: ")[1].split()
+    assert int(said[0]) > 0 and said[1:3] == ["of", "29"]  # the plan shards parameters
     metadata = FileSystemReader(str(first / "step-2")).read_metadata().state_dict_metadata
     shards = {key: len(item.chunks) for key, item in metadata.items() if hasattr(item, "chunks")}
     assert any(n > 1 for key, n in shards.items() if key.startswith("model.")), shards

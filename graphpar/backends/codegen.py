@@ -28,7 +28,7 @@ from graphpar.ir.graph import Node, Value
 if TYPE_CHECKING:
     from graphpar.backends.interpreter import Interpreter
 
-__all__ = ["Generated", "generate"]
+__all__ = ["Generated", "generate", "spread"]
 
 _COUNT = itertools.count()
 
@@ -55,12 +55,20 @@ class Generated:
         return node
 
 
+def spread(result: Any, n: int) -> tuple:
+    """An op's result as its `n` outputs: a tuple or list gives its items (an op may return a
+    1-tuple for its one output), anything else is the first output; outputs it does not give
+    are None."""
+    given = tuple(result[:n]) if isinstance(result, (tuple, list)) else (result,)[:n]
+    return given + (None,) * (n - len(given))
+
+
 def generate(interp: Interpreter) -> Generated:
     """`interp`'s plan (its buckets included) as a function of the slot list `bind` fills,
     returning the graph's outputs."""
-    graph = interp.graph
-    slot = {v: i for i, v in enumerate(graph.values())}
-    names: dict[str, Any] = {"_comm": interp.communicate, "_seq": (tuple, list)}
+    graph, slot = interp.graph, interp.slot
+    names: dict[str, Any] = {"_comm": interp.communicate, "_seq": (tuple, list),
+                             "_spread": spread}
     lines = ["def step(env):"]
     line_nodes: dict[int, Node] = {}
 
@@ -115,14 +123,15 @@ def generate(interp: Interpreter) -> Generated:
                     names[f"a{index}"] = attrs
                     args.append(f"**a{index}")
                 call = f"f{index}({', '.join(args)})"
-            # as `_store`: an op may return a 1-tuple for its one result
+            # as `spread`, the one output inline (the usual case, on the hot path)
             note = f"  # {node.op}" + (f" ({node.module})".replace("\n", " ")
                                        if node.module else "")
             if len(outs) == 1:
                 emit(f"_r = {call}{note}", node)
-                emit(f"v{outs[0]} = _r[0] if isinstance(_r, _seq) else _r")
+                emit(f"v{outs[0]} = (_r[0] if _r else None) if isinstance(_r, _seq) else _r")
             elif outs:
-                emit(f"{', '.join(f'v{o}' for o in outs)}, *_ = {call}{note}", node)
+                emit(f"{', '.join(f'v{o}' for o in outs)} = _spread({call}, {len(outs)}){note}",
+                     node)
             else:
                 emit(call, node)
         if frees:

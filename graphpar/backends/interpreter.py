@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphpar.backends.codegen import Generated, generate
+from graphpar.backends.codegen import Generated, generate, spread
 from graphpar.backends.paged import KERNEL_OPS
 from graphpar.errors import BackendError, GraphparError
 from graphpar.ir.graph import Graph, Node, Value
@@ -84,7 +84,7 @@ class Interpreter:
         self.comm = comm
         self.checked = None if checked is None else frozenset(checked)
         self.inference = inference
-        slot = {v: i for i, v in enumerate(graph.values())}
+        self.slot = slot = {v: i for i, v in enumerate(graph.values())}  # a value's place
         self.size = len(slot)
         self.inputs = [(v.name, slot[v], v.type) for v in graph.inputs]
         self.outputs = [slot[o.value] for o in graph.outputs]
@@ -159,9 +159,7 @@ class Interpreter:
         """The graph's outputs in order: the plan run as one generated function
         (`graphpar.backends.codegen`), each communicating node through :meth:`communicate`,
         the buckets launched and waited for where planned."""
-        generated = self._generated
-        if generated is None or generated.plan is not self.plan:  # a copy with another plan
-            generated = self._generated = generate(self)
+        generated = self._generate()
         env: list = [None] * self.size
         self.bind(inputs, env)
         with torch.inference_mode() if self.inference else torch.no_grad():
@@ -176,9 +174,13 @@ class Interpreter:
     @property
     def code(self) -> str:
         """The Python source :meth:`run` runs."""
+        return self._generate().source
+
+    def _generate(self) -> Generated:
+        """:meth:`run`'s function, made once (again for a copy given another plan)."""
         if self._generated is None or self._generated.plan is not self.plan:
             self._generated = generate(self)
-        return self._generated.source
+        return self._generated
 
     def communicate(self, index: int, node: Node, args: list) -> Any:
         """Run communicating node `node` (its graph position `index`) on operands `args`: the
@@ -244,12 +246,9 @@ class Interpreter:
 
 
 def _store(env: list, outs: tuple, result) -> None:
-    """A node's result into its output slots (an op may return a 1-tuple for one output)."""
-    if isinstance(result, (tuple, list)):
-        for o, r in zip(outs, result):
-            env[o] = r
-    elif outs:
-        env[outs[0]] = result
+    """A node's result into its output slots (`codegen.spread`)."""
+    for o, r in zip(outs, spread(result, len(outs))):
+        env[o] = r
 
 
 def _fetch(operands, env: list):

@@ -24,14 +24,14 @@ def test_the_generated_function_reads_as_the_graph():
     v0 = env[0]
     v1 = env[1]
     _r = f0(v0, v1)  # matmul
-    v2 = _r[0] if isinstance(_r, _seq) else _r
+    v2 = (_r[0] if _r else None) if isinstance(_r, _seq) else _r
     _r = f1(v2, c1_1)  # add
-    v3 = _r[0] if isinstance(_r, _seq) else _r
+    v3 = (_r[0] if _r else None) if isinstance(_r, _seq) else _r
     del v2
-    v4, v5, v6, *_ = f2(v3, shape=a2_shape, eps=a2_eps)  # layer_norm_with_stats
+    v4, v5, v6 = _spread(f2(v3, shape=a2_shape, eps=a2_eps), 3)  # layer_norm_with_stats
     del v3
     _r = f3(v4, shape=a3_shape)  # reshape
-    v7 = _r[0] if isinstance(_r, _seq) else _r
+    v7 = (_r[0] if _r else None) if isinstance(_r, _seq) else _r
     del v4
     return [v7, v6]
 '''

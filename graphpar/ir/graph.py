@@ -432,15 +432,15 @@ class Graph:
     def find(self, op: str) -> list[Node]:
         return [n for n in self.nodes if n.op == op]
 
-    def nodes_only_reaching(self, *roles: OutputRole) -> set[Node]:
-        """The nodes whose results only ever reach outputs of `roles`, through nodes like
+    def nodes_only_reaching(self, role: OutputRole) -> set[Node]:
+        """The nodes whose results only ever reach outputs of `role`, through nodes like
         them. With UPDATE: a training step's optimizer update and the gradient work that only
         feeds it, which may wait until the whole backward has run (as DDP runs
         `optimizer.step()` after `backward()`)."""
         returned = {o.value: o.role for o in self.outputs}
         found: set[Node] = set()
         for node in reversed(self.nodes):
-            if all(returned.get(v, roles[0]) in roles and all(u in found for u in v.users)
+            if all(returned.get(v, role) is role and all(u in found for u in v.users)
                    for v in node.outputs):
                 found.add(node)
         return found

@@ -206,8 +206,8 @@ class Problem:
 
     def edge_matrix(self, e: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> np.ndarray:
         """Resharding seconds of edge `e` from each source layout to each destination layout:
-        `cost_matrix`, or for an edge into the optimizer update of a program whose
-        all-reduces run in buckets, its bucketed price."""
+        `cost_matrix`, or for an edge whose all-reduce waits for the end of the backward in a
+        program that runs such all-reduces in buckets, its bucketed price."""
         value = self.edges[e][0]
         if e not in self.bucketed_edges:
             return self.cost_matrix(value, src_ids, dst_ids)

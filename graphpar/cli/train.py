@@ -151,8 +151,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             shape = summary["shape"]
             print(f"plan       {summary['plan']} on {summary['estimated_on']}: "
                   f"{shape['sharded']} of {shape['tensors']} parameter and buffer tensors split "
-                  f"across devices, {shape['collectives']} collectives a step in the program "
-                  "(all-reduces bucketed when run)")
+                  f"across devices, {shape['collectives']} collectives a step in the program, "
+                  f"{shape['collectives_run']} run with the all-reduces in buckets")
         if summary.get("pipeline"):
             p = summary["pipeline"]
             slices = f", token slices {p['token_slices']}" if p.get("token_slices") else ""

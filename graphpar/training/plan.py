@@ -75,19 +75,25 @@ class TrainPlan:
         return self.world_size or self.mesh.size
 
     def shape_summary(self) -> dict[str, int]:
-        """What the plan does, counted from it: parameters (the module's parameters and
-        buffers the step reads) and how many are split across devices, and the device
-        program's collectives a step (an SPMD step; empty for a pipelined one)."""
+        """What the plan does, counted from it (an SPMD step; empty for a pipelined one):
+        `tensors`, the module's parameters and buffers the step reads, and how many are
+        `sharded` across devices; `collectives`, the device program's group collectives, and
+        `collectives_run`, how many a step runs once its all-reduces go in buckets, as
+        `TrainRank` runs them (`graphpar.runtime.overlap`)."""
         if self.pipeline is not None:
             return {}
         from graphpar.ir.parser import parse
         from graphpar.ir.spmd_ops import GROUP_OPS
+        from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES, defer_reduced, plan_buckets
 
         held = set(self.model_keys.values())
         sharded = sum(not self.state[name].placements().is_replicated for name in held)
         graph = parse(self.program)
-        return {"tensors": len(held), "sharded": sharded,
-                "collectives": sum(1 for n in graph.nodes if n.op in GROUP_OPS)}
+        defer_reduced(graph)
+        buckets = plan_buckets(graph, DEFAULT_BUCKET_BYTES)
+        total = sum(1 for n in graph.nodes if n.op in GROUP_OPS)
+        return {"tensors": len(held), "sharded": sharded, "collectives": total,
+                "collectives_run": total - sum(len(b.members) for b in buckets) + len(buckets)}
 
     @property
     def tokens_per_step(self) -> int:

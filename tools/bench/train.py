@@ -193,23 +193,15 @@ def graphpar_start(model: str, ranks: int, cluster: str, name: str, folder: Path
     torch.save({"plan": start.plan, "states": start.states, "data": start.data},
                folder / "start.pt")
     return {"estimated_seconds": start.plan.estimated_seconds,
-            **_collectives(start.plan.program)}
+            **_collectives(start.plan)}
 
 
-def _collectives(program: str) -> dict:
+def _collectives(plan) -> dict:
     """The program's group collectives, and how many a step runs with its all-reduces in
-    buckets (`TrainRank` runs it so; counted)."""
-    from graphpar.ir.parser import parse
-    from graphpar.ir.spmd_ops import GROUP_OPS
-    from graphpar.runtime.overlap import DEFAULT_BUCKET_BYTES, defer_reduced, plan_buckets
-
-    graph = parse(program)
-    defer_reduced(graph)
-    buckets = plan_buckets(graph, DEFAULT_BUCKET_BYTES)
-    total = sum(1 for n in graph.nodes if n.op in GROUP_OPS)
-    return {"collectives_in_program": total,
-            "collectives_run_bucketed": total - sum(len(b.members) for b in buckets)
-            + len(buckets)}
+    buckets (counted: `TrainPlan.shape_summary`)."""
+    shape = plan.shape_summary()
+    return {"collectives_in_program": shape["collectives"],
+            "collectives_run_bucketed": shape["collectives_run"]}
 
 
 def run_ranks(kind: str, folder: Path, model: str, ranks: int, steps: int,

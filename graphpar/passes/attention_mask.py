@@ -177,18 +177,17 @@ class _Bounds:
         self.graph = graph
         self.known: dict[Value, tuple[torch.Tensor, torch.Tensor]] = {}
         updated = {o.target for o in graph.outputs if o.role is OutputRole.UPDATE}
+        fixed = [v for v in graph.inputs
+                 if v.role in (Role.CONST, Role.BUFFER) and v.name not in updated]
         self.constants = {
-            v: t for v in graph.inputs
-            if v.role in (Role.CONST, Role.BUFFER) and v.name not in updated
-            and isinstance(t := (constants or {}).get(v.name), torch.Tensor)
+            v: t for v in fixed
+            if isinstance(t := (constants or {}).get(v.name), torch.Tensor)
             and type(t) is torch.Tensor and t.device.type == "cpu"  # not fake, not meta
             and tuple(t.shape) == tuple(v.type.shape) and t.dtype == v.type.dtype}
         self.seeds: dict[Value, tuple[torch.Tensor, torch.Tensor]] = {}
         # constant inputs read as "anything" for want of a value (a model built on the meta
         # device to plan without weights): named when a mask that reads one is not causal
-        self.valueless = {v for v in graph.inputs
-                          if v.role in (Role.CONST, Role.BUFFER) and v.name not in updated
-                          and v not in self.constants}
+        self.valueless = {v for v in fixed if v not in self.constants}
 
     def explain(self, reach: MaskReach, value: Value) -> MaskReach:
         """`reach`, its `why` naming the valueless constants the value's cone reads, if any."""

@@ -134,3 +134,21 @@ def eager_penalized_greedy(module, prompt, max_tokens, params):
             row = module(torch.tensor([ids]))[0, -1].float()
             ids.append(int(reference_adjust(row, params, ids, len(prompt)).argmax()))
     return ids[len(prompt):]
+
+
+def run_interleaved(target, args: list[tuple], timeout: float) -> None:
+    """`target(*a)` for each `a` in `args`, each in its own thread, the interpreter switching
+    threads as often as Python allows (races between them show up), all joined."""
+    import sys
+    import threading
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target, args=a) for a in args]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=timeout)
+    finally:
+        sys.setswitchinterval(interval)

@@ -1,11 +1,10 @@
 """Engines of different models stepping at the same time in threads of one process (what
 `graphpar serve --model a=... --model b=...` does): each keeps its own tokens."""
 
-import sys
 import threading
 
 import pytest
-from serve_testutil import eager_greedy, prompts
+from serve_testutil import eager_greedy, prompts, run_interleaved
 
 from graphpar.serving.sampling import SamplingParams
 
@@ -36,16 +35,7 @@ def test_two_engines_stepping_concurrently_give_eager_tokens(rounds, models, eng
             errors.append(exc)
             barrier.abort()
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=serve, args=(name,)) for name in names]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=300)
-    finally:
-        sys.setswitchinterval(interval)
+    run_interleaved(serve, [(name,) for name in names], timeout=300)
     assert not errors, errors
     for name in names:
         assert len(got[name]) == rounds

@@ -101,8 +101,9 @@ def test_torch_paged_attention_from_two_threads_at_once():
     every result equals the reference. The kernels build a step's metadata once and reuse it
     for the step's other layers: metadata shared between threads handed one thread's layers
     the other's tables now and then."""
-    import sys
     import threading
+
+    from serve_testutil import run_interleaved
 
     k, v, tables, heads = _batch(2, torch.float32)
     cases = []
@@ -131,14 +132,5 @@ def test_torch_paged_attention_from_two_threads_at_once():
                                                           step_starts, 0.3)
                 wrong[i] += not torch.allclose(out, prefill, atol=1e-5, rtol=1e-5)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as Python allows
-    try:
-        threads = [threading.Thread(target=steps, args=(i,)) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        sys.setswitchinterval(interval)
+    run_interleaved(steps, [(0,), (1,)], timeout=120)
     assert wrong == [0, 0]
